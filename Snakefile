@@ -1,0 +1,18 @@
+# kvbench: KV-cache optimizations benchmarked on realistic workloads.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/models.smk"
+include: "workflow/rules/corpus.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

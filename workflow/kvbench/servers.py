@@ -1,0 +1,126 @@
+"""Servers we start (vLLM, Valkey): 127.0.0.1 only, own process group, always stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
+
+HOST = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """A server could not be started or did not become healthy."""
+
+
+def port_is_free(port: int, host: str = HOST) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    return check
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the whole group, then SIGKILL whatever is left (children included)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    # The leader is gone; children that ignored SIGTERM may still hold the group.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def managed_server(
+    name: str,
+    cmd: Sequence[str],
+    port: int,
+    healthy: Callable[[], bool],
+    log_path: str | os.PathLike,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 600.0,
+    poll_s: float = 1.0,
+) -> Iterator[subprocess.Popen]:
+    """Start `cmd` in its own process group, wait until `healthy()`, stop it on exit."""
+    if not port_is_free(port):
+        raise ServerError(f"{name}: port {port} on {HOST} is already in use")
+    log_file = Path(log_path)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as log:
+        proc = subprocess.Popen(
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+        try:
+            _wait_healthy(name, proc, healthy, log_file, timeout_s, poll_s)
+            yield proc
+        finally:
+            stop_process_group(proc)
+
+
+def _wait_healthy(
+    name: str, proc: subprocess.Popen, healthy: Callable[[], bool], log: Path,
+    timeout_s: float, poll_s: float,
+) -> None:
+    start = time.monotonic()
+    last_note = start
+    while True:
+        if proc.poll() is not None:
+            raise ServerError(
+                f"{name} exited with code {proc.returncode} before becoming healthy; "
+                f"log {log}:\n{_tail(log)}"
+            )
+        if healthy():
+            print(f"[{name}] healthy after {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+            return
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise ServerError(
+                f"{name} did not become healthy within {timeout_s:.0f} s; log {log}:\n{_tail(log)}"
+            )
+        if now - last_note > 30:
+            print(f"[{name}] waiting for health ({now - start:.0f} s)", file=sys.stderr, flush=True)
+            last_note = now
+        time.sleep(poll_s)

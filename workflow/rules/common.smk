@@ -1,0 +1,39 @@
+from snakemake.utils import validate
+
+from kvbench.config import check_config, check_schema, model_dir as _model_dir, tokenizer_model
+
+# One line per problem, naming the key; then snakemake's validate fills in the defaults.
+check_schema(config, workflow.source_path("../schemas/config.schema.yaml"))
+validate(config, schema="../schemas/config.schema.yaml")
+
+check_config(config)
+
+PREPARED_MODELS = [m for m, src in config["models"].items() if "path" not in src]
+CORPORA = ["synthetic", "realistic"] + (["imported"] if config["corpus"]["imported"]["path"] else [])
+
+
+wildcard_constraints:
+    model="|".join(PREPARED_MODELS) or "^$",
+    corpus="|".join(CORPORA),
+
+
+def model_dir(name):
+    return _model_dir(config, name)
+
+
+def corpus_docs(corpora=CORPORA):
+    return expand("results/corpus/{corpus}/docs.parquet", corpus=corpora)
+
+
+def all_targets():
+    return [
+        *corpus_docs(),
+        "results/corpus/realistic/facts.parquet",
+        "results/corpus/stats.parquet",
+        "results/corpus/stats_summary.parquet",
+        "results/corpus/diversity.png",
+    ]
+
+
+# Only used with --use-conda (clusters); `make setup` builds .venv from envs/cpu.txt here.
+CONDA_ENV = "../../envs/gpu.yaml" if config["vllm"]["device"] == "cuda" else "../../envs/cpu.yaml"

@@ -1,0 +1,79 @@
+rule corpus_synthetic:
+    output:
+        docs="results/corpus/synthetic/docs.parquet",
+    params:
+        cfg=config["corpus"]["synthetic"],
+    log:
+        "logs/corpus/synthetic.log",
+    benchmark:
+        "benchmarks/corpus/synthetic.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/corpus_synthetic.py"
+
+
+rule corpus_realistic:
+    input:
+        model=model_dir(config["corpus"]["generator"]),
+    output:
+        docs="results/corpus/realistic/docs.parquet",
+        facts="results/corpus/realistic/facts.parquet",
+    params:
+        cfg=config["corpus"]["realistic"],
+        vllm=config["vllm"],
+    threads: workflow.cores
+    log:
+        main="logs/corpus/realistic.log",
+        vllm="logs/corpus/realistic.vllm.log",
+    benchmark:
+        "benchmarks/corpus/realistic.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/corpus_realistic.py"
+
+
+rule corpus_imported:
+    output:
+        docs="results/corpus/imported/docs.parquet",
+    params:
+        cfg=config["corpus"]["imported"],
+    log:
+        "logs/corpus/imported.log",
+    benchmark:
+        "benchmarks/corpus/imported.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/corpus_imported.py"
+
+
+rule corpus_stats:
+    input:
+        docs=corpus_docs(),
+        tokenizer=model_dir(tokenizer_model(config)),
+    output:
+        stats=report(
+            "results/corpus/stats.parquet",
+            caption="../report/corpus_stats.rst",
+            category="Corpus",
+        ),
+        summary=report(
+            "results/corpus/stats_summary.parquet",
+            caption="../report/corpus_stats.rst",
+            category="Corpus",
+        ),
+        figure=report(
+            "results/corpus/diversity.png",
+            caption="../report/diversity.rst",
+            category="Corpus",
+        ),
+    log:
+        "logs/corpus/stats.log",
+    benchmark:
+        "benchmarks/corpus/stats.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/corpus_stats.py"

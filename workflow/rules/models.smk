@@ -1,0 +1,13 @@
+rule model_prepare:
+    output:
+        directory("resources/models/{model}"),
+    params:
+        source=lambda wc: config["models"][wc.model],
+    log:
+        "logs/models/{model}.log",
+    benchmark:
+        "benchmarks/models/{model}.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/model_prepare.py"

@@ -1,0 +1,15 @@
+from kvbench.corpus.build import build_realistic
+from kvbench.jobs import job_log
+from kvbench.models import load_tokenizer
+from kvbench.provenance import provenance, write_table
+
+with job_log(snakemake.log.main, snakemake.config):
+    config = snakemake.config
+    tokenizer = load_tokenizer(snakemake.input.model)
+    docs, facts = build_realistic(
+        snakemake.params.cfg, snakemake.input.model, snakemake.params.vllm, config["seed"],
+        lambda text: len(tokenizer(text, add_special_tokens=False).input_ids), snakemake.log.vllm,
+    )
+    prov = provenance(config, model=config["corpus"]["generator"])
+    write_table(facts, snakemake.output.facts, prov)
+    write_table(docs, snakemake.output.docs, prov)

@@ -1,0 +1,14 @@
+from pathlib import Path
+
+from kvbench.jobs import job_log
+from kvbench.models import convert_gguf, download_hub, package_file
+
+with job_log(snakemake.log[0], snakemake.config):
+    src, out = snakemake.params.source, Path(snakemake.output[0])
+    if "gguf_package" in src:
+        gguf = package_file(src["gguf_package"], src["gguf_file"])
+        print(f"converting {gguf} -> {out} (fp32 safetensors)")
+        convert_gguf(gguf, out)
+    else:
+        print(f"downloading {src['hub']} -> {out}")
+        download_hub(src["hub"], out)
