@@ -7,7 +7,7 @@ CORES ?= all
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run test lint dry-run-gpu clean
+.PHONY: setup run test lint dry-run-gpu bench clean
 
 setup: $(STAMP)
 
@@ -39,3 +39,8 @@ dry-run-gpu: setup
 
 clean:
 	rm -rf results logs benchmarks .snakemake
+
+# Benchmarks (not tests): codec overhead vs direct library calls, memory bound for an 8K document.
+bench: setup
+	$(BIN)/snakemake --cores $(CORES) results/kv/memory_probe.parquet
+	$(BIN)/python bench/codec_overhead.py

@@ -10,6 +10,7 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/corpus.smk"
+include: "workflow/rules/kv.smk"
 
 
 rule all:

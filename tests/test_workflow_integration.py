@@ -28,6 +28,8 @@ def run(model_dir, tmp_path_factory):
     config["corpus"]["realistic"].update(
         docs_per_type=1, target_tokens=160, section_tokens=96, min_section_tokens=32, concurrency=6)
     config["corpus"]["imported"] = {"path": str(imported), "domain": "clinic"}
+    config["kv"].update(model="smol", corpora=["synthetic", "realistic", "imported"], docs_per_corpus=2,
+                        context_tokens=200, chunk_tokens=64)
     result = snakemake(workdir, config, "--cores", "2")
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return workdir, config
@@ -47,6 +49,11 @@ def test_all_outputs_logs_and_benchmarks_exist(run):
     for rule in ["synthetic", "realistic", "imported", "stats"]:
         assert (workdir / f"benchmarks/corpus/{rule}.tsv").is_file()
         assert (workdir / f"logs/corpus/{rule}.log").is_file()
+    for corpus in ["synthetic", "realistic", "imported"]:
+        for weights in ["real", "random", "dummy"]:
+            assert (workdir / f"benchmarks/kv/{corpus}.{weights}.tsv").is_file()
+    for figure in ["ratio_by_corpus_weights", "layer_ratios", "chunk_ratios"]:
+        assert (workdir / f"results/kv/{figure}.png").read_bytes()[:4] == b"\x89PNG"
     log = (workdir / "logs/corpus/realistic.log").read_text()
     assert "[vllm] healthy after" in log and "[corpus]" in log
 
@@ -99,8 +106,32 @@ def test_stats_measure_diversity_with_the_model_tokenizer(run):
     assert summary.loc[("imported", "clinic"), "docs"] == 2
 
 
+def test_kv_tables_cover_every_combination_with_exact_round_trips(run):
+    workdir, config = run
+    kv = config["kv"]
+    whole = read(workdir, "results/kv/compressibility.parquet")
+    assert whole.error.isna().all()
+    combos = whole.groupby(["corpus", "weights", "doc_id"]).size()
+    assert set(combos) == {len(kv["dtypes"]) * len(kv["codecs"]) * 2}
+    assert set(whole.corpus) == {"synthetic", "realistic", "imported"} and set(whole.weights) == {"real", "random", "dummy"}
+    assert (whole.tokens <= 200).all() and (whole.layers == 30).all()
+    assert (whole.compressed_bytes > 0).all() and (whole.encode_mb_s > 0).all()
+    assert (whole[whole.codec == "none"].ratio == 1.0).all()
+    layers = read(workdir, "results/kv/layers.parquet")
+    assert set(layers.layer) == set(range(30))
+    chunks = read(workdir, "results/kv/chunks.parquet")
+    assert chunks.chunk_tokens.max() == 64
+    summary = read(workdir, "results/kv/summary.parquet")
+    assert {"dummy_vs_real", "synthetic_vs_realistic", "synthetic+dummy_vs_realistic+real"} <= set(summary.comparison)
+    assert (summary.inflation > 0).all()
+    assert "inflation" in (workdir / "logs/kv/summary.log").read_text()
+
+
 def test_rerun_is_a_no_op_and_a_target_reruns_alone(run):
     workdir, config = run
     assert "Nothing to be done" in snakemake(workdir, config, "-n").stdout
     result = snakemake(workdir, config, "-n", "--forcerun", "corpus_stats")
     assert "corpus_stats" in result.stdout and "corpus_realistic" not in result.stdout
+    one = snakemake(workdir, config, "-n", "--forcerun", "results/kv/synthetic/dummy/compressibility.parquet")
+    assert "wildcards: corpus=synthetic, weights=dummy" in one.stdout
+    assert "corpus=realistic" not in one.stdout

@@ -42,10 +42,15 @@ def tokenizer_model(config: Mapping[str, Any]) -> str:
 
 
 def check_config(config: Mapping[str, Any]) -> None:
-    for key in ("generator", "tokenizer"):
-        name = config["corpus"].get(key)
+    for section, key in (("corpus", "generator"), ("corpus", "tokenizer"), ("kv", "model")):
+        name = config[section].get(key)
         if name is not None and name not in config["models"]:
-            raise ConfigError(f"corpus.{key}: {name!r} is not a key of models ({sorted(config['models'])})")
+            raise ConfigError(f"{section}.{key}: {name!r} is not a key of models ({sorted(config['models'])})")
+    kv = config["kv"]
+    if "imported" in kv.get("corpora", []) and not config["corpus"]["imported"]["path"]:
+        raise ConfigError("kv.corpora: 'imported' needs corpus.imported.path to be set")
+    if kv.get("figure_codec", "zstd-3") not in kv.get("codecs", ["zstd-3"]):
+        raise ConfigError(f"kv.figure_codec: {kv['figure_codec']!r} is not in kv.codecs")
     for name, source in config["models"].items():
         if "path" in source:
             check_model_dir(source["path"], f"models.{name}.path")

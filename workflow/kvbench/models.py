@@ -79,7 +79,8 @@ def download_hub(repo_id: str, out_dir: Path) -> None:
 
 
 def load_model(
-    model_dir: str | Path, weights: str = "real", seed: int = 0, dtype: torch.dtype = torch.float32
+    model_dir: str | Path, weights: str = "real", seed: int = 0, dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> Any:
     """Load a causal LM with real weights, or a deterministic `random` / `dummy` variant.
 
@@ -103,7 +104,7 @@ def load_model(
                     if torch.is_floating_point(param):
                         gen = torch.Generator().manual_seed(seed)
                         param.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:

@@ -38,3 +38,48 @@ def diversity_figure(stats: pd.DataFrame, summary: pd.DataFrame, path: str | os.
     ax.set_title("Token diversity by corpus and domain")
     ax.legend(fontsize=8)
     save(fig, path)
+
+
+def kv_ratio_figure(ratios: pd.DataFrame, codec: str, path: str | os.PathLike) -> None:
+    """The "hi hi hi" figure: pooled KV compression ratio by corpus x weights, one panel per dtype."""
+    sel = ratios[ratios.codec == codec]
+    dtypes = sorted(set(sel.dtype))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(4.2 * len(dtypes), 4), sharey=True, squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        panel = sel[sel.dtype == dtype].pivot(index="corpus", columns="weights", values="ratio")
+        panel.plot.bar(ax=ax, rot=0, color=["#1b9e77", "#d95f02", "#7570b3"][: panel.shape[1]])
+        ax.set_title(f"{dtype}, {codec}")
+        ax.set_yscale("log")
+        ax.set_ylabel("compression ratio (raw / compressed)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+    fig.suptitle("KV-cache compressibility: realistic vs synthetic input, real vs dummy weights")
+    save(fig, path)
+
+
+def kv_layer_figure(layers: pd.DataFrame, dtype: str, codec: str, path: str | os.PathLike) -> None:
+    sel = layers[(layers.dtype == dtype) & (layers.codec == codec) & layers.error.isna()]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, part in zip(axes, ("K", "V")):
+        agg = sel[sel.part == part].groupby(["corpus", "weights", "layer"]).apply(
+            lambda g: g.raw_bytes.sum() / g.compressed_bytes.sum(), include_groups=False)
+        for (corpus, weights), series in agg.groupby(level=[0, 1]):
+            ax.plot(series.index.get_level_values("layer"), series.values, marker=".", label=f"{corpus} / {weights}")
+        ax.set_title(f"{part}, {dtype}, {codec}")
+        ax.set_xlabel("layer")
+        ax.set_yscale("log")
+    axes[0].set_ylabel("compression ratio")
+    axes[1].legend(fontsize=7)
+    save(fig, path)
+
+
+def kv_chunk_figure(chunks: pd.DataFrame, dtype: str, codec: str, path: str | os.PathLike) -> None:
+    sel = chunks[(chunks.dtype == dtype) & (chunks.codec == codec) & chunks.error.isna()]
+    groups = sorted(sel.groupby(["corpus", "weights"]).groups)
+    data = [sel[(sel.corpus == c) & (sel.weights == w)].ratio.to_numpy() for c, w in groups]
+    fig, ax = plt.subplots(figsize=(1.4 * len(groups) + 2, 4))
+    ax.boxplot(data, showfliers=True)
+    ax.set_xticks(range(1, len(groups) + 1), [f"{c}\n{w}" for c, w in groups], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("per-chunk compression ratio")
+    ax.set_title(f"Ratio per LMCache-style chunk (K+V, all layers), {dtype}, {codec}")
+    save(fig, path)

@@ -15,6 +15,7 @@ CORPORA = ["synthetic", "realistic"] + (["imported"] if config["corpus"]["import
 wildcard_constraints:
     model="|".join(PREPARED_MODELS) or "^$",
     corpus="|".join(CORPORA),
+    weights="real|random|dummy",
 
 
 def model_dir(name):
@@ -25,6 +26,11 @@ def corpus_docs(corpora=CORPORA):
     return expand("results/corpus/{corpus}/docs.parquet", corpus=corpora)
 
 
+def kv_parts(table):
+    kv = config["kv"]
+    return expand(f"results/kv/{{corpus}}/{{weights}}/{table}.parquet", corpus=kv["corpora"], weights=kv["weights"])
+
+
 def all_targets():
     return [
         *corpus_docs(),
@@ -32,6 +38,9 @@ def all_targets():
         "results/corpus/stats.parquet",
         "results/corpus/stats_summary.parquet",
         "results/corpus/diversity.png",
+        "results/kv/compressibility.parquet",
+        "results/kv/summary.parquet",
+        "results/kv/ratio_by_corpus_weights.png",
     ]
 
 

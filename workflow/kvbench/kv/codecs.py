@@ -1,0 +1,97 @@
+"""Codec registry: each codec turns bytes into bytes and back, exactly.
+
+Names are `<base>` or `<base>+byteplane`; byte-plane first splits every element of `width`
+bytes into planes (all high bytes, then all low bytes for 16-bit values), which float data rewards:
+exponent/sign bytes repeat far more than mantissa bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import lz4.frame
+import numpy as np
+import zstandard
+
+
+class Codec(Protocol):
+    name: str
+
+    def encode(self, data: bytes) -> bytes: ...
+
+    def decode(self, data: bytes) -> bytes: ...
+
+
+class Identity:
+    name = "none"
+
+    def encode(self, data: bytes) -> bytes:
+        return data
+
+    def decode(self, data: bytes) -> bytes:
+        return data
+
+
+class Zstd:
+    def __init__(self, level: int) -> None:
+        self.name = f"zstd-{level}"
+        self._compressor = zstandard.ZstdCompressor(level=level)
+        self._decompressor = zstandard.ZstdDecompressor()
+
+    def encode(self, data: bytes) -> bytes:
+        return self._compressor.compress(data)
+
+    def decode(self, data: bytes) -> bytes:
+        return self._decompressor.decompress(data)
+
+
+class Lz4:
+    name = "lz4"
+
+    def encode(self, data: bytes) -> bytes:
+        return lz4.frame.compress(data)
+
+    def decode(self, data: bytes) -> bytes:
+        return lz4.frame.decompress(data)
+
+
+class BytePlane:
+    """Byte-plane shuffle around an inner codec."""
+
+    def __init__(self, inner: Codec, width: int) -> None:
+        self.name = f"{inner.name}+byteplane"
+        self.inner, self.width = inner, width
+
+    def encode(self, data: bytes) -> bytes:
+        if len(data) % self.width:
+            raise ValueError(f"{self.name}: {len(data)} bytes is not a multiple of width {self.width}")
+        planes = np.frombuffer(data, dtype=np.uint8).reshape(-1, self.width).T
+        return self.inner.encode(np.ascontiguousarray(planes).tobytes())
+
+    def decode(self, data: bytes) -> bytes:
+        planes = np.frombuffer(self.inner.decode(data), dtype=np.uint8).reshape(self.width, -1)
+        return np.ascontiguousarray(planes.T).tobytes()
+
+
+BASE_CODECS: dict[str, Callable[[], Codec]] = {
+    "none": Identity,
+    "zstd-1": lambda: Zstd(1),
+    "zstd-3": lambda: Zstd(3),
+    "zstd-9": lambda: Zstd(9),
+    "zstd-19": lambda: Zstd(19),
+    "lz4": Lz4,
+}
+BYTEPLANE = "+byteplane"
+
+
+def codec_names() -> list[str]:
+    return [*BASE_CODECS, *(f"{n}{BYTEPLANE}" for n in BASE_CODECS if n != "none")]
+
+
+def get_codec(name: str, width: int = 2) -> Codec:
+    """A codec by registry name; `width` is the element size in bytes that byte-plane splits."""
+    base = name.removesuffix(BYTEPLANE)
+    if base not in BASE_CODECS or name == f"none{BYTEPLANE}":
+        raise ValueError(f"unknown codec {name!r}; known: {', '.join(codec_names())}")
+    codec = BASE_CODECS[base]()
+    return BytePlane(codec, width) if name.endswith(BYTEPLANE) else codec

@@ -1,0 +1,45 @@
+"""Storage dtypes for KV tensors (computed in fp32, stored and measured at lower precision)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Stored:
+    data: bytes
+    itemsize: int
+    unique_values: int  # distinct bit patterns (16-bit for fp16/bf16, 8-bit for fp8)
+    mean_abs: float  # of the stored values
+    clipped: int  # values saturated to the fp8 range (0 for 16-bit dtypes)
+
+
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def store(tensor: torch.Tensor, dtype_name: str) -> Stored:
+    """Cast an fp32 tensor to a storage dtype and return its raw bytes (C order)."""
+    if dtype_name not in STORAGE_DTYPES:
+        raise ValueError(f"unknown storage dtype {dtype_name!r}; known: {', '.join(STORAGE_DTYPES)}")
+    dtype = STORAGE_DTYPES[dtype_name]
+    clipped = 0
+    if dtype == torch.float8_e4m3fn:
+        # e4m3fn has no infinity: out-of-range casts become NaN, so saturate (as scale-1 fp8 KV does).
+        clipped = int((tensor.abs() > FP8_E4M3_MAX).sum())
+        tensor = tensor.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    cast = tensor.contiguous().to(dtype)
+    itemsize = cast.element_size()
+    bits = cast.view(torch.uint8 if itemsize == 1 else torch.int16).numpy()
+    return Stored(
+        data=bits.tobytes(), itemsize=itemsize, unique_values=int(np.unique(bits).size),
+        mean_abs=float(cast.float().abs().mean()), clipped=clipped,
+    )
