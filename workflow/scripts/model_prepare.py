@@ -1,7 +1,8 @@
 from pathlib import Path
 
 from kvbench.jobs import job_log
-from kvbench.models import convert_gguf, download_hub, package_file
+from kvbench.models import convert_gguf, download_hub
+from kvbench.sources import package_file
 
 with job_log(snakemake.log[0], snakemake.config):
     src, out = snakemake.params.source, Path(snakemake.output[0])

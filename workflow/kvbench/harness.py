@@ -1,0 +1,121 @@
+"""One harness for every method: prefill + greedy decode through the method's cache, measuring
+TTFT, TPOT, throughput and the bytes the cache holds. Failures become rows, never gaps."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from kvbench.methods.base import ModelShape, build_cache
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak CUDA memory on GPU, peak RSS of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_rss_mb()
+
+
+def context_bucket(tokens: int, max_context: int) -> str:
+    """0-4k, 4-8k, 8k+ on an 8K+ model scaled to its context: halves of it, and beyond."""
+    edges = [max_context // 2, max_context] if max_context < 16384 else [4096, 8192]
+    if tokens < edges[0]:
+        return f"0-{edges[0] // 1024}k"
+    if tokens < edges[1]:
+        return f"{edges[0] // 1024}-{edges[1] // 1024}k"
+    return f"{edges[1] // 1024}k+"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int, seed: int = 0,
+) -> dict[str, Any]:
+    """Prefill, then greedy decode with explicit positions (evicting caches are shorter than the
+    sequence, so positions cannot come from the cache length)."""
+    device = next(model.parameters()).device
+    shape = ModelShape.of(model.config)
+    cache = build_cache(spec, shape, seed)
+    handles = cache.attach(model)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    try:
+        ids = torch.tensor([input_ids], device=device)
+        _sync(device)
+        start = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = int(out.logits[0, -1].argmax())
+        _sync(device)
+        ttft = time.perf_counter() - start
+        bytes_prefill = cache.nbytes()
+        tokens, position = [token], len(input_ids)
+        while len(tokens) < max_new_tokens and token not in eos_ids:
+            out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True,
+                        position_ids=torch.tensor([[position]], device=device))
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            position += 1
+        _sync(device)
+        total = time.perf_counter() - start
+    finally:
+        for handle in handles:
+            handle.remove()
+    decode_steps = len(tokens) - 1
+    full_prefill = shape.full_bytes(len(input_ids))
+    full_end = shape.full_bytes(len(input_ids) + decode_steps)
+    bytes_end = cache.nbytes()
+    return {
+        "tokens": tokens, "context_tokens": len(input_ids), "new_tokens": len(tokens),
+        "ttft_s": ttft, "e2e_s": total, "tpot_s": (total - ttft) / decode_steps if decode_steps else None,
+        "decode_tok_s": decode_steps / (total - ttft) if decode_steps else None,
+        "prefill_tok_s": len(input_ids) / ttft,
+        "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": bytes_end,
+        "full16_bytes_prefill": full_prefill, "full16_bytes_end": full_end,
+        "ratio_prefill": full_prefill / bytes_prefill, "ratio_end": full_end / bytes_end,
+    }
+
+
+def run_row(
+    model: torch.nn.Module, method: str, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int,
+    repeats: int, seed: int, max_context: int,
+) -> dict[str, Any]:
+    """Measured repeats of one method on one prompt (after one warm-up), or the error it raised."""
+    device = next(model.parameters()).device
+    row: dict[str, Any] = {"method": method, "kind": spec["kind"], "params": str(sorted(spec.items())),
+                           "context_tokens": len(input_ids),
+                           "bucket": context_bucket(len(input_ids), max_context), "error": None}
+    try:
+        generate(model, spec, input_ids[: min(len(input_ids), 64)], 2, seed)  # warm-up, excluded
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        runs = [generate(model, spec, input_ids, max_new_tokens, seed) for _ in range(repeats)]
+    except Exception as err:  # an OOM or a method bug on this prompt: a row with the error
+        traceback.print_exc()
+        row["error"] = f"{type(err).__name__}: {err}"
+        gc.collect()
+        return row
+    first = runs[0]
+    row |= {k: first[k] for k in ("new_tokens", "kv_bytes_prefill", "kv_bytes_end", "full16_bytes_prefill",
+                                  "full16_bytes_end", "ratio_prefill", "ratio_end")}
+    row["output_ids"] = first["tokens"]
+    for key in ("ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s", "e2e_s"):
+        values = [r[key] for r in runs if r[key] is not None]
+        tensor = torch.tensor(values, dtype=torch.float64) if values else None
+        row[key] = float(tensor.median()) if values else None
+        row[f"{key}_std"] = float(tensor.std()) if values and len(values) > 1 else 0.0 if values else None
+    row["repeats"] = repeats
+    row["peak_memory_mb"] = peak_memory_mb(device)
+    return row

@@ -1,0 +1,85 @@
+"""The method registry: every KV method is a transformers Cache whose layers report their bytes.
+
+A method is one module that registers a factory under its `kind`; config entries such as
+`kivi2: {kind: kivi, bits: 2, group_size: 32, residual: 128}` pick the kind and its settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvbench.methods.kinds import KIND_SETTINGS, check_spec
+
+STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    kv_heads: int
+    q_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: Any) -> "ModelShape":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads, head_dim)
+
+    def full_bytes(self, tokens: int, bytes_per_value: int = 2) -> int:
+        """Bytes of a full K+V cache for `tokens` tokens at a 16-bit storage dtype."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * tokens * bytes_per_value
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class MethodLayer(DynamicLayer):
+    """A cache layer that can say how many bytes it holds (codes, scales, zero points, windows)."""
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.keys, self.values)
+
+
+class MethodCache(Cache):
+    """A Cache of MethodLayers; `shared` holds per-layer constants (e.g. rotations), counted once."""
+
+    def __init__(self, layers: list[MethodLayer], shared: list[torch.Tensor] | None = None) -> None:
+        super().__init__(layers=layers)
+        self.shared = shared or []
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers) + tensor_bytes(*self.shared)
+
+    def attach(self, model: torch.nn.Module) -> list[Any]:
+        """Install hooks a method needs (query capture for eviction); returns removable handles."""
+        return []
+
+
+Factory = Callable[[dict[str, Any], ModelShape, int], MethodCache]
+METHODS: dict[str, Factory] = {}
+
+
+def register(kind: str) -> Callable[[Factory], Factory]:
+    """Register the factory of `kind` (its allowed settings are listed in methods/kinds.py)."""
+
+    def wrap(factory: Factory) -> Factory:
+        if kind not in KIND_SETTINGS or kind in METHODS:
+            raise ValueError(f"method kind {kind!r} is not listed in KIND_SETTINGS or registered twice")
+        METHODS[kind] = factory
+        return factory
+
+    return wrap
+
+
+def build_cache(spec: dict[str, Any], shape: ModelShape, seed: int = 0) -> MethodCache:
+    """A fresh cache for one prompt, from a config entry like {kind: kivi, bits: 2, ...}."""
+    from kvbench.methods import catalog  # noqa: F401  (registers every method module)
+
+    check_spec(spec)
+    settings = {k: v for k, v in spec.items() if k != "kind"}
+    return METHODS[spec["kind"]](settings, shape, seed)

@@ -1,0 +1,64 @@
+"""`h2o`: heavy hitters by accumulated attention plus a recent window (Zhang et al. 2023).
+
+Every query's attention (averaged over each GQA group) is added to its keys' scores; the cache
+keeps the `recent` newest tokens and the highest-scoring others, `heavy` of them (or a fraction
+`keep_ratio` of the prompt, split evenly between heavy hitters and recent tokens)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvbench.methods.base import STORAGE, ModelShape, register
+from kvbench.methods.eviction import EvictionCache, ScoredLayer, attention_probs, gather, select_with_window
+
+QUERY_CHUNK = 256  # prefill attention is accumulated in chunks of queries to bound memory
+
+
+class H2OLayer(ScoredLayer):
+    def __init__(self, storage: torch.dtype, q_heads: int, settings: dict[str, Any]) -> None:
+        super().__init__(storage, q_heads)
+        self.settings = settings
+        self.budget: tuple[int, int] | None = None  # (heavy, recent)
+        self.scores: torch.Tensor | None = None  # [Hkv, kept tokens]
+
+    def _budget(self, tokens: int) -> tuple[int, int]:
+        if "heavy" in self.settings:
+            return int(self.settings["heavy"]), int(self.settings["recent"])
+        keep = max(2, math.ceil(tokens * float(self.settings.get("keep_ratio", 0.25))))
+        return keep // 2, keep - keep // 2
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        compute = key_states.dtype
+        if self.is_initialized:
+            keys = torch.cat([self.keys.to(compute), key_states], dim=-2)
+            values = torch.cat([self.values.to(compute), value_states], dim=-2)
+        else:
+            self.lazy_initialization(key_states, value_states)
+            keys, values = key_states, value_states
+            self.budget = self._budget(keys.shape[-2])
+        groups = self.q_heads // keys.shape[1]
+        new = torch.zeros(keys.shape[1], key_states.shape[-2])
+        scores = new if self.scores is None else torch.cat([self.scores, new], dim=-1)
+        queries = self.queries
+        for start in range(0, queries.shape[-2], QUERY_CHUNK):  # each query's attention, causal
+            chunk = queries[..., start:start + QUERY_CHUNK, :]
+            visible = keys.shape[-2] - queries.shape[-2] + start + chunk.shape[-2]
+            scores[:, :visible] += attention_probs(chunk, keys[..., :visible, :], groups).sum(dim=1)
+        heavy, recent = self.budget
+        if keys.shape[-2] > heavy + recent:
+            index = select_with_window(scores, heavy + recent, recent)
+            self.store(gather(keys, index), gather(values, index))
+            self.scores = scores.gather(1, index)
+        else:
+            self.store(keys, values)
+            self.scores = scores
+        return keys, values
+
+
+@register("h2o")
+def h2o(settings: dict[str, Any], shape: ModelShape, seed: int) -> EvictionCache:
+    storage = STORAGE[settings.get("storage", "fp16")]
+    return EvictionCache([H2OLayer(storage, shape.q_heads, settings) for _ in range(shape.layers)])

@@ -1,0 +1,94 @@
+"""`kivi`: asymmetric low-bit KV quantization (Liu et al. 2024, jy-yuan/KIVI).
+
+Keys are quantized per channel (each channel's scale and zero point over a group of G tokens),
+values per token (each token's scale and zero point over a group of G channels). The most recent
+tokens stay in full precision: the residual holds R to R+G-1 tokens, and each time it reaches R+G
+its oldest G tokens are quantized. Codes are packed; scales and zero points are fp16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, register, tensor_bytes
+from kvbench.methods.packing import pack, unpack
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric uniform quantization with min/max statistics reduced over `dim`."""
+    lo = x.amin(dim=dim, keepdim=True)
+    hi = x.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / (2**bits - 1)).to(torch.float16)
+    zero = lo.to(torch.float16)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
+    codes = ((x - zero.float()) / safe).round().clamp(0, 2**bits - 1).to(torch.uint8)
+    return codes, scale, zero
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale.float() + zero.float()
+
+
+class QuantizedBlock:
+    """One group of G tokens of K or V: packed codes, fp16 scale and zero point."""
+
+    def __init__(self, x: torch.Tensor, bits: int, group: int, per_channel: bool) -> None:
+        # x: [batch, heads, G tokens, head_dim]
+        self.shape, self.bits = x.shape, bits
+        if per_channel:  # statistics over the G tokens of each channel
+            codes, self.scale, self.zero = quantize(x, bits, dim=-2)
+        else:  # statistics over groups of G channels of each token
+            grouped = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+            codes, self.scale, self.zero = quantize(grouped, bits, dim=-1)
+        self.codes_shape = codes.shape
+        self.packed = pack(codes, bits)
+
+    def dequantize(self) -> torch.Tensor:
+        codes = unpack(self.packed, self.bits, self.codes_shape.numel()).reshape(self.codes_shape)
+        return dequantize(codes, self.scale, self.zero).reshape(self.shape)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.packed, self.scale, self.zero)
+
+
+class KiviLayer(MethodLayer):
+    def __init__(self, bits: int, group: int, residual: int, storage: torch.dtype) -> None:
+        super().__init__()
+        self.bits, self.group, self.residual, self.storage = bits, group, residual, storage
+        self.key_blocks: list[QuantizedBlock] = []
+        self.value_blocks: list[QuantizedBlock] = []
+        self.quantized_tokens = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        compute = key_states.dtype
+        keys, values = super().update(key_states.to(self.storage), value_states.to(self.storage))
+        flush = max(0, (keys.shape[-2] - self.residual) // self.group) * self.group
+        for start in range(0, flush, self.group):
+            span = slice(start, start + self.group)
+            self.key_blocks.append(QuantizedBlock(keys[..., span, :].float(), self.bits, self.group, True))
+            self.value_blocks.append(QuantizedBlock(values[..., span, :].float(), self.bits, self.group, False))
+        if flush:
+            self.keys, self.values = keys[..., flush:, :], values[..., flush:, :]
+            self.quantized_tokens += flush
+        # Attention sees the dequantized blocks, rebuilt each step: no full-precision shadow copy
+        # is kept, so the cache holds only what nbytes() counts.
+        return (torch.cat([b.dequantize().to(compute) for b in self.key_blocks] + [self.keys.to(compute)], dim=-2),
+                torch.cat([b.dequantize().to(compute) for b in self.value_blocks] + [self.values.to(compute)], dim=-2))
+
+    def get_seq_length(self) -> int:
+        return self.quantized_tokens + super().get_seq_length()
+
+    def nbytes(self) -> int:
+        blocks = sum(b.nbytes() for b in self.key_blocks + self.value_blocks)
+        return blocks + tensor_bytes(self.keys, self.values)
+
+
+@register("kivi")
+def kivi(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
+    bits, group, residual = int(settings["bits"]), int(settings.get("group_size", 32)), int(settings.get("residual", 128))
+    if shape.head_dim % group:
+        raise ValueError(f"kivi: group_size {group} must divide head_dim {shape.head_dim}")
+    storage = STORAGE[settings.get("storage", "fp16")]
+    return MethodCache([KiviLayer(bits, group, residual, storage) for _ in range(shape.layers)])

@@ -1,0 +1,34 @@
+"""`streamingllm`: attention sinks (the first `sinks` tokens) plus a window of recent tokens.
+
+Xiao et al. 2024. Keys keep their original RoPE positions (the cache is post-RoPE)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, register
+
+
+class SinkWindowLayer(MethodLayer):
+    def __init__(self, sinks: int, window: int, storage: torch.dtype) -> None:
+        super().__init__()
+        self.sinks, self.window, self.storage = sinks, window, storage
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        compute = key_states.dtype
+        keys, values = super().update(key_states.to(self.storage), value_states.to(self.storage))
+        # Attention this step sees everything it was given; eviction applies to what is kept.
+        out = keys.to(compute), values.to(compute)
+        if keys.shape[-2] > self.sinks + self.window:
+            self.keys = torch.cat([keys[..., : self.sinks, :], keys[..., -self.window:, :]], dim=-2)
+            self.values = torch.cat([values[..., : self.sinks, :], values[..., -self.window:, :]], dim=-2)
+        return out
+
+
+@register("streamingllm")
+def streamingllm(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
+    storage = STORAGE[settings.get("storage", "fp16")]
+    return MethodCache([SinkWindowLayer(int(settings.get("sinks", 4)), int(settings["window"]), storage)
+                        for _ in range(shape.layers)])
