@@ -59,12 +59,31 @@ def test_turboquant_cache_bytes_are_its_packed_tensors(bits):
     cache = build_cache({"kind": "turboquant", "bits": bits}, shape, seed=1)
     x = torch.randn(1, 3, 100, D)
     keys, values = cache.layers[0].update(x, x)
-    assert keys.shape == values.shape == x.shape
+    assert torch.equal(keys, x) and torch.equal(values, x)  # the prompt attends in full precision
     n = x.numel()
     expected = (math.ceil(n * (bits - 1) / 8) + 2 * 300  # key codes + fp16 norms
                 + math.ceil(n / 8) + 2 * 300  # QJL signs + fp16 residual norms
                 + math.ceil(n * bits / 8) + 2 * 300)  # value codes + fp16 norms
     assert cache.layers[0].nbytes() == expected
     assert cache.nbytes() == expected + 4 * D * D * 2  # two rotations + two sketches, fp16, once
-    rel = ((values - x).norm() / x.norm()).item()
+    step = torch.randn(1, 3, 1, D)
+    _, values = cache.layers[0].update(step, step)  # decode attends to the dequantized cache
+    rel = ((values[..., :100, :] - x).norm() / x.norm()).item()
     assert rel ** 2 == pytest.approx(lloyd_max(bits)[1], rel=0.25)
+
+
+def test_decode_blocks_merge_without_changing_what_attention_sees():
+    from kvbench.methods.turboquant import MERGE_AFTER
+
+    shape = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=D)
+    layer = build_cache({"kind": "turboquant", "bits": 3}, shape, seed=2).layers[0]
+    layer.update(torch.randn(1, 3, 50, D), torch.randn(1, 3, 50, D))
+    previous = None
+    for i in range(2 * MERGE_AFTER + 3):
+        step = torch.randn(1, 3, 1, D)
+        keys, values = layer.update(step, step)
+        if previous is not None:  # earlier tokens dequantize identically across merges
+            assert torch.allclose(keys[..., :-1, :], previous, atol=1e-5)  # matmul shapes differ
+        previous = keys
+        assert len(layer.key_blocks) <= MERGE_AFTER + 1
+    assert layer.get_seq_length() == 50 + 2 * MERGE_AFTER + 3

@@ -17,7 +17,13 @@ from kvbench.methods.base import MethodCache, MethodLayer
 
 
 class ScoredLayer(MethodLayer):
-    """A layer that receives this step's queries from the hook before `update` runs."""
+    """A layer that receives this step's queries from the hook before `update` runs.
+
+    `query_window`: how many of the last queries the layer needs (None: all of them); the hook
+    projects only those, so scoring adds little to the prefill.
+    """
+
+    query_window: int | None = None
 
     def __init__(self, storage: torch.dtype, q_heads: int) -> None:
         super().__init__()
@@ -39,6 +45,9 @@ class EvictionCache(MethodCache):
         def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             cos, sin = kwargs["position_embeddings"]
+            window = self.layers[index].query_window
+            if window is not None:
+                hidden, cos, sin = hidden[:, -window:], cos[:, -window:], sin[:, -window:]
             q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2)
             q, _ = apply_rotary_pos_emb(q, q, cos, sin)
             self.layers[index].queries = q

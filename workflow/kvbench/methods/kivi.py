@@ -32,16 +32,16 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
 
 
 class QuantizedBlock:
-    """One group of G tokens of K or V: packed codes, fp16 scale and zero point."""
+    """Whole groups of G tokens of K or V: packed codes, fp16 scale and zero point per group."""
 
     def __init__(self, x: torch.Tensor, bits: int, group: int, per_channel: bool) -> None:
-        # x: [batch, heads, G tokens, head_dim]
+        # x: [batch, heads, n * G tokens, head_dim]
         self.shape, self.bits = x.shape, bits
-        if per_channel:  # statistics over the G tokens of each channel
-            codes, self.scale, self.zero = quantize(x, bits, dim=-2)
-        else:  # statistics over groups of G channels of each token
-            grouped = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
-            codes, self.scale, self.zero = quantize(grouped, bits, dim=-1)
+        b, h, t, d = x.shape
+        if per_channel:  # statistics over each group of G tokens, per channel
+            codes, self.scale, self.zero = quantize(x.reshape(b, h, t // group, group, d), bits, dim=-2)
+        else:  # statistics over groups of G channels, per token
+            codes, self.scale, self.zero = quantize(x.reshape(b, h, t, d // group, group), bits, dim=-1)
         self.codes_shape = codes.shape
         self.packed = pack(codes, bits)
 
@@ -63,17 +63,18 @@ class KiviLayer(MethodLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         compute = key_states.dtype
+        prefill = not self.is_initialized
         keys, values = super().update(key_states.to(self.storage), value_states.to(self.storage))
         flush = max(0, (keys.shape[-2] - self.residual) // self.group) * self.group
-        for start in range(0, flush, self.group):
-            span = slice(start, start + self.group)
-            self.key_blocks.append(QuantizedBlock(keys[..., span, :].float(), self.bits, self.group, True))
-            self.value_blocks.append(QuantizedBlock(values[..., span, :].float(), self.bits, self.group, False))
-        if flush:
+        if flush:  # every whole group beyond the residual, in one vectorized block
+            self.key_blocks.append(QuantizedBlock(keys[..., :flush, :].float(), self.bits, self.group, True))
+            self.value_blocks.append(QuantizedBlock(values[..., :flush, :].float(), self.bits, self.group, False))
             self.keys, self.values = keys[..., flush:, :], values[..., flush:, :]
             self.quantized_tokens += flush
-        # Attention sees the dequantized blocks, rebuilt each step: no full-precision shadow copy
-        # is kept, so the cache holds only what nbytes() counts.
+        if prefill:  # as KIVI does: the prompt attends in full precision, the cache is quantized
+            return key_states, value_states
+        # Decode attends to the dequantized blocks, rebuilt each step: no full-precision shadow
+        # copy is kept, so the cache holds only what nbytes() counts.
         return (torch.cat([b.dequantize().to(compute) for b in self.key_blocks] + [self.keys.to(compute)], dim=-2),
                 torch.cat([b.dequantize().to(compute) for b in self.value_blocks] + [self.values.to(compute)], dim=-2))
 

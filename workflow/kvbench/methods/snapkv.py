@@ -20,6 +20,7 @@ class SnapKVLayer(ScoredLayer):
         super().__init__(storage, q_heads)
         self.settings = settings
         self.window, self.kernel = int(settings.get("window", 32)), int(settings.get("kernel", 7))
+        self.query_window = self.window
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if self.is_initialized:  # decode: append

@@ -71,30 +71,50 @@ class MseQuantizer:
         return (self.codebook[codes.long()] @ self.rotation) * norms.float()
 
 
+MERGE_AFTER = 16  # decode blocks (one token each) merged into one packed block
+
+
 def qjl_scale(d: int) -> float:
     return math.sqrt(math.pi / 2) / d
 
 
 class TurboBlock:
-    """One update's worth of tokens for K or V, packed."""
+    """Tokens of K or V, packed: codes, fp16 norms, and for keys QJL signs + fp16 residual norms."""
 
     def __init__(self, x: torch.Tensor, mse: MseQuantizer, sketch: torch.Tensor | None) -> None:
-        self.shape = x.shape
-        codes, self.norms = mse.encode(x.float())
-        self.bits = mse.bits
-        self.packed = pack(codes, mse.bits)
-        self.signs = self.residual_norms = None
+        codes, norms = mse.encode(x.float())
+        signs = residual_norms = None
         if sketch is not None:
-            residual = x.float() - mse.decode(codes, self.norms)
-            self.signs = pack((residual @ sketch.T > 0).to(torch.uint8), 1)
-            self.residual_norms = residual.norm(dim=-1, keepdim=True).to(torch.float16)
+            residual = x.float() - mse.decode(codes, norms)
+            signs = (residual @ sketch.T > 0).to(torch.uint8)
+            residual_norms = residual.norm(dim=-1, keepdim=True).to(torch.float16)
+        self._store(codes, norms, signs, residual_norms, mse.bits)
+
+    def _store(self, codes: torch.Tensor, norms: torch.Tensor, signs: torch.Tensor | None,
+               residual_norms: torch.Tensor | None, bits: int) -> None:
+        self.shape, self.bits, self.norms, self.residual_norms = codes.shape, bits, norms, residual_norms
+        self.packed = pack(codes, bits)
+        self.signs = pack(signs, 1) if signs is not None else None
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        codes = unpack(self.packed, self.bits, self.shape.numel()).reshape(self.shape)
+        signs = unpack(self.signs, 1, self.shape.numel()).reshape(self.shape) if self.signs is not None else None
+        return codes, self.norms, signs, self.residual_norms
+
+    @classmethod
+    def merged(cls, blocks: list["TurboBlock"]) -> "TurboBlock":
+        """One block holding the tokens of `blocks` (decode appends one token per block)."""
+        parts = [b.parts() for b in blocks]
+        out = cls.__new__(cls)
+        cat = [torch.cat(items, dim=-2) if items[0] is not None else None for items in zip(*parts)]
+        out._store(*cat, blocks[0].bits)
+        return out
 
     def decode(self, mse: MseQuantizer, sketch: torch.Tensor | None) -> torch.Tensor:
-        codes = unpack(self.packed, self.bits, self.shape.numel()).reshape(self.shape)
-        out = mse.decode(codes, self.norms)
-        if sketch is not None and self.signs is not None:
-            signs = unpack(self.signs, 1, self.shape.numel()).reshape(self.shape).float() * 2 - 1
-            out = out + qjl_scale(self.shape[-1]) * self.residual_norms.float() * (signs @ sketch)
+        codes, norms, signs, residual_norms = self.parts()
+        out = mse.decode(codes, norms)
+        if sketch is not None and signs is not None:
+            out = out + qjl_scale(self.shape[-1]) * residual_norms.float() * ((signs.float() * 2 - 1) @ sketch)
         return out
 
     def nbytes(self) -> int:
@@ -111,11 +131,17 @@ class TurboLayer(MethodLayer):
         self.tokens = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if not self.is_initialized:
+        prefill = not self.is_initialized
+        if prefill:
             self.lazy_initialization(key_states, value_states)
         self.key_blocks.append(TurboBlock(key_states, self.key_mse, self.sketch))
         self.value_blocks.append(TurboBlock(value_states, self.value_mse, None))
         self.tokens += key_states.shape[-2]
+        if prefill:  # the prompt attends in full precision; the cache holds the quantized form
+            return key_states, value_states
+        if len(self.key_blocks) > MERGE_AFTER:  # keep per-step work vectorized over few blocks
+            self.key_blocks = [TurboBlock.merged(self.key_blocks)]
+            self.value_blocks = [TurboBlock.merged(self.value_blocks)]
         dtype = key_states.dtype
         keys = torch.cat([b.decode(self.key_mse, self.sketch) for b in self.key_blocks], dim=-2)
         values = torch.cat([b.decode(self.value_mse, None) for b in self.value_blocks], dim=-2)
