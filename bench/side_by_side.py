@@ -2,7 +2,7 @@
 our SnapKV vs kvpress SnapKVPress, our KIVI vs transformers' QuantizedCache (quanto), plus the
 prefill overhead of every method against `full` at 4K context. Run after `make run`.
 
-    .venv/bin/python bench/side_by_side.py [--repeats 3]
+    .venv/bin/python bench/side_by_side.py [--repeats 2]
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ PEER_OF = {"snapkv": "kvpress-snapkv", "kivi2": "quanto-kivi2", "kivi4": "quanto
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args()
     tokenizer = load_tokenizer(MODEL)
     docs = pd.read_parquet("results/corpus/realistic/docs.parquet")
     facts = pd.read_parquet("results/corpus/realistic/facts.parquet")
     encode = lambda text: tokenizer(text).input_ids  # noqa: E731
-    prompts = build_prompts(docs, facts, tokenizer, 2, 1024, pick_documents)
+    prompts = build_prompts(docs, facts, tokenizer, 1, 1024, pick_documents)
     joined = long_document(docs, encode, 4200).assign(doc_id="joined-4k")
     # The joined document asks about the first realistic document's fact.
     first_fact = facts[facts.doc_id == sorted(docs.doc_id)[0]].assign(doc_id="joined-4k")

@@ -58,7 +58,9 @@ def load_model(
     `seed`, exactly as vLLM's `--load-format dummy` does.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one bar line per tensor would swamp the job logs
     if weights not in WEIGHT_KINDS:
         raise ValueError(f"weights must be one of {WEIGHT_KINDS}, got {weights!r}")
     if weights == "real":
