@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from kvbench.atomic import atomic_path
 
-WeightsKind = Literal["real", "random", "dummy"]
 WEIGHT_KINDS: tuple[str, ...] = ("real", "random", "dummy")
 DUMMY_RANGE = 1e-3  # vLLM --load-format dummy: uniform(-1e-3, 1e-3)
 

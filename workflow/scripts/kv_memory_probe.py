@@ -2,7 +2,8 @@ import pandas as pd
 import torch
 
 from kvbench.jobs import job_log
-from kvbench.kv.study import kv_settings, long_document, peak_rss_mb, run_study
+from kvbench.harness import peak_rss_mb
+from kvbench.kv.study import kv_settings, long_document, run_study
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
 

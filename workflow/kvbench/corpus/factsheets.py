@@ -16,7 +16,6 @@ import yaml
 from faker import Faker
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-DOMAINS = ("medical", "legal")
 
 
 @lru_cache(maxsize=None)

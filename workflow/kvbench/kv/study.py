@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import resource
 import sys
 import time
 import traceback
@@ -122,7 +121,3 @@ def long_document(docs: pd.DataFrame, encode: Callable[[str], list[int]], tokens
             return pd.DataFrame([{"doc_id": f"joined-{tokens}", "corpus": "realistic", "domain": "mixed",
                                   "doc_type": "joined", "text": text}])
     raise ValueError(f"the corpus has only {n} tokens; the memory probe needs {tokens}")
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
