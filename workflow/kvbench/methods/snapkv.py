@@ -23,11 +23,10 @@ class SnapKVLayer(ScoredLayer):
         self.query_window = self.window
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if self.is_initialized:  # decode: append
-            keys = torch.cat([self.keys.to(key_states.dtype), key_states], dim=-2)
-            values = torch.cat([self.values.to(value_states.dtype), value_states], dim=-2)
-            self.store(keys, values)
-            return keys, values
+        if self.is_initialized:  # decode: append at the storage dtype, attend at the compute dtype
+            self.store(torch.cat([self.keys, key_states.to(self.storage)], dim=-2),
+                       torch.cat([self.values, value_states.to(self.storage)], dim=-2))
+            return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         self.lazy_initialization(key_states, value_states)
         tokens = key_states.shape[-2]
         keep = keep_count(tokens, self.settings)
