@@ -1,7 +1,7 @@
 """Codec registry: each codec turns bytes into bytes and back, exactly.
 
 Names are `<base>` or `<base>+byteplane`; byte-plane first splits every element of `width`
-bytes into planes (all high bytes, then all low bytes for 16-bit values), which float data rewards:
+bytes into planes (byte 0 of every element, then byte 1, ...), which float data rewards:
 exponent/sign bytes repeat far more than mantissa bytes.
 """
 
