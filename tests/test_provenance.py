@@ -40,3 +40,13 @@ def test_failed_write_leaves_previous_output_intact(tmp_path):
         write_table(pd.DataFrame({"model": [1]}), out, prov)  # clashes with a provenance column
     assert pd.read_parquet(out)["a"].tolist() == [1]
     assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"]
+
+
+def test_read_tables_concatenates_and_strips_provenance(tmp_path):
+    from kvbench.provenance import read_tables
+
+    prov = provenance({"seed": 1}, model="m")
+    write_table(pd.DataFrame({"a": [1, 2]}), tmp_path / "x.parquet", prov)
+    write_table(pd.DataFrame({"a": [3]}), tmp_path / "y.parquet", prov)
+    merged = read_tables([str(tmp_path / "x.parquet"), str(tmp_path / "y.parquet")])
+    assert list(merged.columns) == ["a"] and merged.a.tolist() == [1, 2, 3]

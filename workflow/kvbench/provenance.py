@@ -95,3 +95,8 @@ def write_table(df: pd.DataFrame, path: str | os.PathLike, prov: Mapping[str, An
     out = df.assign(**prov) if len(df) else df.reindex(columns=[*df.columns, *prov])
     with atomic_path(path) as tmp:
         out.to_parquet(tmp, index=False)
+
+
+def read_tables(paths: list[str]) -> pd.DataFrame:
+    """Per-job tables concatenated, without their provenance (the merged table gets its own)."""
+    return pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True).drop(columns=list(PROVENANCE_COLUMNS))

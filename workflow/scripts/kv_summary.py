@@ -1,17 +1,12 @@
-import pandas as pd
-
 from kvbench.jobs import job_log
 from kvbench.kv.summary import claim_text, inflation_factors, pooled_ratios
 from kvbench.plots import kv_chunk_figure, kv_layer_figure, kv_ratio_figure
-from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table
+from kvbench.provenance import provenance, read_tables, write_table
 
 with job_log(snakemake.log[0], snakemake.config):
     cfg = snakemake.params.cfg
-
-    def combined(paths):
-        return pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True).drop(columns=list(PROVENANCE_COLUMNS))
-
-    whole, layers, chunks = combined(snakemake.input.whole), combined(snakemake.input.layers), combined(snakemake.input.chunks)
+    inputs = snakemake.input
+    whole, layers, chunks = read_tables(inputs.whole), read_tables(inputs.layers), read_tables(inputs.chunks)
     factors = inflation_factors(whole)
     failed = whole[whole.error.notna()]
     print(f"{len(whole)} rows, {len(failed)} with an error")

@@ -1,12 +1,9 @@
-import pandas as pd
-
 from kvbench.jobs import job_log
 from kvbench.plots import system_figure
-from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table
+from kvbench.provenance import provenance, read_tables, write_table
 
 with job_log(snakemake.log[0], snakemake.config):
-    table = pd.concat([pd.read_parquet(p) for p in snakemake.input], ignore_index=True)
-    table = table.drop(columns=list(PROVENANCE_COLUMNS))
+    table = read_tables(snakemake.input)
     columns = ["ttft_s", "tpot_s", "kv_bytes_end", "ratio_end", "peak_memory_mb"]
     ok = table[table.error.isna()]
     print(ok.groupby(["method", "bucket"])[columns].median().to_string(float_format="%.3f"))
