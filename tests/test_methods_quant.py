@@ -22,7 +22,7 @@ def test_kivi_error_within_the_bound_its_bits_and_group_stats_imply(bits):
         err = (block.dequantize() - x).abs()
         # Half a quantization step of the group the value belongs to (+ fp16 rounding of the stats).
         step = block.scale.float()
-        bound = (step / 2 + step * 1e-2 + 1e-3 * x.abs().amax()).expand(block.codes_shape).reshape(err.shape)
+        bound = (step / 2 + step * 1e-2 + 1e-3 * x.abs().amax()).expand(block.grouped).reshape(err.shape)
         assert (err <= bound).all()
         assert err.max() > 0
 

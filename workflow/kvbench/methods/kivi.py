@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, register, tensor_bytes
-from kvbench.methods.packing import pack, unpack
+from kvbench.methods.packing import pack_planes, unpack_planes_into
 
 
 def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -27,27 +27,35 @@ def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
     return codes, scale, zero
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale.float() + zero.float()
-
-
 class QuantizedBlock:
-    """Whole groups of G tokens of K or V: packed codes, fp16 scale and zero point per group."""
+    """Whole groups of G tokens of K or V: codes packed in planes along head_dim, fp16 scale and
+    zero point per group."""
 
     def __init__(self, x: torch.Tensor, bits: int, group: int, per_channel: bool) -> None:
         # x: [batch, heads, n * G tokens, head_dim]
-        self.shape, self.bits = x.shape, bits
+        self.shape, self.bits, self.per_channel = x.shape, bits, per_channel
         b, h, t, d = x.shape
-        if per_channel:  # statistics over each group of G tokens, per channel
-            codes, self.scale, self.zero = quantize(x.reshape(b, h, t // group, group, d), bits, dim=-2)
-        else:  # statistics over groups of G channels, per token
-            codes, self.scale, self.zero = quantize(x.reshape(b, h, t, d // group, group), bits, dim=-1)
-        self.codes_shape = codes.shape
-        self.packed = pack(codes, bits)
+        # Per channel: statistics over each group of G tokens; per token: over G channels.
+        self.grouped = (b, h, t // group, group, d) if per_channel else (b, h, t, d // group, group)
+        codes, self.scale, self.zero = quantize(x.reshape(self.grouped), bits, dim=-2 if per_channel else -1)
+        self.packed = pack_planes(codes.reshape(x.shape), bits)
+
+    def tokens(self) -> int:
+        return self.shape[-2]
+
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """Write codes * scale + zero into `out`, a [batch, heads, tokens, head_dim] view."""
+        unpack_planes_into(self.packed, self.bits, out)
+        grouped = out.view(self.grouped)
+        if self.per_channel:
+            torch.addcmul(self.zero.float(), grouped, self.scale.float(), out=grouped)
+        else:  # addcmul broadcasting along the innermost axis is several times slower on CPU
+            grouped.mul_(self.scale.float()).add_(self.zero.float())
 
     def dequantize(self) -> torch.Tensor:
-        codes = unpack(self.packed, self.bits, self.codes_shape.numel()).reshape(self.codes_shape)
-        return dequantize(codes, self.scale, self.zero).reshape(self.shape)
+        out = torch.empty(self.shape, device=self.packed.device)
+        self.dequantize_into(out)
+        return out
 
     def nbytes(self) -> int:
         return tensor_bytes(self.packed, self.scale, self.zero)
@@ -73,10 +81,21 @@ class KiviLayer(MethodLayer):
             self.quantized_tokens += flush
         if prefill:  # as KIVI does: the prompt attends in full precision, the cache is quantized
             return key_states, value_states
-        # Decode attends to the dequantized blocks, rebuilt each step: no full-precision shadow
-        # copy is kept, so the cache holds only what nbytes() counts.
-        return (torch.cat([b.dequantize().to(compute) for b in self.key_blocks] + [self.keys.to(compute)], dim=-2),
-                torch.cat([b.dequantize().to(compute) for b in self.value_blocks] + [self.values.to(compute)], dim=-2))
+        # Decode attends to the dequantized blocks, rebuilt each step into one buffer: no
+        # full-precision shadow copy is kept, so the cache holds only what nbytes() counts.
+        return self._rebuild(self.key_blocks, self.keys, compute), self._rebuild(self.value_blocks, self.values, compute)
+
+    @staticmethod
+    def _rebuild(blocks: list[QuantizedBlock], residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        b, h, _, d = residual.shape
+        out = torch.empty(b, h, sum(x.tokens() for x in blocks) + residual.shape[-2], d, dtype=dtype,
+                          device=residual.device)
+        start = 0
+        for block in blocks:
+            block.dequantize_into(out[..., start : start + block.tokens(), :])
+            start += block.tokens()
+        out[..., start:, :] = residual
+        return out
 
     def get_seq_length(self) -> int:
         return self.quantized_tokens + super().get_seq_length()
@@ -91,5 +110,7 @@ def kivi(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
     bits, group, residual = int(settings["bits"]), int(settings.get("group_size", 32)), int(settings.get("residual", 128))
     if shape.head_dim % group:
         raise ValueError(f"kivi: group_size {group} must divide head_dim {shape.head_dim}")
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"kivi: bits must be 1, 2, 4 or 8 (codes are packed in byte planes), not {bits}")
     storage = STORAGE[settings.get("storage", "fp16")]
     return MethodCache([KiviLayer(bits, group, residual, storage) for _ in range(shape.layers)])

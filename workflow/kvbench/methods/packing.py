@@ -3,6 +3,8 @@ bytes, 1-bit eight per byte. The cache's size is the bytes of these packed tenso
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 
@@ -21,7 +23,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     group_bytes = 3 if bits == 3 else 1
     pad = (-flat.numel()) % per_group
     groups = torch.cat([flat, flat.new_zeros(pad)]).reshape(-1, per_group)
-    shifts = torch.arange(per_group, dtype=torch.int32) * bits
+    shifts = torch.arange(per_group, dtype=torch.int32, device=flat.device) * bits
     words = (groups << shifts).sum(dim=1)  # at most 24 bits per group
     out = torch.stack([(words >> (8 * i)) & 0xFF for i in range(group_bytes)], dim=1)
     return out.to(torch.uint8).reshape(-1)[: packed_bytes(flat.numel(), bits)]
@@ -35,6 +37,48 @@ def unpack(packed: torch.Tensor, bits: int, n_codes: int) -> torch.Tensor:
     raw = packed.to(torch.int32)
     raw = torch.cat([raw, raw.new_zeros(n_groups * group_bytes - raw.numel())]).reshape(n_groups, group_bytes)
     words = sum(raw[:, i] << (8 * i) for i in range(group_bytes))
-    shifts = torch.arange(per_group, dtype=torch.int32) * bits
+    shifts = torch.arange(per_group, dtype=torch.int32, device=packed.device) * bits
     codes = (words[:, None] >> shifts) & (2**bits - 1)
     return codes.reshape(-1)[:n_codes].to(torch.uint8)
+
+
+@lru_cache(maxsize=64)
+def _byte_table(bits: int, values: tuple[float, ...], device: str) -> torch.Tensor:
+    """Row b (one packed byte) holds values[code] for each code in b, in packing order."""
+    codes = (torch.arange(256)[:, None] >> (torch.arange(8 // bits) * bits)) & (2**bits - 1)
+    return torch.tensor(values, dtype=torch.float32)[codes].to(device)
+
+
+def unpack_as(packed: torch.Tensor, bits: int, n_codes: int, values: tuple[float, ...]) -> torch.Tensor:
+    """The first `n_codes` codes of `packed`, each as the float32 `values[code]`.
+
+    Decode steps unpack the whole quantized cache, so for 1/2/4 bits this is one table lookup per
+    byte rather than shifting and masking each code (a 256-row table stays in L1; a 65536-row one
+    for byte pairs measured slower once the model's weights stream through the caches)."""
+    if bits == 3:
+        return torch.tensor(values, device=packed.device)[unpack(packed, bits, n_codes).long()]
+    table = _byte_table(bits, values, str(packed.device))
+    return torch.index_select(table, 0, packed.to(torch.int32)).reshape(-1)[:n_codes]
+
+
+def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack 1/2/4-bit codes along the last axis in planes: with w = last // (8 // bits), byte j of
+    a row holds codes j, j + w, j + 2w, ... So unpacking is one shift-and-mask per plane, each
+    written to a contiguous slice of the row: no per-code indexing at decode time."""
+    per = 8 // bits
+    if bits not in (1, 2, 4, 8) or codes.shape[-1] % per:
+        raise ValueError(f"cannot pack {bits}-bit codes in planes along an axis of {codes.shape[-1]}")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2**bits):
+        raise ValueError(f"codes out of range for {bits} bits")
+    planes = codes.to(torch.uint8).chunk(per, dim=-1)
+    out = planes[0].clone()
+    for k, plane in enumerate(planes[1:], start=1):
+        out |= plane << (k * bits)
+    return out
+
+
+def unpack_planes_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Inverse of `pack_planes`, converting on the fly into `out` (any float dtype and strides)."""
+    width, mask = packed.shape[-1], 2**bits - 1
+    for k in range(8 // bits):
+        out[..., k * width : (k + 1) * width].copy_((packed >> (k * bits)) & mask)
