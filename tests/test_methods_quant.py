@@ -63,6 +63,27 @@ def test_kivi_residual_window_and_measured_bytes():
     assert 3 < full16 / layer.nbytes() < 8  # below the nominal 8x: scales, zero points and residual
 
 
+def test_kivi_decode_attends_to_exactly_its_blocks_and_residual():
+    cache = build_cache({"kind": "kivi", "bits": 4, "group_size": 32, "residual": 64}, SHAPE)
+    layer = cache.layers[0]
+    prompt = kv(300)
+    layer.update(prompt, prompt)
+    steps = [kv(1) for _ in range(70)]  # two more flushes: three blocks in all
+    for step in steps:
+        keys, values = layer.update(step, step)
+    assert len(layer.key_blocks) == 3 and keys.shape[-2] == 370
+    expected = torch.cat([b.dequantize() for b in layer.key_blocks] + [layer.keys.float()], dim=-2)
+    assert torch.equal(keys, expected)
+    assert torch.equal(values, torch.cat([b.dequantize() for b in layer.value_blocks] + [layer.values.float()], dim=-2))
+    original = torch.cat([prompt] + steps, dim=-2)
+    assert (values - original).abs().max() < 0.5  # 4-bit steps of ~N(0,1) data, not garbage
+
+
+def test_kivi_refuses_bits_it_cannot_pack_in_planes():
+    with pytest.raises(ValueError, match="kivi: bits must be 1, 2, 4 or 8"):
+        build_cache({"kind": "kivi", "bits": 3}, SHAPE)
+
+
 def test_fp8_cache_holds_one_byte_per_value():
     cache = build_cache({"kind": "fp8"}, SHAPE)
     x = kv(50)

@@ -7,11 +7,13 @@ import gc
 import resource
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import MethodCache, ModelShape, build_cache
+
+CacheFactory = Callable[[dict[str, Any], ModelShape, int], MethodCache]
 
 
 def peak_rss_mb() -> float:
@@ -43,12 +45,14 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def generate(
     model: torch.nn.Module, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int, seed: int = 0,
+    make_cache: CacheFactory = build_cache,
 ) -> dict[str, Any]:
     """Prefill, then greedy decode with explicit positions (evicting caches are shorter than the
-    sequence, so positions cannot come from the cache length)."""
+    sequence, so positions cannot come from the cache length). `make_cache` lets a benchmark
+    instrument the cache."""
     device = next(model.parameters()).device
     shape = ModelShape.of(model.config)
-    cache = build_cache(spec, shape, seed)
+    cache = make_cache(spec, shape, seed)
     handles = cache.attach(model)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
@@ -90,7 +94,7 @@ def generate(
 
 def run_row(
     model: torch.nn.Module, method: str, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int,
-    repeats: int, seed: int, max_context: int,
+    repeats: int, seed: int, max_context: int, make_cache: CacheFactory = build_cache,
 ) -> dict[str, Any]:
     """Measured repeats of one method on one prompt (after one warm-up), or the error it raised."""
     device = next(model.parameters()).device
@@ -99,10 +103,10 @@ def run_row(
                            "bucket": context_bucket(len(input_ids), max_context), "error": None}
     try:
         # Warm-up (excluded), long enough to pass the quantizers' residual windows.
-        generate(model, spec, input_ids[:256], 2, seed)
+        generate(model, spec, input_ids[:256], 2, seed, make_cache)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        runs = [generate(model, spec, input_ids, max_new_tokens, seed) for _ in range(repeats)]
+        runs = [generate(model, spec, input_ids, max_new_tokens, seed, make_cache) for _ in range(repeats)]
     except Exception as err:  # an OOM or a method bug on this prompt: a row with the error
         traceback.print_exc()
         row["error"] = f"{type(err).__name__}: {err}"

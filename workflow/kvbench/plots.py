@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvbench.atomic import atomic_path  # noqa: E402
+from kvbench.kv.summary import pooled_ratios  # noqa: E402
 
 
 def save(fig: plt.Figure, path: str | os.PathLike) -> None:
@@ -57,13 +58,12 @@ def kv_ratio_figure(ratios: pd.DataFrame, codec: str, path: str | os.PathLike) -
 
 
 def kv_layer_figure(layers: pd.DataFrame, dtype: str, codec: str, path: str | os.PathLike) -> None:
-    sel = layers[(layers.dtype == dtype) & (layers.codec == codec) & layers.error.isna()]
+    sel = layers[(layers.dtype == dtype) & (layers.codec == codec)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, part in zip(axes, ("K", "V")):
-        agg = sel[sel.part == part].groupby(["corpus", "weights", "layer"]).apply(
-            lambda g: g.raw_bytes.sum() / g.compressed_bytes.sum(), include_groups=False)
-        for (corpus, weights), series in agg.groupby(level=[0, 1]):
-            ax.plot(series.index.get_level_values("layer"), series.values, marker=".", label=f"{corpus} / {weights}")
+        agg = pooled_ratios(sel[sel.part == part], by=["corpus", "weights", "layer"])
+        for (corpus, weights), series in agg.groupby(["corpus", "weights"]):
+            ax.plot(series.layer, series.ratio, marker=".", label=f"{corpus} / {weights}")
         ax.set_title(f"{part}, {dtype}, {codec}")
         ax.set_xlabel("layer")
         ax.set_yscale("log")

@@ -8,10 +8,11 @@ import pandas as pd
 GROUP = ["corpus", "weights", "dtype", "codec"]
 
 
-def pooled_ratios(table: pd.DataFrame) -> pd.DataFrame:
-    """Total raw / total compressed bytes per corpus x weights x dtype x codec (K and V together)."""
+def pooled_ratios(table: pd.DataFrame, by: list[str] = GROUP) -> pd.DataFrame:
+    """Total raw / total compressed bytes per group (by default corpus x weights x dtype x codec,
+    K and V together), over the rows without an error."""
     ok = table[table["error"].isna()]
-    agg = ok.groupby(GROUP, as_index=False).agg(
+    agg = ok.groupby(by, as_index=False).agg(
         docs=("doc_id", "nunique"), raw_bytes=("raw_bytes", "sum"), compressed_bytes=("compressed_bytes", "sum"),
     )
     agg["ratio"] = agg.raw_bytes / agg.compressed_bytes

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from kvbench.methods.base import STORAGE, ModelShape, register
-from kvbench.methods.eviction import EvictionCache, attention_probs, gather, keep_count, select_with_window
+from kvbench.methods.eviction import (
+    EvictionCache, attention_probs, gather, keep_count, max_pool, select_with_window,
+)
 from kvbench.methods.snapkv import SnapKVLayer
 
 
@@ -43,8 +45,7 @@ class CaMLayer(SnapKVLayer):
         window = min(self.window, tokens)
         groups = self.q_heads // key_states.shape[1]
         weights = attention_probs(self.queries[..., -window:, :], key_states, groups).mean(dim=1)  # [H, T]
-        pooled = torch.nn.functional.max_pool1d(weights[None], self.kernel, stride=1, padding=self.kernel // 2)[0]
-        kept = select_with_window(pooled, keep, self.window)
+        kept = select_with_window(max_pool(weights, self.kernel), keep, self.window)
         budget = min(int(self.settings.get("merge_budget", 32)), keep - min(window, keep))
         targets = kept[:, keep - min(window, keep) - budget: keep - min(window, keep)] if budget > 0 else kept[:, -1:]
         self.store(gather(key_states, kept), merge_evicted(value_states, weights, kept, targets))

@@ -20,10 +20,12 @@ class ScoredLayer(MethodLayer):
     """A layer that receives this step's queries from the hook before `update` runs.
 
     `query_window`: how many of the last queries the layer needs (None: all of them); the hook
-    projects only those, so scoring adds little to the prefill.
+    projects only those, so scoring adds little to the prefill. `decode_queries`: whether decode
+    steps need queries too (H2O keeps scoring; SnapKV and CaM select once, at prefill).
     """
 
     query_window: int | None = None
+    decode_queries: bool = False
 
     def __init__(self, storage: torch.dtype, q_heads: int) -> None:
         super().__init__()
@@ -43,14 +45,17 @@ class EvictionCache(MethodCache):
 
     def _hook(self, index: int):
         def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            layer = self.layers[index]
+            if layer.is_initialized and not layer.decode_queries:
+                return
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             cos, sin = kwargs["position_embeddings"]
-            window = self.layers[index].query_window
+            window = layer.query_window
             if window is not None:
                 hidden, cos, sin = hidden[:, -window:], cos[:, -window:], sin[:, -window:]
             q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2)
             q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-            self.layers[index].queries = q
+            layer.queries = q
 
         return capture
 
@@ -70,8 +75,12 @@ def attention_probs(queries: torch.Tensor, keys: torch.Tensor, kv_groups: int) -
 def pooled_window_scores(queries: torch.Tensor, keys: torch.Tensor, kv_groups: int, window: int,
                          kernel: int) -> torch.Tensor:
     """SnapKV scores [Hkv, T]: attention of the last `window` queries summed, then max-pooled."""
-    probs = attention_probs(queries[..., -window:, :], keys, kv_groups).sum(dim=1)
-    return torch.nn.functional.max_pool1d(probs[None], kernel, stride=1, padding=kernel // 2)[0]
+    return max_pool(attention_probs(queries[..., -window:, :], keys, kv_groups).sum(dim=1), kernel)
+
+
+def max_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Each position's score [H, T] raised to its neighbourhood's maximum: keeps clusters whole."""
+    return torch.nn.functional.max_pool1d(scores[None], kernel, stride=1, padding=kernel // 2)[0]
 
 
 def keep_count(tokens: int, settings: dict[str, Any]) -> int:

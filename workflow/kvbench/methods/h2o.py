@@ -18,6 +18,8 @@ QUERY_CHUNK = 256  # prefill attention is accumulated in chunks of queries to bo
 
 
 class H2OLayer(ScoredLayer):
+    decode_queries = True  # heavy hitters accumulate every new query's attention
+
     def __init__(self, storage: torch.dtype, q_heads: int, settings: dict[str, Any]) -> None:
         super().__init__(storage, q_heads)
         self.settings = settings
