@@ -31,6 +31,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, n_codes: int) -> torch.Tensor:
     """Inverse of `pack`: the first `n_codes` codes as uint8."""
+    return _unpack_int32(packed, bits, n_codes).to(torch.uint8)
+
+
+def _unpack_int32(packed: torch.Tensor, bits: int, n_codes: int) -> torch.Tensor:
     per_group = 8 if bits == 3 else 8 // bits
     group_bytes = 3 if bits == 3 else 1
     n_groups = -(-n_codes // per_group)
@@ -39,7 +43,7 @@ def unpack(packed: torch.Tensor, bits: int, n_codes: int) -> torch.Tensor:
     words = sum(raw[:, i] << (8 * i) for i in range(group_bytes))
     shifts = torch.arange(per_group, dtype=torch.int32, device=packed.device) * bits
     codes = (words[:, None] >> shifts) & (2**bits - 1)
-    return codes.reshape(-1)[:n_codes].to(torch.uint8)
+    return codes.reshape(-1)[:n_codes]
 
 
 @lru_cache(maxsize=64)
@@ -55,8 +59,9 @@ def unpack_as(packed: torch.Tensor, bits: int, n_codes: int, values: tuple[float
     Decode steps unpack the whole quantized cache, so for 1/2/4 bits this is one table lookup per
     byte rather than shifting and masking each code (a 256-row table stays in L1; a 65536-row one
     for byte pairs measured slower once the model's weights stream through the caches)."""
-    if bits == 3:
-        return torch.tensor(values, device=packed.device)[unpack(packed, bits, n_codes).long()]
+    if bits == 3:  # codes straddle bytes: unpack the 24-bit words, then one lookup per code
+        table = torch.tensor(values, dtype=torch.float32, device=packed.device)
+        return torch.index_select(table, 0, _unpack_int32(packed, bits, n_codes))
     table = _byte_table(bits, values, str(packed.device))
     return torch.index_select(table, 0, packed.to(torch.int32)).reshape(-1)[:n_codes]
 
