@@ -47,12 +47,12 @@ def test_kivi_residual_window_and_measured_bytes():
     keys, values = layer.update(kv(1000), kv(1000))
     assert keys.shape[-2] == 1000 and layer.get_seq_length() == 1000
     quantized = (1000 - 128) // 32 * 32
-    assert layer.quantized_tokens == quantized and layer.keys.shape[-2] == 1000 - quantized
+    assert layer.quantized_tokens() == quantized and layer.keys.shape[-2] == 1000 - quantized
     for _ in range(40):  # decode: the residual stays within [R, R + G)
         layer.update(kv(1), kv(1))
         assert 128 <= layer.keys.shape[-2] < 128 + 32
     tokens = layer.get_seq_length()
-    q = layer.quantized_tokens
+    q = layer.quantized_tokens()
     per_token_values = SHAPE.kv_heads * SHAPE.head_dim
     codes = 2 * q * per_token_values * 2 // 8
     key_stats = (q // 32) * SHAPE.kv_heads * SHAPE.head_dim * 2 * 2  # fp16 scale + zero per channel per group
@@ -63,20 +63,22 @@ def test_kivi_residual_window_and_measured_bytes():
     assert 3 < full16 / layer.nbytes() < 8  # below the nominal 8x: scales, zero points and residual
 
 
-def test_kivi_decode_attends_to_exactly_its_blocks_and_residual():
+def test_kivi_decode_attends_to_exactly_its_groups_and_residual():
     cache = build_cache({"kind": "kivi", "bits": 4, "group_size": 32, "residual": 64}, SHAPE)
     layer = cache.layers[0]
     prompt = kv(300)
     layer.update(prompt, prompt)
-    steps = [kv(1) for _ in range(70)]  # two more flushes: three blocks in all
+    steps = [kv(1) for _ in range(70)]
     for step in steps:
         keys, values = layer.update(step, step)
-    assert len(layer.key_blocks) == 3 and keys.shape[-2] == 370
-    expected = torch.cat([b.dequantize() for b in layer.key_blocks] + [layer.keys.float()], dim=-2)
-    assert torch.equal(keys, expected)
-    assert torch.equal(values, torch.cat([b.dequantize() for b in layer.value_blocks] + [layer.values.float()], dim=-2))
-    original = torch.cat([prompt] + steps, dim=-2)
-    assert (values - original).abs().max() < 0.5  # 4-bit steps of ~N(0,1) data, not garbage
+    # Prefill quantizes 224 tokens (300 - 64, whole groups); decode flushes 32 at residual 96, twice.
+    assert layer.quantized_tokens() == 288 and keys.shape[-2] == 370
+    stored = torch.cat([prompt] + steps, dim=-2).half().float()
+    for out, per_channel in ((keys, True), (values, False)):
+        # One block, appended to at each flush, equals the three flushes quantized separately.
+        parts = [QuantizedBlock(stored[..., a:b, :], 4, 32, per_channel).dequantize() for a, b in ((0, 224), (224, 256), (256, 288))]
+        assert torch.equal(out, torch.cat(parts + [stored[..., 288:, :]], dim=-2))
+        assert (out - stored).abs().max() < 0.5  # 4-bit steps of ~N(0,1) data, not garbage
 
 
 def test_kivi_refuses_bits_it_cannot_pack_in_planes():
