@@ -69,10 +69,17 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     setup = json.load(open(prompts_path))
+    snap, kivi = setup["snapkv"], setup["kivi"]
+
+    def quanto(bits: int):
+        return lambda: QuantizedCache(backend="quanto", config=model.config, nbits=bits,
+                                      q_group_size=kivi["group_size"], residual_length=kivi["residual"])
+
     peers = {
-        "kvpress-snapkv": (DynamicCache, SnapKVPress(compression_ratio=1 - setup["keep_ratio"], window_size=32, kernel_size=7)),
-        "quanto-kivi2": (lambda: QuantizedCache(backend="quanto", config=model.config, nbits=2, q_group_size=32, residual_length=128), None),
-        "quanto-kivi4": (lambda: QuantizedCache(backend="quanto", config=model.config, nbits=4, q_group_size=32, residual_length=128), None),
+        "kvpress-snapkv": (DynamicCache, SnapKVPress(compression_ratio=1 - snap["keep_ratio"], window_size=snap["window"],
+                                                     kernel_size=snap["kernel"])),
+        "quanto-kivi2": (quanto(2), None),
+        "quanto-kivi4": (quanto(4), None),
     }
     rows = []
     for name, (make_cache, press) in peers.items():

@@ -22,26 +22,23 @@ from typing import Any, Callable
 
 import pandas as pd
 import torch
+import yaml
 
 from kvbench.harness import run_row
 from kvbench.kv.study import long_document, pick_documents
 from kvbench.methods.base import MethodCache, build_cache
+from kvbench.methods.eviction import EvictionCache
 from kvbench.models import load_model, load_tokenizer
 from kvbench.prompts import build_prompts
 from kvbench.provenance import provenance, write_table
 
 MODEL = "resources/models/smollm2-135m"
 PEER_PYTHON = ".bench/peer-venv/bin/python"
-SNAPKV = {"kind": "snapkv", "window": 32, "kernel": 7, "keep_ratio": 0.25}
-OURS = {
-    "full": {"kind": "full", "storage": "fp16"},
-    "snapkv": SNAPKV,
-    "snapkv-fp32": SNAPKV | {"storage": "fp32"},  # kvpress's storage dtype: equal measured bytes
-    "kivi2": {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 128},
-    "kivi4": {"kind": "kivi", "bits": 4, "group_size": 32, "residual": 128},
-    "turboquant3": {"kind": "turboquant", "bits": 3},
-    "turboquant4": {"kind": "turboquant", "bits": 4},
-}
+# The pipeline's own settings (config/config.yaml), plus SnapKV stored at fp32 as kvpress keeps
+# it: equal measured bytes.
+CONFIG_METHODS = yaml.safe_load(Path("config/config.yaml").read_text())["methods"]
+OURS = {name: CONFIG_METHODS[name] for name in ("full", "snapkv", "kivi2", "kivi4", "turboquant3", "turboquant4")}
+OURS["snapkv-fp32"] = OURS["snapkv"] | {"storage": "fp32"}
 PEER_OF = {"snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv", "kivi2": "quanto-kivi2",
            "kivi4": "quanto-kivi4"}
 
@@ -69,9 +66,9 @@ class PrefillClock:
         cache = build_cache(spec, shape, seed)
         for layer in cache.layers:
             layer.update = self.timed(layer.update, layer)
-        if hasattr(cache, "_hook"):
-            make_hook = cache._hook
-            cache._hook = lambda index: self.timed(make_hook(index), cache.layers[index])
+        if isinstance(cache, EvictionCache):
+            make_hook = cache.query_hook
+            cache.query_hook = lambda index: self.timed(make_hook(index), cache.layers[index])
         return cache
 
 
@@ -103,7 +100,8 @@ def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_
 
 
 def peer_round(prompts: list[dict[str, Any]], new_tokens: int, round_: int) -> tuple[list[dict[str, Any]], dict]:
-    setup = {"keep_ratio": 0.25, "new_tokens": new_tokens, "repeats": 1,
+    # The peers get our settings: SnapKV's window, kernel and keep ratio; KIVI's group and residual.
+    setup = {"snapkv": OURS["snapkv"], "kivi": OURS["kivi2"], "new_tokens": new_tokens, "repeats": 1,
              "prompts": [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"]} for p in prompts]}
     Path(".bench/prompts.json").write_text(json.dumps(setup))
     subprocess.run([PEER_PYTHON, "bench/peer_methods.py", MODEL, ".bench/prompts.json", ".bench/peers.json"], check=True)
@@ -117,10 +115,10 @@ def peer_round(prompts: list[dict[str, Any]], new_tokens: int, round_: int) -> t
 
 def summarize(table: pd.DataFrame) -> pd.DataFrame:
     full = table[table.method == "full"].groupby(["round", "prompt_id"])[["ttft_s", "method_prefill_s"]].mean()
-    key = pd.MultiIndex.from_frame(table[["round", "prompt_id"]])
-    table["prefill_overhead_vs_full"] = table.ttft_s.to_numpy() / full.ttft_s.reindex(key).to_numpy() - 1
-    table["method_prefill_overhead"] = (table.method_prefill_s.to_numpy() - full.method_prefill_s.reindex(key).to_numpy()) \
-        / full.ttft_s.reindex(key).to_numpy()
+    ref = full.reindex(pd.MultiIndex.from_frame(table[["round", "prompt_id"]]))  # each row's round reference
+    table["prefill_overhead_vs_full"] = table.ttft_s.to_numpy() / ref.ttft_s.to_numpy() - 1
+    table["method_prefill_overhead"] = (table.method_prefill_s.to_numpy() - ref.method_prefill_s.to_numpy()) \
+        / ref.ttft_s.to_numpy()
     return table.groupby(["implementation", "method", "prompt_id"], sort=False).agg(
         ttft_s=("ttft_s", "median"), tpot_s=("tpot_s", "median"), kv_bytes_end=("kv_bytes_end", "first"),
         prefill_overhead_vs_full=("prefill_overhead_vs_full", "median"),

@@ -117,10 +117,12 @@ def run_row(
                                   "full16_bytes_end", "ratio_prefill", "ratio_end")}
     row["output_ids"] = first["tokens"]
     for key in ("ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s", "e2e_s"):
-        values = [r[key] for r in runs if r[key] is not None]
-        tensor = torch.tensor(values, dtype=torch.float64) if values else None
-        row[key] = float(tensor.median()) if values else None
-        row[f"{key}_std"] = float(tensor.std()) if values and len(values) > 1 else 0.0 if values else None
+        values = torch.tensor([r[key] for r in runs if r[key] is not None], dtype=torch.float64)
+        if values.numel() == 0:  # e.g. TPOT when the first token was the end of sequence
+            row[key] = row[f"{key}_std"] = None
+            continue
+        row[key] = float(values.median())
+        row[f"{key}_std"] = float(values.std()) if values.numel() > 1 else 0.0
     row["repeats"] = repeats
     row["peak_memory_mb"] = peak_memory_mb(device)
     return row

@@ -46,8 +46,9 @@ class CaMLayer(SnapKVLayer):
         groups = self.q_heads // key_states.shape[1]
         weights = attention_probs(self.queries[..., -window:, :], key_states, groups).mean(dim=1)  # [H, T]
         kept = select_with_window(max_pool(weights, self.kernel), keep, self.window)
-        budget = min(int(self.settings.get("merge_budget", 32)), keep - min(window, keep))
-        targets = kept[:, keep - min(window, keep) - budget: keep - min(window, keep)] if budget > 0 else kept[:, -1:]
+        prefix = keep - min(window, keep)  # kept positions before the window, in position order
+        budget = min(int(self.settings.get("merge_budget", 32)), prefix)
+        targets = kept[:, prefix - budget: prefix] if budget > 0 else kept[:, -1:]
         self.store(gather(key_states, kept), merge_evicted(value_states, weights, kept, targets))
         return key_states, value_states
 

@@ -40,10 +40,12 @@ class EvictionCache(MethodCache):
     def attach(self, model: torch.nn.Module) -> list[Any]:
         handles = []
         for index, block in enumerate(model.model.layers):
-            handles.append(block.self_attn.register_forward_pre_hook(self._hook(index), with_kwargs=True))
+            handles.append(block.self_attn.register_forward_pre_hook(self.query_hook(index), with_kwargs=True))
         return handles
 
-    def _hook(self, index: int):
+    def query_hook(self, index: int):
+        """The forward pre-hook of attention module `index`: hands layer `index` its queries."""
+
         def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             layer = self.layers[index]
             if layer.is_initialized and not layer.decode_queries:

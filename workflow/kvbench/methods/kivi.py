@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, register, tensor_bytes
-from kvbench.methods.packing import pack_planes, unpack_planes_into
+from kvbench.methods.packing import PLANE_BITS, pack_planes, unpack_planes_into
 
 
 def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,7 +125,7 @@ def kivi(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
     bits, group, residual = int(settings["bits"]), int(settings.get("group_size", 32)), int(settings.get("residual", 128))
     if shape.head_dim % group:
         raise ValueError(f"kivi: group_size {group} must divide head_dim {shape.head_dim}")
-    if bits not in (1, 2, 4, 8):
+    if bits not in PLANE_BITS:  # refused here, not at the first flush in the middle of a run
         raise ValueError(f"kivi: bits must be 1, 2, 4 or 8 (codes are packed in byte planes), not {bits}")
     storage = STORAGE[settings.get("storage", "fp16")]
     return MethodCache([KiviLayer(bits, group, residual, storage) for _ in range(shape.layers)])

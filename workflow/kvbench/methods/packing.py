@@ -8,8 +8,16 @@ from functools import lru_cache
 import torch
 
 
+PLANE_BITS = (1, 2, 4, 8)  # widths that fill a byte with whole codes, as `pack_planes` needs
+
+
 def packed_bytes(n_codes: int, bits: int) -> int:
     return -(-n_codes * bits // 8)
+
+
+def _check_range(codes: torch.Tensor, bits: int) -> None:
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2**bits):
+        raise ValueError(f"codes out of range for {bits} bits")
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -17,8 +25,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits not in (1, 2, 3, 4, 8):
         raise ValueError(f"cannot pack {bits}-bit codes")
     flat = codes.reshape(-1).to(torch.int32)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= 2**bits):
-        raise ValueError(f"codes out of range for {bits} bits")
+    _check_range(flat, bits)
     per_group = 8 if bits == 3 else 8 // bits  # codes per packing group
     group_bytes = 3 if bits == 3 else 1
     pad = (-flat.numel()) % per_group
@@ -70,11 +77,10 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack 1/2/4-bit codes along the last axis in planes: with w = last // (8 // bits), byte j of
     a row holds codes j, j + w, j + 2w, ... So unpacking is one shift-and-mask per plane, each
     written to a contiguous slice of the row: no per-code indexing at decode time."""
-    per = 8 // bits
-    if bits not in (1, 2, 4, 8) or codes.shape[-1] % per:
+    if bits not in PLANE_BITS or codes.shape[-1] % (8 // bits):
         raise ValueError(f"cannot pack {bits}-bit codes in planes along an axis of {codes.shape[-1]}")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2**bits):
-        raise ValueError(f"codes out of range for {bits} bits")
+    _check_range(codes, bits)
+    per = 8 // bits
     planes = codes.to(torch.uint8).chunk(per, dim=-1)
     out = planes[0].clone()
     for k, plane in enumerate(planes[1:], start=1):
