@@ -22,7 +22,7 @@ rule corpus_realistic:
     params:
         cfg=config["corpus"]["realistic"],
         vllm=config["vllm"],
-    threads: workflow.cores
+    threads: MACHINE_THREADS
     log:
         main="logs/corpus/realistic.log",
         vllm="logs/corpus/realistic.vllm.log",

@@ -9,7 +9,7 @@ rule system_method:
         cfg=config["system"],
         spec=lambda wc: config["methods"][wc.method],
     # The whole machine per job: timings of different methods are taken under the same load.
-    threads: workflow.cores
+    threads: MACHINE_THREADS
     log:
         "logs/system/{method}.log",
     benchmark:
