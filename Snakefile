@@ -14,6 +14,16 @@ include: "workflow/rules/kv.smk"
 include: "workflow/rules/system.smk"
 
 
+# Light jobs run on the submit host under a cluster executor (no queue wait, no allocation).
+localrules:
+    all,
+    corpus_synthetic,
+    corpus_imported,
+    corpus_stats,
+    kv_summary,
+    system_summary,
+
+
 rule all:
     input:
         all_targets(),

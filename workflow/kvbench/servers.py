@@ -1,4 +1,9 @@
-"""Servers we start (vLLM, Valkey): 127.0.0.1 only, own process group, always stopped."""
+"""Servers we start (vLLM, Valkey): 127.0.0.1 only, own process group, always stopped.
+
+Each server runs under `group_leader.py`, which leads the server's process group and ends the
+whole group (the server's own children too) when the job that started it dies, even by SIGKILL.
+A SIGTERM to the job becomes a normal exit (`kvbench.jobs.job_log`), so `finally` stops it first.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 HOST = "127.0.0.1"
+GROUP_LEADER = Path(__file__).with_name("group_leader.py")
+STOP_GRACE_S = 20.0  # SIGTERM to SIGKILL, for the server's whole group
 
 
 class ServerError(RuntimeError):
@@ -47,16 +54,28 @@ def http_ok(url: str) -> Callable[[], bool]:
     return check
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def log_tail(path: str | os.PathLike, lines: int = 20) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
 
 
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+def server_state(name: str, proc: subprocess.Popen, log: str | os.PathLike, settle_s: float = 3.0) -> str:
+    """One line on whether the server still runs, and the end of its log: what a failed request
+    needs to say (a crashed server otherwise shows as a bare connection error). A request can
+    fail a moment before the crashed server's process is gone: wait `settle_s` for that."""
+    try:
+        code = proc.wait(timeout=settle_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    state = "is still running" if code is None else f"exited with code {code}"
+    return f"{name} {state}; log {log}:\n{log_tail(log)}"
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM the whole group, then SIGKILL whatever is left (children included)."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+    for sig, wait_s in ((signal.SIGTERM, grace_s + 5.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -83,14 +102,18 @@ def managed_server(
     timeout_s: float = 600.0,
     poll_s: float = 1.0,
 ) -> Iterator[subprocess.Popen]:
-    """Start `cmd` in its own process group, wait until `healthy()`, stop it on exit."""
+    """Start `cmd` in its own process group, wait until `healthy()`, stop it on exit.
+
+    The yielded process is the group leader (see `group_leader.py`); the server is its child.
+    """
     if not port_is_free(port):
         raise ServerError(f"{name}: port {port} on {HOST} is already in use")
     log_file = Path(log_path)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as log:
+        leader = [sys.executable, "-I", str(GROUP_LEADER), str(os.getpid()), str(STOP_GRACE_S), "--"]
         proc = subprocess.Popen(
-            list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [*leader, *cmd], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})}, start_new_session=True,
         )
         try:
@@ -110,7 +133,7 @@ def _wait_healthy(
         if proc.poll() is not None:
             raise ServerError(
                 f"{name} exited with code {proc.returncode} before becoming healthy; "
-                f"log {log}:\n{_tail(log)}"
+                f"log {log}:\n{log_tail(log)}"
             )
         if healthy():
             print(f"[{name}] healthy after {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
@@ -118,7 +141,7 @@ def _wait_healthy(
         now = time.monotonic()
         if now - start > timeout_s:
             raise ServerError(
-                f"{name} did not become healthy within {timeout_s:.0f} s; log {log}:\n{_tail(log)}"
+                f"{name} did not become healthy within {timeout_s:.0f} s; log {log}:\n{log_tail(log)}"
             )
         if now - last_note > 30:
             print(f"[{name}] waiting for health ({now - start:.0f} s)", file=sys.stderr, flush=True)

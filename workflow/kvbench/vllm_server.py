@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from kvbench.servers import HOST, free_port, http_ok, managed_server
+from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server, server_state
 
 SERVED_NAME = "kvbench-model"
 
@@ -45,11 +46,14 @@ def vllm_env(settings: Mapping[str, Any]) -> dict[str, str]:
 
 
 class VLLMClient:
-    """Chat completions against the served model; errors carry the server's message."""
+    """Chat completions against the served model; errors carry the server's message, or its
+    state and log when it crashed or hung (a bare connection error says neither)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 300.0, server: subprocess.Popen | None = None,
+                 log_path: str | Path | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.server, self.log_path = server, log_path
 
     def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
         body = {"model": SERVED_NAME, "messages": messages, **params}
@@ -63,6 +67,10 @@ class VLLMClient:
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
             raise RuntimeError(f"vLLM answered HTTP {err.code}: {detail}") from err
+        except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out (no answer)
+            reason = getattr(err, "reason", err)
+            where = server_state("vllm", self.server, self.log_path) if self.server else "no server handle"
+            raise ServerError(f"vLLM request failed ({reason}; timeout {self.timeout_s:.0f} s); {where}") from err
 
 
 @contextmanager
@@ -74,5 +82,5 @@ def vllm_server(
     with managed_server(
         "vllm", vllm_command(model_dir, port, settings, seed), port, http_ok(f"{base}/health"),
         log_path, env=vllm_env(settings), timeout_s=float(settings["startup_timeout_s"]),
-    ):
-        yield VLLMClient(base)
+    ) as proc:
+        yield VLLMClient(base, float(settings["request_timeout_s"]), proc, log_path)

@@ -1,33 +1,52 @@
 import os
+import re
+import sys
+from pathlib import Path
 
-from snakemake.utils import validate
+# The library sits next to the rules. This parse and every job (local, --use-conda, cluster
+# nodes, the SLURM jobstep) import it from this checkout, so no environment needs `pip install -e`.
+LIBRARY = str(Path(workflow.basedir) / "workflow")
+sys.path.insert(0, LIBRARY)
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != LIBRARY:
+    os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (LIBRARY, os.environ.get("PYTHONPATH")) if p))
 
-from kvbench.config import check_config, check_schema, model_dir as _model_dir, tokenizer_model
+from kvbench.codehash import code_hash
+from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
+from kvbench.corpus.imported import document_files
 
-# One line per problem, naming the key; then snakemake's validate fills in the defaults.
-check_schema(config, workflow.source_path("../schemas/config.schema.yaml"))
-validate(config, schema="../schemas/config.schema.yaml")
-
-check_config(config)
+# Schema (types, ranges, defaults), method settings per kind, lengths against each model's context
+# and the documents, subsets, references, files: one line per problem, naming the key.
+check_config(config, workflow.source_path("../schemas/config.schema.yaml"))
 
 PREPARED_MODELS = [m for m, src in config["models"].items() if "path" not in src]
+SYSTEM_MODELS = system_models(config)
 SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # Jobs that want the whole machine (a server, timed runs). Snakemake scales threads down to
-# --cores locally; cluster profiles set them per rule (set-threads). Never workflow.cores: it
-# needs a global core count, which `--unlock` and the SLURM executor do not give.
+# --cores locally, and the SLURM profile sets them per rule. A global core count (workflow.cores)
+# would break `--unlock` and the SLURM executor, which do not give one.
 MACHINE_THREADS = os.cpu_count() or 1
 CORPORA = ["synthetic", "realistic"] + (["imported"] if config["corpus"]["imported"]["path"] else [])
 
 
 wildcard_constraints:
-    model="|".join(PREPARED_MODELS) or "^$",
+    model="|".join(map(re.escape, config["models"])),
     corpus="|".join(CORPORA),
     weights="real|random|dummy",
-    method="|".join(SYSTEM_METHODS),
+    method="|".join(map(re.escape, SYSTEM_METHODS)),
 
 
 def model_dir(name):
     return _model_dir(config, name)
+
+
+def library_code(script):
+    """Hash of the library modules a script imports: a param, so a library change reruns its jobs."""
+    return code_hash(Path(workflow.basedir) / "workflow" / "scripts" / script)
+
+
+def imported_files(wildcards):
+    """The imported folder's documents are inputs: adding, removing or editing one reruns the import."""
+    return [str(p) for p in document_files(config["corpus"]["imported"]["path"])]
 
 
 def corpus_docs(corpora=CORPORA):
@@ -37,6 +56,10 @@ def corpus_docs(corpora=CORPORA):
 def kv_parts(table):
     kv = config["kv"]
     return expand(f"results/kv/{{corpus}}/{{weights}}/{table}.parquet", corpus=kv["corpora"], weights=kv["weights"])
+
+
+def system_parts():
+    return expand("results/system/{model}/{method}.parquet", model=SYSTEM_MODELS, method=SYSTEM_METHODS)
 
 
 def all_targets():

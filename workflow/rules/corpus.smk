@@ -3,6 +3,7 @@ rule corpus_synthetic:
         docs="results/corpus/synthetic/docs.parquet",
     params:
         cfg=config["corpus"]["synthetic"],
+        code=library_code("corpus_synthetic.py"),
     log:
         "logs/corpus/synthetic.log",
     benchmark:
@@ -22,6 +23,8 @@ rule corpus_realistic:
     params:
         cfg=config["corpus"]["realistic"],
         vllm=config["vllm"],
+        seed=config["seed"],
+        code=library_code("corpus_realistic.py"),
     threads: MACHINE_THREADS
     log:
         main="logs/corpus/realistic.log",
@@ -35,10 +38,13 @@ rule corpus_realistic:
 
 
 rule corpus_imported:
+    input:
+        imported_files,
     output:
         docs="results/corpus/imported/docs.parquet",
     params:
         cfg=config["corpus"]["imported"],
+        code=library_code("corpus_imported.py"),
     log:
         "logs/corpus/imported.log",
     benchmark:
@@ -69,6 +75,8 @@ rule corpus_stats:
             caption="../report/diversity.rst",
             category="Corpus",
         ),
+    params:
+        code=library_code("corpus_stats.py"),
     log:
         "logs/corpus/stats.log",
     benchmark:

@@ -8,6 +8,9 @@ rule kv_capture:
         chunks="results/kv/{corpus}/{weights}/chunks.parquet",
     params:
         cfg=config["kv"],
+        # Real weights ignore the seed: changing it reruns only the random and dummy variants.
+        seed=lambda wc: None if wc.weights == "real" else config["seed"],
+        code=library_code("kv_capture.py"),
     threads: 1
     log:
         "logs/kv/{corpus}.{weights}.log",
@@ -54,6 +57,7 @@ rule kv_summary:
         ),
     params:
         cfg=config["kv"],
+        code=library_code("kv_summary.py"),
     log:
         "logs/kv/summary.log",
     benchmark:
@@ -74,6 +78,8 @@ rule kv_memory_probe:
     params:
         cfg=config["kv"],
         tokens=8192,
+        seed=config["seed"],
+        code=library_code("kv_memory_probe.py"),
     log:
         "logs/kv/memory_probe.log",
     benchmark:

@@ -2,18 +2,20 @@ rule system_method:
     input:
         docs=expand("results/corpus/{corpus}/docs.parquet", corpus=list(config["system"]["prompts_per_corpus"])),
         facts="results/corpus/realistic/facts.parquet",
-        model=model_dir(config["system"]["model"]),
+        model=lambda wc: model_dir(wc.model),
     output:
-        "results/system/methods/{method}.parquet",
+        "results/system/{model}/{method}.parquet",
     params:
         cfg=config["system"],
         spec=lambda wc: config["methods"][wc.method],
+        seed=config["seed"],
+        code=library_code("system_method.py"),
     # The whole machine per job: timings of different methods are taken under the same load.
     threads: MACHINE_THREADS
     log:
-        "logs/system/{method}.log",
+        "logs/system/{model}/{method}.log",
     benchmark:
-        "benchmarks/system/{method}.tsv"
+        "benchmarks/system/{model}/{method}.tsv"
     conda:
         CONDA_ENV
     script:
@@ -22,7 +24,7 @@ rule system_method:
 
 rule system_summary:
     input:
-        expand("results/system/methods/{method}.parquet", method=SYSTEM_METHODS),
+        system_parts(),
     output:
         metrics=report(
             "results/system/metrics.parquet",
@@ -34,6 +36,8 @@ rule system_summary:
             caption="../report/system_figure.rst",
             category="System",
         ),
+    params:
+        code=library_code("system_summary.py"),
     log:
         "logs/system/summary.log",
     benchmark:

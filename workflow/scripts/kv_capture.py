@@ -10,7 +10,8 @@ with job_log(snakemake.log[0], snakemake.config):
     cfg, weights = snakemake.params.cfg, snakemake.wildcards.weights
     torch.set_num_threads(snakemake.threads)
     settings = kv_settings(cfg)
-    model = load_model(snakemake.input.model, weights, snakemake.config["seed"],
+    # The seed param is None for real weights, which do not use it.
+    model = load_model(snakemake.input.model, weights, snakemake.params.seed or 0,
                        getattr(torch, cfg["compute_dtype"]), cfg["device"])
     tokenizer = load_tokenizer(snakemake.input.model)
     tables = run_study(model, lambda text: tokenizer(text).input_ids,

@@ -13,7 +13,7 @@ with job_log(snakemake.log[0], snakemake.config):
     tokenizer = load_tokenizer(snakemake.input.model)
     encode = lambda text: tokenizer(text).input_ids  # noqa: E731
     doc = long_document(pd.read_parquet(snakemake.input.docs), encode, tokens)
-    model = load_model(snakemake.input.model, "real", snakemake.config["seed"],
+    model = load_model(snakemake.input.model, "real", snakemake.params.seed,
                        getattr(torch, cfg["compute_dtype"]), cfg["device"])
     settings = kv_settings(cfg, context_tokens=tokens, docs_per_corpus=1)
     whole, _, _ = run_study(model, encode, doc, settings, "real")

@@ -7,7 +7,7 @@ from kvbench.provenance import provenance, write_table
 from kvbench.system import run_method, system_prompts
 
 with job_log(snakemake.log[0], snakemake.config):
-    cfg, method, seed = snakemake.params.cfg, snakemake.wildcards.method, snakemake.config["seed"]
+    cfg, method, seed = snakemake.params.cfg, snakemake.wildcards.method, snakemake.params.seed
     torch.set_num_threads(snakemake.threads)
     tokenizer = load_tokenizer(snakemake.input.model)
     docs = {p.split("/")[-2]: pd.read_parquet(p) for p in snakemake.input.docs}
@@ -16,4 +16,4 @@ with job_log(snakemake.log[0], snakemake.config):
     table = run_method(model, method, snakemake.params.spec, prompts, cfg, seed)
     table["output_text"] = [tokenizer.decode(ids) if isinstance(ids, list) else None
                             for ids in table.get("output_ids", [None] * len(table))]
-    write_table(table, snakemake.output[0], provenance(snakemake.config, model=cfg["model"]))
+    write_table(table, snakemake.output[0], provenance(snakemake.config, model=snakemake.wildcards.model))

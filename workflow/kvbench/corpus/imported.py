@@ -65,11 +65,16 @@ def _parquet_docs(path: Path) -> Iterator[dict[str, Any]]:
         }
 
 
+def document_files(folder: str | Path) -> list[Path]:
+    """The files of `folder` that become documents (the workflow tracks them as inputs)."""
+    return sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED)
+
+
 def read_folder(folder: str | Path, domain: str) -> pd.DataFrame:
     root = Path(folder)
     if not root.is_dir():
         raise CorpusInputError(f"corpus.imported.path: folder {str(root)!r} does not exist")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED)
+    files = document_files(root)
     if not files:
         raise CorpusInputError(f"corpus.imported.path: folder {str(root)!r} has no {'/'.join(SUPPORTED)} files")
     rows: list[dict[str, Any]] = []

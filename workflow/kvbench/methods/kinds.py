@@ -1,30 +1,127 @@
-"""Method kinds and the settings a config entry of each kind may carry.
+"""Method kinds and the settings each accepts: the one place that declares them (type, range,
+supported values, required or not). A new setting is one line in its kind's entry.
 
 Torch-free on purpose: the workflow checks `methods:` while it parses, before any job starts.
-Each kind's implementation registers itself under the same name (kvbench.methods.base.register).
+Each kind's implementation registers itself under the same name (kvbench.methods.base.register);
+defaults live with the implementation, since a missing optional setting means "use the paper's".
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
-KIND_SETTINGS: dict[str, tuple[str, ...]] = {
-    "full": ("storage",),
-    "fp8": (),
-    "kivi": ("bits", "group_size", "residual", "storage"),
-    "turboquant": ("bits",),
-    "snapkv": ("window", "kernel", "keep_ratio", "capacity", "storage"),
-    "cam": ("window", "kernel", "keep_ratio", "capacity", "merge_budget", "storage"),
-    "streamingllm": ("sinks", "window", "storage"),
-    "h2o": ("heavy", "recent", "keep_ratio", "storage"),
+
+@dataclass(frozen=True)
+class Setting:
+    type: type  # int, float or str; a float setting accepts integers, no setting accepts booleans
+    minimum: float | None = None
+    maximum: float | None = None
+    above: float | None = None  # exclusive minimum
+    choices: tuple[Any, ...] = ()
+    required: bool = False
+    odd: bool = False
+    divides_head_dim: bool = False
+
+    def problems(self, value: Any, head_dim: int | None = None) -> list[str]:
+        allowed = (int, float) if self.type is float else (self.type,)
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            return [f"{value!r} is not of type {self.type.__name__}"]
+        if self.choices and value not in self.choices:
+            return [f"{value!r} is not one of {list(self.choices)}"]
+        found = []
+        if self.minimum is not None and value < self.minimum:
+            found.append(f"{value!r} is below the minimum {self.minimum}")
+        if self.maximum is not None and value > self.maximum:
+            found.append(f"{value!r} is above the maximum {self.maximum}")
+        if self.above is not None and value <= self.above:
+            found.append(f"{value!r} must be greater than {self.above}")
+        if self.odd and value % 2 == 0:
+            found.append(f"{value!r} must be odd (a centred pooling window)")
+        if self.divides_head_dim and head_dim is not None and value > 0 and head_dim % value:
+            found.append(f"{value!r} does not divide the model's head_dim {head_dim}")
+        return found
+
+
+def integer(minimum: int | None = None, **kw: Any) -> Setting:
+    return Setting(int, minimum=minimum, **kw)
+
+
+def ratio(**kw: Any) -> Setting:
+    return Setting(float, above=0.0, maximum=1.0, **kw)
+
+
+def choice(*values: Any, **kw: Any) -> Setting:
+    return Setting(type(values[0]), choices=values, **kw)
+
+
+@dataclass(frozen=True)
+class Kind:
+    settings: dict[str, Setting]
+    exclusive: tuple[tuple[str, str], ...] = ()  # at most one of each pair
+    together: tuple[tuple[str, ...], ...] = ()  # all or none of each group
+
+
+STORAGE = choice("fp16", "bf16", "fp32")  # the dtype the cache holds its kept values in
+# 1/2/4/8-bit codes pack in byte planes (kvbench.methods.packing.PLANE_BITS).
+KIVI_BITS = (1, 2, 4, 8)
+# Keys use b-1 Lloyd-Max bits + 1 QJL bit, values b bits; the packer takes 1/2/3/4-bit codes.
+TURBOQUANT_BITS = (2, 3, 4)
+EVICTION = {
+    "window": integer(1),  # observation window (last queries), kept as is
+    "kernel": integer(1, odd=True),  # max-pooling kernel over scores
+    "keep_ratio": ratio(),  # fraction of the prompt kept ...
+    "capacity": integer(1),  # ... or a fixed token count per head
+    "storage": STORAGE,
 }
 
+KINDS: dict[str, Kind] = {
+    "full": Kind({"storage": STORAGE}),
+    "fp8": Kind({}),
+    "kivi": Kind({
+        "bits": choice(*KIVI_BITS, required=True),
+        "group_size": integer(1, divides_head_dim=True),
+        "residual": integer(0),  # recent tokens kept in full precision
+        "storage": STORAGE,
+    }),
+    "turboquant": Kind({"bits": choice(*TURBOQUANT_BITS, required=True)}),
+    "snapkv": Kind(dict(EVICTION), exclusive=(("keep_ratio", "capacity"),)),
+    "cam": Kind({**EVICTION, "merge_budget": integer(0)}, exclusive=(("keep_ratio", "capacity"),)),
+    "streamingllm": Kind({"sinks": integer(0), "window": integer(1, required=True), "storage": STORAGE}),
+    "h2o": Kind({"heavy": integer(0), "recent": integer(1), "keep_ratio": ratio(), "storage": STORAGE},
+                exclusive=(("keep_ratio", "heavy"),), together=(("heavy", "recent"),)),
+}
+KIND_SETTINGS: dict[str, tuple[str, ...]] = {name: tuple(kind.settings) for name, kind in KINDS.items()}
 
-def check_spec(spec: dict[str, Any]) -> None:
-    kind = spec.get("kind")
-    if kind not in KIND_SETTINGS:
-        raise ValueError(f"unknown method kind {kind!r}; known: {', '.join(sorted(KIND_SETTINGS))}")
-    unknown = set(spec) - {"kind"} - set(KIND_SETTINGS[kind])
-    if unknown:
-        raise ValueError(f"unknown setting(s) {sorted(unknown)} for kind {kind!r} "
-                         f"(allowed: {', '.join(sorted(KIND_SETTINGS[kind])) or 'none'})")
+
+def spec_problems(spec: Mapping[str, Any], head_dim: int | None = None) -> list[str]:
+    """Every problem of one method entry, each starting with the setting it concerns (or `kind`).
+
+    `head_dim` (from the model's config, when known) enables the checks that depend on the model.
+    """
+    kind_name = spec.get("kind")
+    if kind_name not in KINDS:
+        return [f"kind: unknown method kind {kind_name!r}; known: {', '.join(sorted(KINDS))}"]
+    kind = KINDS[kind_name]
+    found = [f"{name}: unknown setting for kind {kind_name!r} (allowed: {', '.join(kind.settings) or 'none'})"
+             for name in spec if name != "kind" and name not in kind.settings]
+    for name, setting in kind.settings.items():
+        if name in spec:
+            found += [f"{name}: {p}" for p in setting.problems(spec[name], head_dim)]
+        elif setting.required:
+            found.append(f"{name}: required for kind {kind_name!r}")
+    for a, b in kind.exclusive:
+        if a in spec and b in spec:
+            found.append(f"{b}: cannot be combined with {a} (kind {kind_name!r} takes one of them)")
+    for group in kind.together:
+        given = [name for name in group if name in spec]
+        if given and len(given) < len(group):
+            missing = [name for name in group if name not in spec]
+            found.append(f"{missing[0]}: required together with {', '.join(given)}")
+    return found
+
+
+def check_spec(spec: Mapping[str, Any], head_dim: int | None = None) -> None:
+    problems = spec_problems(spec, head_dim)
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""A FAKE SLURM for running the real snakemake-executor-plugin-slurm on a machine without SLURM.
+
+Not a scheduler anyone should use: it answers the commands the plugin calls (sbatch, squeue,
+sacct, scancel, srun, sinfo, sacctmgr, sshare), named as such through symlinks in this folder.
+`sbatch` stores the job script and starts a detached runner that waits until the fake node has
+the job's CPUs free (FAKE_SLURM_CPUS, default: this machine's), runs the script locally in its
+own process group with the SLURM_* variables a job sees, and records its state. `scancel`
+sends SIGTERM to the job's group, then SIGKILL after FAKE_SLURM_KILL_WAIT_S (as KillWait).
+
+State lives in FAKE_SLURM_DIR (default ./.fake_slurm): one JSON file per job.
+Usage: PATH=tests/fake_slurm:$PATH snakemake --workflow-profile workflow/profiles/slurm ...
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+STATE = Path(os.environ.get("FAKE_SLURM_DIR", ".fake_slurm")).resolve()
+CPUS = int(os.environ.get("FAKE_SLURM_CPUS", os.cpu_count() or 1))
+KILL_WAIT_S = float(os.environ.get("FAKE_SLURM_KILL_WAIT_S", "10"))
+FINAL = ("COMPLETED", "FAILED", "CANCELLED")
+# sbatch options that take no value (everything else with a leading dash takes one).
+SBATCH_FLAGS = {"--parsable", "--requeue", "--no-requeue", "--exclusive", "-H", "--hold"}
+
+
+@contextmanager
+def locked() -> Iterator[None]:
+    STATE.mkdir(parents=True, exist_ok=True)
+    with open(STATE / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def job_file(job_id: int | str) -> Path:
+    return STATE / "jobs" / f"{job_id}.json"
+
+
+def read_job(job_id: int | str) -> dict[str, Any]:
+    return json.loads(job_file(job_id).read_text())
+
+
+def write_job(job: dict[str, Any]) -> None:
+    path = job_file(job["id"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(job))
+    tmp.replace(path)
+
+
+def all_jobs() -> list[dict[str, Any]]:
+    folder = STATE / "jobs"
+    return sorted((json.loads(p.read_text()) for p in folder.glob("*.json")), key=lambda j: j["id"]) if folder.is_dir() else []
+
+
+def parse_sbatch(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    options: dict[str, str] = {}
+    positional: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "=" in arg:
+            key, value = arg.split("=", 1)
+            options[key] = value
+        elif arg in SBATCH_FLAGS:
+            options[arg] = ""
+        elif arg.startswith("-") and len(arg) > 1 and not positional:
+            options[arg] = argv[i + 1]
+            i += 1
+        else:
+            positional.append(arg)
+        i += 1
+    return options, positional
+
+
+def sbatch(argv: list[str]) -> int:
+    options, positional = parse_sbatch(argv)
+    if "--wrap" in options:
+        script = f"#!/bin/sh\n{options['--wrap']}\n"
+    elif positional:
+        script = sys.stdin.read() if positional[0] in ("-", "/dev/stdin") else Path(positional[0]).read_text()
+    else:
+        print("sbatch: error: no script and no --wrap", file=sys.stderr)
+        return 1
+    cpus = options.get("--cpus-per-task") or options.get("-c") or options.get("--cpus-per-gpu") or "1"
+    with locked():
+        counter = STATE / "last_id"
+        job_id = int(counter.read_text()) + 1 if counter.exists() else 1000
+        counter.write_text(str(job_id))
+        (STATE / "jobs").mkdir(exist_ok=True)
+        (STATE / "jobs" / f"{job_id}.sh").write_text(script)
+        workdir = options.get("-D") or options.get("--chdir") or os.getcwd()
+        output = (options.get("--output") or options.get("-o") or f"slurm-{job_id}.out").replace("%j", str(job_id))
+        write_job({"id": job_id, "name": options.get("--job-name") or options.get("-J", "sbatch"),
+                   "comment": options.get("--comment", ""), "cpus": min(int(cpus), CPUS),
+                   "gpus": options.get("--gpus") or options.get("--gres", ""), "partition": options.get("-p", ""),
+                   "workdir": workdir, "output": str(Path(workdir, output)), "state": "PENDING",
+                   "exit_code": None, "pgid": None, "submitted": time.time()})
+    subprocess.Popen([sys.executable, os.path.realpath(__file__), "_run", str(job_id)], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     env={**os.environ, "FAKE_SLURM_DIR": str(STATE)})
+    print(job_id if "--parsable" in options else f"Submitted batch job {job_id}")
+    return 0
+
+
+def _alive(pgid: int | None) -> bool:
+    if pgid is None:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _try_start(job_id: int) -> dict[str, Any] | None:
+    """Allocate the job's CPUs if they are free and no older job waits (FIFO)."""
+    with locked():
+        job = read_job(job_id)
+        if job["state"] != "PENDING":
+            return job
+        jobs = all_jobs()
+        used = sum(j["cpus"] for j in jobs if j["state"] in ("RUNNING", "STARTING"))
+        older_waiting = any(j["state"] == "PENDING" and j["id"] < job_id for j in jobs)
+        if older_waiting or used + job["cpus"] > CPUS:
+            return None
+        job["state"] = "STARTING"
+        write_job(job)
+        return job
+
+
+def run(job_id: int) -> int:
+    """The runner behind one submitted job (detached from sbatch)."""
+    while (job := _try_start(job_id)) is None:
+        time.sleep(0.2)
+    if job["state"] != "STARTING":  # cancelled while pending
+        return 0
+    env = {**os.environ, "SLURM_JOB_ID": str(job_id), "SLURM_JOBID": str(job_id), "SLURM_JOB_NAME": job["name"],
+           "SLURM_CPUS_PER_TASK": str(job["cpus"]), "SLURM_SUBMIT_DIR": job["workdir"],
+           "SLURM_JOB_PARTITION": job["partition"], "SLURM_CLUSTER_NAME": "fake", "SLURMD_NODENAME": "fakenode"}
+    if job["gpus"]:
+        env["SLURM_GPUS"] = job["gpus"]
+    Path(job["output"]).parent.mkdir(parents=True, exist_ok=True)
+    with open(job["output"], "ab") as out:
+        proc = subprocess.Popen(["/bin/sh", str(STATE / "jobs" / f"{job_id}.sh")], cwd=job["workdir"], env=env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        with locked():
+            job = read_job(job_id)
+            job.update(state="RUNNING", pgid=proc.pid, started=time.time())
+            write_job(job)
+        code = proc.wait()
+    with locked():
+        job = read_job(job_id)
+        cancelled = job.get("cancel_requested")
+        job.update(state="CANCELLED" if cancelled else ("COMPLETED" if code == 0 else "FAILED"), exit_code=code,
+                   ended=time.time())
+        write_job(job)
+    return 0
+
+
+def scancel(argv: list[str]) -> int:
+    ids = [a.split("_")[0] for a in argv if not a.startswith("-")]
+    groups = []
+    with locked():
+        for job_id in ids:
+            if not job_file(job_id).exists():
+                continue
+            job = read_job(job_id)
+            if job["state"] in FINAL:
+                continue
+            job["cancel_requested"] = True
+            if job["state"] == "PENDING":
+                job["state"] = "CANCELLED"
+            elif job["pgid"]:
+                groups.append(job["pgid"])
+            write_job(job)
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + KILL_WAIT_S
+    while any(map(_alive, groups)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pgid in filter(_alive, groups):
+        os.killpg(pgid, signal.SIGKILL)
+    return 0
+
+
+def _named(argv: list[str]) -> list[dict[str, Any]]:
+    name = argv[argv.index("--name") + 1] if "--name" in argv else None
+    return [j for j in all_jobs() if name is None or j["name"] == name]
+
+
+def _shown_state(job: dict[str, Any]) -> str:
+    return "PENDING" if job["state"] == "STARTING" else job["state"]
+
+
+def sacct(argv: list[str]) -> int:
+    if "-j" in argv:  # per-step reasons and node lists after a failure
+        if any(a.startswith("nodelist") for a in argv):
+            print("fakenode")
+        return 0
+    for job in _named(argv):
+        print(f"{job['id']}|{_shown_state(job)}")
+    return 0
+
+
+def squeue(argv: list[str]) -> int:
+    for job in _named(argv):
+        print(f"{job['id']}|{_shown_state(job)}")
+    return 0
+
+
+def srun(argv: list[str]) -> int:
+    """Run the command after srun's options in place (the job already holds its CPUs)."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 1
+    if i == len(argv):
+        print("srun: error: no command", file=sys.stderr)
+        return 1
+    os.execvp(argv[i], argv[i:])
+    return 1
+
+
+def sinfo(argv: list[str]) -> int:
+    print("cpu*\ngpu")
+    return 0
+
+
+def silent(argv: list[str]) -> int:
+    """sacctmgr / sshare: no accounts to list (the plugin then skips account validation)."""
+    return 0
+
+
+COMMANDS = {"sbatch": sbatch, "scancel": scancel, "sacct": sacct, "squeue": squeue, "srun": srun,
+            "sinfo": sinfo, "sacctmgr": silent, "sshare": silent}
+
+
+def main() -> int:
+    name = Path(sys.argv[0]).name
+    if name == "fake_slurm.py" and sys.argv[1:2] == ["_run"]:
+        return run(int(sys.argv[2]))
+    if name not in COMMANDS:
+        print(f"fake_slurm: unknown command {name!r}", file=sys.stderr)
+        return 2
+    return COMMANDS[name](sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
