@@ -7,7 +7,7 @@ CORES ?= all
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run test lint dry-run-gpu bench bench-peers clean
+.PHONY: setup run test test-unit lint dry-run-gpu bench bench-peers bench-kill clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest
 
+# Fast: no workflow runs, no servers (the real model still loads in some unit tests).
+test-unit: setup
+	$(BIN)/python -m pytest -m "not integration and not servers"
+
 lint: setup
 	$(BIN)/snakemake --lint
 
@@ -37,7 +41,7 @@ dry-run-gpu: setup
 	$(BIN)/snakemake -n --workflow-profile workflow/profiles/slurm --configfile config/gpu.yaml
 
 clean:
-	rm -rf results logs benchmarks .snakemake
+	rm -rf results logs benchmarks .snakemake .fake_slurm
 
 # Benchmarks (not tests): codec overhead vs direct library calls, memory bound for an 8K document.
 bench: setup

@@ -106,3 +106,44 @@ def test_inflation_factor_is_the_ratio_of_pooled_ratios():
     assert combined.benchmark_ratio == pytest.approx(20.0) and combined.realistic_ratio == pytest.approx(1.25)
     assert combined.inflation == pytest.approx(16.0)
     assert "inflation  16.00x" in claim_text(factors.reset_index())
+
+
+def test_underflow_is_counted_per_dtype_to_the_bit():
+    from kvbench.kv.storage import store
+
+    # fp16: smallest normal 6.1e-5, smallest subnormal 6.0e-8; bf16 has fp32's range; fp8 e4m3:
+    # smallest normal 2^-6, smallest subnormal 2^-9.
+    x = torch.tensor([1e-6, 1e-8, 0.0, 1.0, 7e-5, -3e-7])
+    counts = {d: (s.below_normal, s.flushed_to_zero, s.values) for d in ("fp16", "bf16", "fp8_e4m3") for s in [store(x, d)]}
+    assert counts == {"fp16": (3, 1, 6), "bf16": (0, 0, 6), "fp8_e4m3": (4, 4, 6)}
+
+
+def test_dummy_weights_underflow_fp16_and_vanish_in_fp8(model_dir, tokenizer):
+    from kvbench.kv.storage import store
+
+    ids = tokenizer("The patient was admitted with pneumonia. " * 8).input_ids
+    keys, _ = capture_kv(load_model(model_dir, "dummy", seed=1), ids)
+    fp16, bf16, fp8 = (store(keys, d) for d in ("fp16", "bf16", "fp8_e4m3"))
+    assert fp16.below_normal / fp16.values > 0.9  # |x| ~ 1e-6: subnormal at fp16
+    assert bf16.below_normal == 0 and bf16.flushed_to_zero == 0
+    assert fp8.flushed_to_zero == fp8.values - int((keys == 0).sum())  # every nonzero value became +-0
+    assert fp8.unique_values <= 2
+
+
+def test_summary_puts_per_layer_ratios_and_underflow_beside_whole_cache_ratios():
+    whole, layers = [], []
+    for corpus, weights, comp, below in [("realistic", "real", 80, 0), ("synthetic", "dummy", 5, 90)]:
+        for part in ("K", "V"):
+            key = {"corpus": corpus, "weights": weights, "dtype": "fp16", "codec": "zstd-3", "part": part,
+                   "doc_id": "d", "error": None}
+            whole.append({**key, "raw_bytes": 100, "compressed_bytes": comp, "values": 50, "below_normal": below // 2,
+                          "flushed_to_zero": 0})
+            for layer in range(2):  # each layer alone compresses less than the whole cache
+                layers.append({**key, "layer": layer, "raw_bytes": 50, "compressed_bytes": comp, "values": 25})
+    factors = inflation_factors(pd.DataFrame(whole), pd.DataFrame(layers)).set_index("comparison")
+    row = factors.loc["synthetic+dummy_vs_realistic+real"]
+    assert row.inflation == pytest.approx(16.0)
+    assert row.benchmark_layer_ratio == pytest.approx(10.0) and row.realistic_layer_ratio == pytest.approx(0.625)
+    assert row.layer_inflation == pytest.approx(16.0)
+    assert row.benchmark_below_normal_pct == pytest.approx(90.0) and row.realistic_below_normal_pct == 0.0
+    assert "per layer 10.00x vs 0.62x" in claim_text(factors.reset_index())

@@ -50,3 +50,48 @@ def test_read_tables_concatenates_and_strips_provenance(tmp_path):
     write_table(pd.DataFrame({"a": [3]}), tmp_path / "y.parquet", prov)
     merged = read_tables([str(tmp_path / "x.parquet"), str(tmp_path / "y.parquet")])
     assert list(merged.columns) == ["a"] and merged.a.tolist() == [1, 2, 3]
+
+
+def test_hardware_names_cpu_cores_features_memory_and_gpu():
+    import os
+    import re
+
+    from kvbench.provenance import hardware
+
+    desc = hardware()
+    assert f"{os.cpu_count()} cores" in desc
+    assert re.search(r"(avx2|avx512f|amx_tile|no AVX2/AVX-512/AMX)", desc)
+    assert re.search(r"\d+\.\d GiB RAM", desc)
+    assert desc.endswith("GPU") or "x " in desc.split(", ")[-1]
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775)])
+def test_outputs_are_readable_by_the_group(tmp_path, mask, file_mode, dir_mode):
+    import os
+    import stat
+
+    from kvbench.atomic import atomic_path
+
+    old = os.umask(mask)
+    try:
+        write_table(pd.DataFrame({"a": [1]}), tmp_path / "t.parquet", provenance({"seed": 1}, model="m"))
+        with atomic_path(tmp_path / "model", is_dir=True) as tmp:
+            (tmp / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "t.parquet").stat().st_mode) == file_mode
+    assert stat.S_IMODE((tmp_path / "model").stat().st_mode) == dir_mode
+    assert stat.S_IMODE((tmp_path / "model" / "config.json").stat().st_mode) == file_mode
+
+
+def test_a_summary_over_several_models_keeps_each_rows_model(tmp_path):
+    from kvbench.provenance import read_tables
+
+    for model in ("llama", "mistral"):
+        write_table(pd.DataFrame({"method": ["full"]}), tmp_path / f"{model}.parquet", provenance({"seed": 1}, model=model))
+    merged = read_tables([str(tmp_path / "llama.parquet"), str(tmp_path / "mistral.parquet")], keep=("model",))
+    write_table(merged, tmp_path / "all.parquet", provenance({"seed": 1}, model=None))
+    back = pd.read_parquet(tmp_path / "all.parquet")
+    assert back.model.tolist() == ["llama", "mistral"] and set(PROVENANCE_COLUMNS) <= set(back.columns)
+    with pytest.raises(ValueError, match="neither given nor in the table"):
+        write_table(pd.DataFrame({"a": [1]}), tmp_path / "x.parquet", provenance({"seed": 1}, model=None))

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
 
 import pandas as pd
 import pytest
 
 from kvbench.corpus.synthetic import synthetic_document
 from kvbench.provenance import PROVENANCE_COLUMNS
-from workflow_helpers import default_config, snakemake
+from workflow_helpers import REPO, SNAKEMAKE, snakemake, tiny_config, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -17,21 +21,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def run(model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("workflow")
-    imported = workdir / "my-docs"
-    imported.mkdir()
-    (imported / "note.txt").write_text("A short imported note about a patient with asthma.")
-    (imported / "lb.jsonl").write_text(json.dumps({"context": "Contract text.", "input": "Who?", "answers": ["X"], "dataset": "qasper"}) + "\n")
-    config = default_config()
-    config["models"] = {"smol": {"path": str(model_dir)}}
-    config["corpus"].update(generator="smol", tokenizer="smol")
-    config["corpus"]["synthetic"] = {"n_docs": 12, "words": 300}
-    config["corpus"]["realistic"].update(
-        docs_per_type=1, target_tokens=160, section_tokens=96, min_section_tokens=32, concurrency=6)
-    config["corpus"]["imported"] = {"path": str(imported), "domain": "clinic"}
-    config["kv"].update(model="smol", corpora=["synthetic", "realistic", "imported"], docs_per_corpus=2,
-                        context_tokens=200, chunk_tokens=64)
-    config["system"].update(model="smol", prompts_per_corpus={"realistic": 1, "synthetic": 1},
-                            context_tokens=[192], max_new_tokens=4, repeats=2)
+    config = tiny_config(model_dir, workdir)
     result = snakemake(workdir, config, "--cores", "2")
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return workdir, config
@@ -116,7 +106,7 @@ def test_kv_tables_cover_every_combination_with_exact_round_trips(run):
     combos = whole.groupby(["corpus", "weights", "doc_id"]).size()
     assert set(combos) == {len(kv["dtypes"]) * len(kv["codecs"]) * 2}
     assert set(whole.corpus) == {"synthetic", "realistic", "imported"} and set(whole.weights) == {"real", "random", "dummy"}
-    assert (whole.tokens <= 200).all() and (whole.layers == 30).all()
+    assert (whole.tokens <= 160).all() and (whole.layers == 30).all()
     assert (whole.compressed_bytes > 0).all() and (whole.encode_mb_s > 0).all()
     assert (whole[whole.codec == "none"].ratio == 1.0).all()
     layers = read(workdir, "results/kv/layers.parquet")
@@ -132,10 +122,10 @@ def test_kv_tables_cover_every_combination_with_exact_round_trips(run):
 def test_system_rows_for_every_method_and_prompt(run):
     workdir, config = run
     metrics = read(workdir, "results/system/metrics.parquet")
-    assert set(metrics.method) == set(config["system"]["methods"])
+    assert set(metrics.method) == set(config["system"]["methods"]) and set(metrics.model) == {"smol"}
     assert len(metrics) == len(config["system"]["methods"]) * 2
     assert metrics.error.isna().all(), metrics[metrics.error.notna()][["method", "error"]]
-    assert (metrics.context_tokens <= 192).all() and set(metrics.bucket) == {"0-4k"}
+    assert (metrics.context_tokens <= 160).all() and set(metrics.bucket) == {"0-4k"}
     assert (metrics.ttft_s > 0).all() and (metrics.repeats == 2).all()
     by_method = metrics.groupby("method").ratio_prefill.median()
     assert by_method["snapkv"] == pytest.approx(4.0, rel=0.1)  # keeps 25 % of the prompt at 16 bits
@@ -152,3 +142,113 @@ def test_rerun_is_a_no_op_and_a_target_reruns_alone(run):
     one = snakemake(workdir, config, "-n", "--forcerun", "results/kv/synthetic/dummy/compressibility.parquet")
     assert "wildcards: corpus=synthetic, weights=dummy" in one.stdout
     assert "corpus=realistic" not in one.stdout
+
+
+def test_kv_rows_count_underflow_and_the_summary_sets_layer_beside_whole_ratios(run):
+    workdir, config = run
+    whole = read(workdir, "results/kv/compressibility.parquet")
+    assert (whole.values > 0).all() and (whole.below_normal >= whole.flushed_to_zero).all()
+    pooled = whole.drop_duplicates(["corpus", "weights", "dtype", "doc_id", "part"]).groupby(["weights", "dtype"])[
+        ["values", "below_normal", "flushed_to_zero"]].sum()
+    share = pooled.below_normal / pooled["values"]
+    assert share["dummy", "fp16"] > 0.5 and share["dummy", "bf16"] == 0 and share["real", "bf16"] == 0
+    zeroed = pooled.flushed_to_zero / pooled["values"]
+    assert zeroed["dummy", "fp8_e4m3"] > 0.99  # every dummy value vanishes at fp8
+    summary = read(workdir, "results/kv/summary.parquet")
+    detail = summary.dtype.isin(config["kv"]["detail_dtypes"]) & summary.codec.isin(config["kv"]["detail_codecs"])
+    assert summary[detail].benchmark_layer_ratio.notna().all() and summary[~detail].benchmark_layer_ratio.isna().all()
+    assert summary.benchmark_below_normal_pct.between(0, 100).all()
+
+
+def test_outputs_are_readable_by_the_group(run):
+    workdir, _ = run
+    paths = [workdir / "resources", *(workdir / "results").rglob("*")]
+    for path in (p for p in paths if p.exists()):
+        mode = path.stat().st_mode
+        assert mode & 0o044 == 0o044 and (not path.is_dir() or mode & 0o011 == 0o011), (path, oct(mode))
+
+
+def planned(result) -> dict[str, str]:
+    """'rule[wildcards]' -> reason, for every job of a dry run."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jobs = {}
+    for block in re.split(r"\n(?=rule \w+:)", result.stdout):
+        head = re.match(r"rule (\w+):", block)
+        if head:
+            wildcards = re.search(r"^\s+wildcards: (.*)$", block, flags=re.M)
+            reason = re.search(r"^\s+reason: (.*)$", block, flags=re.M).group(1)
+            jobs[head.group(1) + (f"[{wildcards.group(1)}]" if wildcards else "")] = reason
+    return jobs
+
+
+def kv(corpus, weights):
+    return f"kv_capture[corpus={corpus}, weights={weights}]"
+
+
+def system(method):
+    return f"system_method[model=smol, method={method}]"
+
+
+def test_changing_the_seed_reruns_exactly_the_jobs_it_affects(run):
+    workdir, config = run
+    jobs = planned(snakemake(workdir, {**config, "seed": 4321}, "-n"))
+    seeded = {"corpus_realistic", *(kv(c, w) for c in ("synthetic", "realistic", "imported") for w in ("random", "dummy")),
+              *(system(m) for m in config["system"]["methods"])}
+    downstream = {"corpus_stats", kv("realistic", "real"), "kv_summary", "system_summary", "all"}
+    assert set(jobs) == seeded | downstream
+    for job in seeded:
+        assert "Params have changed since last execution" in jobs[job] and "seed" in jobs[job], (job, jobs[job])
+    for job in downstream:
+        assert jobs[job].startswith("Input files updated by another job"), (job, jobs[job])
+
+
+def test_changing_a_method_setting_reruns_that_method_alone(run):
+    workdir, config = run
+    methods = {**config["methods"], "kivi2": {**config["methods"]["kivi2"], "group_size": 16}}
+    jobs = planned(snakemake(workdir, {**config, "methods": methods}, "-n"))
+    assert set(jobs) == {system("kivi2"), "system_summary", "all"}
+    assert jobs[system("kivi2")] == "Params have changed since last execution: spec"
+
+
+def test_editing_or_adding_an_imported_file_reruns_the_import_and_what_reads_it(run):
+    workdir, config = run
+    note = workdir / "my-docs" / "note.txt"
+    old_text, old_times = note.read_text(), (note.stat().st_atime, note.stat().st_mtime)
+    affected = {"corpus_imported", "corpus_stats", *(kv("imported", w) for w in ("real", "random", "dummy")),
+                "kv_summary", "all"}
+    try:
+        note.write_text(old_text + " Edited.")
+        jobs = planned(snakemake(workdir, config, "-n"))
+        assert set(jobs) == affected
+        assert jobs["corpus_imported"] == f"Updated input files: {note}"
+    finally:
+        note.write_text(old_text)
+        os.utime(note, old_times)
+    extra = workdir / "my-docs" / "more.md"
+    try:
+        extra.write_text("# Another note")
+        os.utime(extra, (old_times[0], old_times[1]))  # not newer than the output: only the set changed
+        jobs = planned(snakemake(workdir, config, "-n"))
+        assert set(jobs) == affected
+        assert jobs["corpus_imported"] == "Set of input files has changed since last execution"
+    finally:
+        extra.unlink()
+    assert "Nothing to be done" in snakemake(workdir, config, "-n").stdout
+
+
+def test_changing_library_code_reruns_the_rules_that_import_it(run, tmp_path):
+    # A copy of the workflow whose codec module differs by one comment: only the jobs whose
+    # scripts import it (kv_capture) rerun, for their `code` param.
+    workdir, config = run
+    copy = tmp_path / "kvbench-copy"
+    shutil.copytree(REPO / "workflow", copy / "workflow", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "Snakefile", copy / "Snakefile")
+    codecs = copy / "workflow" / "kvbench" / "kv" / "codecs.py"
+    codecs.write_text(codecs.read_text() + "# changed\n")
+    result = subprocess.run([SNAKEMAKE, "-s", str(copy / "Snakefile"), "-d", str(workdir), "-n",
+                             "--configfile", str(write_config(workdir, config))], capture_output=True, text=True,
+                            cwd=workdir, timeout=600)
+    jobs = planned(result)
+    captures = {kv(c, w) for c in ("synthetic", "realistic", "imported") for w in ("real", "random", "dummy")}
+    assert set(jobs) == captures | {"kv_summary", "all"}
+    assert all(jobs[job] == "Params have changed since last execution: code" for job in captures)

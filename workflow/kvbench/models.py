@@ -11,6 +11,14 @@ from kvbench.atomic import atomic_path
 
 WEIGHT_KINDS: tuple[str, ...] = ("real", "random", "dummy")
 DUMMY_RANGE = 1e-3  # vLLM --load-format dummy: uniform(-1e-3, 1e-3)
+# What transformers and vLLM load from a hub repo: top-level config, sharded safetensors and
+# tokenizer files. Not `original/*.pth` (Llama-3.1's second copy of the weights) nor
+# `consolidated.safetensors` (Mistral's), which would double the download.
+HUB_FILES = (
+    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+    "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
+    "chat_template.jinja",
+)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -39,11 +47,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def download_hub(repo_id: str, out_dir: Path) -> None:
-    """Snapshot a hub model (clusters only; offline machines fail here with the hub's error)."""
+    """Snapshot the files of a hub model that get loaded (HUB_FILES; clusters only: offline
+    machines fail here with the hub's error)."""
     from huggingface_hub import snapshot_download
 
     with atomic_path(out_dir, is_dir=True) as tmp:
-        snapshot_download(repo_id, local_dir=tmp)
+        snapshot_download(repo_id, local_dir=tmp, allow_patterns=list(HUB_FILES))
 
 
 def load_model(

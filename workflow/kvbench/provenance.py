@@ -62,17 +62,44 @@ def git_commit() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+# CPU features that decide which kernels run (vLLM's fp8 KV on CPU needs AVX-512 or AMX).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    try:
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _gpus() -> str | None:
+    """GPU names from nvidia-smi (no torch import, so every stage records the same)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [n.strip() for n in out if n.strip()]
+    return f"{len(names)}x {names[0]}" if names else None
+
+
 @lru_cache(maxsize=1)
 def hardware() -> str:
-    desc = f"{platform.machine()} {os.cpu_count()} cpus"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            desc += f", {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    except ImportError:
-        pass
-    return desc
+    """e.g. 'AMD EPYC, x86_64, 2 cores (2 usable), avx2 avx512f, 23.5 GiB RAM, no GPU'."""
+    model = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown CPU"
+    flags = set((_proc_field("/proc/cpuinfo", "flags") or "").split())
+    memory = _proc_field("/proc/meminfo", "MemTotal")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    parts = [model, platform.machine(), f"{os.cpu_count()} cores ({usable} usable)",
+             " ".join(f for f in CPU_FLAGS if f in flags) or "no AVX2/AVX-512/AMX",
+             f"{int(memory.split()[0]) / 2**20:.1f} GiB RAM" if memory else "RAM unknown",
+             _gpus() or "no GPU"]
+    return ", ".join(parts)
 
 
 def provenance(config: Mapping[str, Any], model: str | None) -> dict[str, Any]:

@@ -7,7 +7,7 @@ with job_log(snakemake.log[0], snakemake.config):
     cfg = snakemake.params.cfg
     inputs = snakemake.input
     whole, layers, chunks = read_tables(inputs.whole), read_tables(inputs.layers), read_tables(inputs.chunks)
-    factors = inflation_factors(whole)
+    factors = inflation_factors(whole, layers)
     failed = whole[whole.error.notna()]
     print(f"{len(whole)} rows, {len(failed)} with an error")
     for dtype in cfg["dtypes"]:

@@ -17,6 +17,12 @@ class Stored:
     unique_values: int  # distinct bit patterns (16-bit for fp16/bf16, 8-bit for fp8)
     mean_abs: float  # of the stored values
     clipped: int  # values saturated to the fp8 range (0 for 16-bit dtypes)
+    below_normal: int  # nonzero values below the dtype's smallest normal: stored with fewer bits
+    flushed_to_zero: int  # nonzero values stored as +-0
+
+    @property
+    def values(self) -> int:
+        return len(self.data) // self.itemsize
 
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -31,6 +37,10 @@ def store(tensor: torch.Tensor, dtype_name: str) -> Stored:
     if dtype_name not in STORAGE_DTYPES:
         raise ValueError(f"unknown storage dtype {dtype_name!r}; known: {', '.join(STORAGE_DTYPES)}")
     dtype = STORAGE_DTYPES[dtype_name]
+    # Underflow explains what a ratio measures: tiny values (dummy weights give |x| ~ 1e-6) keep
+    # few distinct bit patterns as subnormals, or none at all as zeros, and then compress well.
+    nonzero = tensor != 0
+    below_normal = int((nonzero & (tensor.abs() < torch.finfo(dtype).tiny)).sum())
     clipped = 0
     if dtype == torch.float8_e4m3fn:
         # e4m3fn has no infinity: out-of-range casts become NaN, so saturate (as scale-1 fp8 KV does).
@@ -41,5 +51,6 @@ def store(tensor: torch.Tensor, dtype_name: str) -> Stored:
     bits = cast.view(torch.uint8 if itemsize == 1 else torch.int16).numpy()
     return Stored(
         data=bits.tobytes(), itemsize=itemsize, unique_values=int(np.unique(bits).size),
-        mean_abs=float(cast.float().abs().mean()), clipped=clipped,
+        mean_abs=float(cast.float().abs().mean()), clipped=clipped, below_normal=below_normal,
+        flushed_to_zero=int((nonzero & (cast == 0)).sum()),
     )

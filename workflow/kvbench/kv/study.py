@@ -15,7 +15,7 @@ import torch
 from kvbench.kv.capture import capture_kv
 from kvbench.kv.codecs import get_codec
 from kvbench.kv.measure import measure
-from kvbench.kv.storage import store
+from kvbench.kv.storage import Stored, store
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,12 @@ def _codec_rows(
     return [{**key, "codec": name, **measure(data, get_codec(name, itemsize), repeats)} for name in codecs]
 
 
+def value_stats(stored: Stored) -> dict[str, Any]:
+    """What the stored values are like: distinct patterns, magnitude, saturation and underflow."""
+    return {"values": stored.values, "unique_values": stored.unique_values, "mean_abs": stored.mean_abs,
+            "clipped": stored.clipped, "below_normal": stored.below_normal, "flushed_to_zero": stored.flushed_to_zero}
+
+
 def document_rows(
     keys: torch.Tensor, values: torch.Tensor, settings: KVSettings, key: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -61,17 +67,15 @@ def document_rows(
     for dtype in settings.dtypes:
         for part, tensor in parts.items():
             stored = store(tensor, dtype)
-            stats = {"unique_values": stored.unique_values, "mean_abs": stored.mean_abs, "clipped": stored.clipped}
             whole += _codec_rows(stored.data, stored.itemsize, settings.codecs, settings.repeats,
-                                 {**key, "dtype": dtype, "part": part, **stats})
+                                 {**key, "dtype": dtype, "part": part, **value_stats(stored)})
         if dtype not in settings.detail_dtypes:
             continue
         for part, tensor in parts.items():
             for layer in range(tensor.shape[0]):
                 stored = store(tensor[layer], dtype)
                 layers += _codec_rows(stored.data, stored.itemsize, settings.detail_codecs, 1,
-                                      {**key, "dtype": dtype, "part": part, "layer": layer,
-                                       "unique_values": stored.unique_values, "mean_abs": stored.mean_abs})
+                                      {**key, "dtype": dtype, "part": part, "layer": layer, **value_stats(stored)})
         # An LMCache chunk holds K and V of every layer for chunk_tokens consecutive tokens.
         n_tokens = keys.shape[1]
         for index in range(math.ceil(n_tokens / settings.chunk_tokens)):
