@@ -22,6 +22,7 @@ pytestmark = pytest.mark.servers
 
 JOB = '''
 import os, socket, sys, time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from kvbench.jobs import job_log
 from kvbench.servers import managed_server
@@ -39,6 +40,13 @@ def ping():
 def children(pid):
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
+def blocked_request():
+    # A request that never gets an answer while the server lives, made from a worker thread
+    # as the realistic corpus makes its requests: only the server's end can free it.
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"BLPOP never-filled 0\\r\\n")
+        s.recv(16)
+
 # `sleep` stands for a server's own child process (vLLM's engine core).
 server = f"sleep 600 & exec {valkey} --bind 127.0.0.1 --port {port} --save '' --appendonly no"
 with job_log(out / "job.log", {"hf_offline": True}):
@@ -46,7 +54,10 @@ with job_log(out / "job.log", {"hf_offline": True}):
         (server_pid,) = children(leader.pid)
         pids = [leader.pid, server_pid, *children(server_pid)]
         (out / "pids.tmp").write_text(" ".join(map(str, pids)))
-        (out / "pids.tmp").rename(out / "pids")
+        with ThreadPoolExecutor(1) as pool:
+            request = pool.submit(blocked_request)
+            (out / "pids.tmp").rename(out / "pids")
+            request.result()
         time.sleep(600)
 '''
 

@@ -237,18 +237,18 @@ def test_editing_or_adding_an_imported_file_reruns_the_import_and_what_reads_it(
 
 
 def test_changing_library_code_reruns_the_rules_that_import_it(run, tmp_path):
-    # A copy of the workflow whose codec module differs by one comment: only the jobs whose
-    # scripts import it (kv_capture) rerun, for their `code` param.
+    # A copy of the workflow whose prompt-building module differs by one comment: only the jobs
+    # whose scripts import it (the method runs) rerun, for their `code` param.
     workdir, config = run
     copy = tmp_path / "kvbench-copy"
     shutil.copytree(REPO / "workflow", copy / "workflow", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "Snakefile", copy / "Snakefile")
-    codecs = copy / "workflow" / "kvbench" / "kv" / "codecs.py"
-    codecs.write_text(codecs.read_text() + "# changed\n")
+    prompts = copy / "workflow" / "kvbench" / "prompts.py"
+    prompts.write_text(prompts.read_text() + "# changed\n")
     result = subprocess.run([SNAKEMAKE, "-s", str(copy / "Snakefile"), "-d", str(workdir), "-n",
                              "--configfile", str(write_config(workdir, config))], capture_output=True, text=True,
                             cwd=workdir, timeout=600)
     jobs = planned(result)
-    captures = {kv(c, w) for c in ("synthetic", "realistic", "imported") for w in ("real", "random", "dummy")}
-    assert set(jobs) == captures | {"kv_summary", "all"}
-    assert all(jobs[job] == "Params have changed since last execution: code" for job in captures)
+    methods = {system(m) for m in config["system"]["methods"]}
+    assert set(jobs) == methods | {"system_summary", "all"}
+    assert all(jobs[job] == "Params have changed since last execution: code" for job in methods)

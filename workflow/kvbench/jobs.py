@@ -10,6 +10,8 @@ import threading
 import traceback
 from typing import Any, Iterator, Mapping, TextIO
 
+from kvbench.servers import terminate_servers
+
 # Python's default SIGTERM ends the process without running `finally`: servers a job started
 # would outlive it. These signals raise instead, so every `with`/`finally` cleans up.
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -23,6 +25,9 @@ class JobTerminated(SystemExit):
 def _terminate(signum: int, _frame: object) -> None:
     for sig in EXIT_SIGNALS:  # a second signal must not interrupt the cleanup it triggered
         signal.signal(sig, signal.SIG_IGN)
+    # Servers first: worker threads blocked on a request then fail at once, so the unwinding
+    # below is not held up by a thread pool waiting for requests in flight.
+    terminate_servers()
     raise JobTerminated(128 + signum)
 
 

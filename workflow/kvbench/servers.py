@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 HOST = "127.0.0.1"
 GROUP_LEADER = Path(__file__).with_name("group_leader.py")
 STOP_GRACE_S = 20.0  # SIGTERM to SIGKILL, for the server's whole group
+_RUNNING: set[subprocess.Popen] = set()  # group leaders of the servers this process runs
 
 
 class ServerError(RuntimeError):
@@ -73,6 +74,16 @@ def server_state(name: str, proc: subprocess.Popen, log: str | os.PathLike, sett
     return f"{name} {state}; log {log}:\n{log_tail(log)}"
 
 
+def terminate_servers() -> None:
+    """SIGTERM every running server's group without waiting: a terminating job calls this first,
+    so requests in flight fail at once instead of holding up its cleanup."""
+    for proc in list(_RUNNING):
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
 def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM the whole group, then SIGKILL whatever is left (children included)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s + 5.0), (signal.SIGKILL, 10.0)):
@@ -116,11 +127,13 @@ def managed_server(
             [*leader, *cmd], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})}, start_new_session=True,
         )
+        _RUNNING.add(proc)
         try:
             _wait_healthy(name, proc, healthy, log_file, timeout_s, poll_s)
             yield proc
         finally:
             stop_process_group(proc)
+            _RUNNING.discard(proc)
 
 
 def _wait_healthy(
