@@ -85,10 +85,12 @@ def model_shape(config: Mapping[str, Any], name: str) -> dict[str, int | None]:
 
 
 def _document_counts(config: Mapping[str, Any]) -> dict[str, int]:
+    from kvbench.corpus.factsheets import vocabulary  # each domain's document types
+
     corpus = config["corpus"]
     realistic = corpus["realistic"]
-    return {"synthetic": corpus["synthetic"]["n_docs"],
-            "realistic": realistic["docs_per_type"] * 3 * len(realistic["domains"])}
+    types = sum(len(vocabulary(domain)["doc_types"]) for domain in realistic["domains"])
+    return {"synthetic": corpus["synthetic"]["n_docs"], "realistic": realistic["docs_per_type"] * types}
 
 
 def _document_tokens(config: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
