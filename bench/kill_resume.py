@@ -39,10 +39,12 @@ OUT = REPO / ".bench" / "kill_resume"
 TIMING = re.compile(r"(_s|_s_std|_mb_s|_tok_s|_tok_s_std|peak_memory_mb|peak_rss_mb)$")
 
 
-def stage_marker(workdir: Path, stage: str) -> bool:
-    """True once a job of `stage` is mid-way (see the module docstring)."""
-    def logged(pattern: str, text: str = "") -> bool:
-        return any(text in p.read_text(errors="replace") for p in workdir.glob(pattern) if p.is_file())
+def stage_marker(workdir: Path, stage: str, since: float) -> bool:
+    """True once a job of `stage` started after `since` (epoch seconds) is mid-way (see the
+    module docstring); logs of earlier attempts do not count."""
+    def logged(pattern: str, text: str) -> bool:
+        return any(text in p.read_text(errors="replace") for p in workdir.glob(pattern)
+                   if p.is_file() and p.stat().st_mtime > since)
 
     return {
         "models": lambda: logged("logs/models/*.log", "converting"),
@@ -82,10 +84,11 @@ def run_to_end(workdir: Path, config_path: Path) -> float:
 
 
 def kill_in_stage(workdir: Path, config_path: Path, stage: str) -> dict:
-    begin = time.monotonic()
+    begin, since = time.monotonic(), time.time()
     proc = start(workdir, config_path)
-    while not stage_marker(workdir, stage) and proc.poll() is None:
+    while not stage_marker(workdir, stage, since) and proc.poll() is None:
         time.sleep(0.5)
+    time.sleep(3)  # into the job's work, not at its first line
     if proc.poll() is not None:
         return {"stage": stage, "killed": False, "note": f"snakemake ended (code {proc.returncode}) before the stage marker"}
     running = sorted(p.name for p in (workdir / ".snakemake" / "incomplete").glob("*")) if (workdir / ".snakemake" / "incomplete").is_dir() else []
@@ -105,8 +108,7 @@ def kill_in_stage(workdir: Path, config_path: Path, stage: str) -> dict:
 
 def comparable(path: Path) -> pd.DataFrame:
     table = pd.read_parquet(path)
-    drop = [c for c in table.columns if TIMING.search(c)] + ["config_hash"]  # workdir paths differ in the config
-    table = table.drop(columns=[c for c in drop if c in table.columns])
+    table = table.drop(columns=[c for c in table.columns if TIMING.search(c)])
     table = table.astype(str)
     return table.sort_values(list(table.columns)).reset_index(drop=True)
 
@@ -135,7 +137,8 @@ def main() -> None:
         workdir.mkdir(parents=True)
         config = tiny_config(REPO / "unused", workdir)
         config["models"] = {"smol": model}
-        # The imported folder lives in each workdir: same files, same content.
+        # Each workdir holds its own copy of the imported folder: one config for both runs.
+        config["corpus"]["imported"]["path"] = "my-docs"
         configs[name] = (workdir, write_config(workdir, config), config)
     ref_dir, ref_config, config = configs["reference"]
     print(f"uninterrupted run in {ref_dir} ...", flush=True)

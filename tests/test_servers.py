@@ -86,7 +86,7 @@ def test_healthy_server_is_stopped_on_exit(tmp_path):
 
 
 FAKE_VLLM = """
-import http.server, os, sys, time
+import http.server, json, os, sys, time
 mode = sys.argv[2]
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -95,14 +95,26 @@ class H(http.server.BaseHTTPRequestHandler):
         if mode == "crash":
             print("RuntimeError: fake engine core died", flush=True)
             os._exit(3)
-        time.sleep(600)  # hung: accepts the request, never answers
+        if mode == "hang":
+            time.sleep(600)  # accepts the request, never answers
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        # slow: a token every 0.4 s for 2 s, longer than the client's 1 s idle timeout in all
+        for i, word in enumerate(["Slow", " but", " alive", "."]):
+            delta = {"id": "c1", "model": "kvbench-model",
+                     "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": "stop" if i == 3 else None}]}
+            self.wfile.write(f"data: {json.dumps(delta)}\\n\\n".encode()); self.wfile.flush()
+            time.sleep(0.4)
+        usage = {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+        self.wfile.write(f"data: {json.dumps({'id': 'c1', 'choices': [], 'usage': usage})}\\n\\ndata: [DONE]\\n\\n".encode())
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
 @pytest.mark.parametrize("mode, expected", [
     ("crash", r"vLLM request failed(.|\n)*vllm exited with code 3(.|\n)*fake engine core died"),
-    ("hang", r"vLLM request failed \(timed out; timeout 1 s\); vllm is still running"),
+    ("hang", r"vLLM request failed \(timed out; idle timeout 1 s\); vllm is still running"),
 ])
 def test_fake_vllm_that_crashes_or_hangs_mid_request_surfaces_its_state_and_log(tmp_path, mode, expected):
     from kvbench.vllm_server import VLLMClient
@@ -111,6 +123,20 @@ def test_fake_vllm_that_crashes_or_hangs_mid_request_surfaces_its_state_and_log(
     base = f"http://127.0.0.1:{port}"
     with managed_server("vllm", [sys.executable, "-c", FAKE_VLLM, str(port), mode], port, http_ok(base),
                         tmp_path / "v.log", timeout_s=60, poll_s=0.1) as proc:
-        client = VLLMClient(base, timeout_s=1, server=proc, log_path=tmp_path / "v.log")
+        client = VLLMClient(base, idle_timeout_s=1, server=proc, log_path=tmp_path / "v.log")
         with pytest.raises(ServerError, match=expected):
             client.chat([{"role": "user", "content": "hi"}])
+
+
+def test_fake_vllm_that_streams_slowly_is_not_mistaken_for_a_hung_one(tmp_path):
+    from kvbench.vllm_server import VLLMClient
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with managed_server("vllm", [sys.executable, "-c", FAKE_VLLM, str(port), "slow"], port, http_ok(base),
+                        tmp_path / "v.log", timeout_s=60, poll_s=0.1) as proc:
+        start = time.monotonic()
+        reply = VLLMClient(base, idle_timeout_s=1, server=proc).chat([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start > 1.5  # longer than the idle timeout in all
+    assert reply["choices"][0]["message"]["content"] == "Slow but alive."
+    assert reply["choices"][0]["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] == 4

@@ -52,10 +52,13 @@ def write_config(workdir: Path, config: dict[str, Any], name: str = "config.yaml
     return path
 
 
-def snakemake(workdir: Path, config: dict[str, Any] | None, *args: str, timeout: int = 1500,
+def snakemake(workdir: Path, config: dict[str, Any] | None, *args: str, timeout: int = 3600,
               slurm: bool = False) -> subprocess.CompletedProcess:
     """The snakemake CLI in `workdir`; `slurm=True` runs it through the SLURM executor plugin
-    against the fake SLURM in tests/fake_slurm (its state in workdir/.fake_slurm)."""
+    against the fake SLURM in tests/fake_slurm (its state in workdir/.fake_slurm).
+
+    On timeout snakemake gets SIGTERM first (it cancels its jobs, as on a real cluster), and any
+    fake SLURM job still queued or running is cancelled: nothing outlives a test."""
     cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), *args]
     if config is not None:
         cmd += ["--configfile", str(write_config(workdir, config))]
@@ -63,4 +66,24 @@ def snakemake(workdir: Path, config: dict[str, Any] | None, *args: str, timeout:
     if slurm:
         cmd += SLURM_ARGS
         env |= {"PATH": f"{FAKE_SLURM}{os.pathsep}{env['PATH']}", "FAKE_SLURM_DIR": str(workdir / ".fake_slurm")}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir, env=env)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+        finally:
+            if slurm:
+                cancel_fake_slurm_jobs(workdir, env)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def cancel_fake_slurm_jobs(workdir: Path, env: dict[str, str]) -> None:
+    jobs = [json.loads(p.read_text()) for p in (workdir / ".fake_slurm" / "jobs").glob("*.json")]
+    active = [str(j["id"]) for j in jobs if j["state"] not in ("COMPLETED", "FAILED", "CANCELLED")]
+    if active:
+        subprocess.run([str(FAKE_SLURM / "scancel"), *active], env=env, check=False)

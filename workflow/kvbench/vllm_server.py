@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server, server_state
 
@@ -46,31 +46,65 @@ def vllm_env(settings: Mapping[str, Any]) -> dict[str, str]:
 
 
 class VLLMClient:
-    """Chat completions against the served model; errors carry the server's message, or its
-    state and log when it crashed or hung (a bare connection error says neither)."""
+    """Chat completions against the served model, streamed: `idle_timeout_s` bounds the silence
+    between two pieces of output, not the whole request, so a busy server that is slowly
+    generating is never mistaken for a hung one, and a hung one is reported after that silence.
+    Errors carry the server's message, or its state and log when it crashed or hung (a bare
+    connection error says neither). `chat` returns the shape of a non-streamed completion."""
 
-    def __init__(self, base_url: str, timeout_s: float = 300.0, server: subprocess.Popen | None = None,
+    def __init__(self, base_url: str, idle_timeout_s: float = 300.0, server: subprocess.Popen | None = None,
                  log_path: str | Path | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.server, self.log_path = server, log_path
 
     def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
-        body = {"model": SERVED_NAME, "messages": messages, **params}
+        body = {"model": SERVED_NAME, "messages": messages, **params, "stream": True,
+                "stream_options": {"include_usage": True}}
         req = urllib.request.Request(
             f"{self.base_url}/v1/chat/completions", data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return dict(json.load(resp))
+            with urllib.request.urlopen(req, timeout=self.idle_timeout_s) as resp:
+                return _assemble(_events(resp))
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
             raise RuntimeError(f"vLLM answered HTTP {err.code}: {detail}") from err
-        except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out (no answer)
+        except (urllib.error.URLError, OSError) as err:  # refused, reset, silent for idle_timeout_s
             reason = getattr(err, "reason", err)
             where = server_state("vllm", self.server, self.log_path) if self.server else "no server handle"
-            raise ServerError(f"vLLM request failed ({reason}; timeout {self.timeout_s:.0f} s); {where}") from err
+            raise ServerError(f"vLLM request failed ({reason}; idle timeout {self.idle_timeout_s:.0f} s); {where}") from err
+
+
+def _events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of a server-sent event stream, up to `[DONE]`."""
+    for raw in lines:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise RuntimeError(f"vLLM stream error: {json.dumps(event['error'])[:500]}")
+        yield event
+
+
+def _assemble(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """One chat completion from its streamed chunks (content deltas, finish reason, usage)."""
+    first: dict[str, Any] = {}
+    text, finish, usage = [], None, None
+    for event in events:
+        first = first or event
+        for choice in event.get("choices") or []:
+            text.append(choice.get("delta", {}).get("content") or "")
+            finish = choice.get("finish_reason") or finish
+        usage = event.get("usage") or usage
+    return {"id": first.get("id"), "model": first.get("model"), "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                         "finish_reason": finish}], "usage": usage}
 
 
 @contextmanager
@@ -83,4 +117,4 @@ def vllm_server(
         "vllm", vllm_command(model_dir, port, settings, seed), port, http_ok(f"{base}/health"),
         log_path, env=vllm_env(settings), timeout_s=float(settings["startup_timeout_s"]),
     ) as proc:
-        yield VLLMClient(base, float(settings["request_timeout_s"]), proc, log_path)
+        yield VLLMClient(base, float(settings["idle_timeout_s"]), proc, log_path)
