@@ -53,23 +53,60 @@ def test_qjl_inner_product_estimator_is_unbiased():
     assert abs(mse_only[0] - truth) > abs(mean - truth)  # the MSE stage alone is biased here
 
 
-@pytest.mark.parametrize("bits", [3, 4])
-def test_turboquant_cache_bytes_are_its_packed_tensors(bits):
+@pytest.mark.parametrize("bits, variant", [(3, "prod"), (4, "prod"), (3, "mse"), (4, "mse")])
+def test_turboquant_layer_decodes_within_the_lloyd_max_distortion(bits, variant):
     shape = ModelShape(layers=2, kv_heads=3, q_heads=9, head_dim=D)
-    cache = build_cache({"kind": "turboquant", "bits": bits}, shape, seed=1)
+    layer = build_cache({"kind": "turboquant", "bits": bits, "variant": variant}, shape, seed=1).layers[0]
     x = torch.randn(1, 3, 100, D)
-    keys, values = cache.layers[0].update(x, x)
-    assert torch.equal(keys, x) and torch.equal(values, x)  # the prompt attends in full precision
-    n = x.numel()
-    expected = (math.ceil(n * (bits - 1) / 8) + 2 * 300  # key codes + fp16 norms
-                + math.ceil(n / 8) + 2 * 300  # QJL signs + fp16 residual norms
-                + math.ceil(n * bits / 8) + 2 * 300)  # value codes + fp16 norms
-    assert cache.layers[0].nbytes() == expected
-    assert cache.nbytes() == expected + 4 * D * D * 2  # two rotations + two sketches, fp16, once
-    step = torch.randn(1, 3, 1, D)
-    _, values = cache.layers[0].update(step, step)  # decode attends to the dequantized cache
-    rel = ((values[..., :100, :] - x).norm() / x.norm()).item()
+    keys, values = layer.update(x, 2 * x)
+    assert torch.equal(keys, x) and torch.equal(values, 2 * x)  # the prompt attends in full precision
+    key_bits = bits - 1 if variant == "prod" else bits
+    assert layer.key_blocks[0].packed.numel() == math.ceil(x.numel() * key_bits / 8)
+    assert (layer.key_blocks[0].signs is not None) == (variant == "prod")
+    decoded_keys, decoded_values = layer.decoded()
+    rel = ((decoded_values - 2 * x).norm() / (2 * x).norm()).item()
     assert rel ** 2 == pytest.approx(lloyd_max(bits)[1], rel=0.25)
+    mse_keys = layer.key_blocks[0].decode(layer.key_mse, None)  # the keys' MSE stage alone
+    assert ((mse_keys - x).norm() / x.norm()).item() ** 2 == pytest.approx(lloyd_max(key_bits)[1], rel=0.25)
+
+
+@pytest.mark.parametrize("variant", ["prod", "mse"])
+def test_rotated_scores_equal_scores_against_decoded_keys(variant):
+    """Decode attends to [R q, S q] . [n c, scale |r| s]: the same scores as q . k_hat, without
+    rebuilding k_hat; and values summed in the rotated domain, rotated back once."""
+    shape = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=D)
+    layer = build_cache({"kind": "turboquant", "bits": 3, "variant": variant}, shape, seed=4).layers[0]
+    x = torch.randn(1, 3, 40, D)
+    layer.update(x, x)
+    rotated_keys, rotated_values = layer.update(torch.randn(1, 3, 1, D), torch.randn(1, 3, 1, D))
+    assert layer.rotated and rotated_keys.shape[-1] == (2 * D if variant == "prod" else D)
+    keys, values = layer.decoded()
+    query = torch.randn(1, 3, 2, D)
+    assert torch.allclose(layer.rotate_query(query) @ rotated_keys.transpose(-1, -2), query @ keys.transpose(-1, -2),
+                          atol=1e-4)
+    probs = torch.softmax(torch.randn(1, 3, 2, 41), dim=-1)
+    assert torch.allclose((probs @ rotated_values) @ layer.rotation, probs @ values, atol=1e-5)
+
+
+def test_qjl_is_unbiased_through_the_layer_and_mse_only_is_not():
+    """Scores the layer's decode attention computes for a fixed key and query, over sketches (one
+    cache seed each): the product variant's mean is the true score; the MSE variant shrinks it."""
+    shape = ModelShape(layers=1, kv_heads=1, q_heads=1, head_dim=D)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(1, 1, 1, D, generator=gen)
+    query = key + 0.5 * torch.randn(1, 1, 1, D, generator=gen)  # correlated, as attention's winners are
+    truth = (query * key).sum().item()
+    scores = {"prod": [], "mse": []}
+    for seed in range(1500):
+        for variant, out in scores.items():
+            layer = build_cache({"kind": "turboquant", "bits": 2, "variant": variant}, shape, seed=seed).layers[0]
+            layer.update(key, key)
+            rotated_keys, _ = layer.update(key, key)  # a decode step: attention reads the rotated domain
+            out.append((layer.rotate_query(query) @ rotated_keys[..., 0, :].transpose(-1, -2)).item())
+    prod, mse = torch.tensor(scores["prod"]), torch.tensor(scores["mse"])
+    assert abs(prod.mean().item() - truth) < 4 * prod.std().item() / math.sqrt(len(prod))  # unbiased
+    assert truth - mse.mean().item() > 8 * mse.std().item() / math.sqrt(len(mse))  # biased toward 0
+    assert prod.std() > mse.std()  # the price of unbiasedness: more variance per score
 
 
 def test_decode_blocks_merge_without_changing_what_attention_sees():
@@ -87,3 +124,43 @@ def test_decode_blocks_merge_without_changing_what_attention_sees():
         previous = keys
         assert len(layer.key_blocks) <= MERGE_AFTER + 1
     assert layer.get_seq_length() == 50 + 2 * MERGE_AFTER + 3
+
+
+def test_the_model_decodes_the_same_through_the_rotated_domain(model_dir, tokenizer):
+    """Through the real model: decode attending in the rotated domain gives the logits of decode
+    attending to keys and values rebuilt in the original domain (the previous implementation)."""
+    from pathlib import Path
+
+    from kvbench.harness import generate
+    from kvbench.methods.turboquant import TurboLayer
+    from kvbench.models import load_model
+
+    class Rebuilt(TurboLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            out = super().update(key_states, value_states)
+            if not self.rotated:
+                return out
+            self.rotated = False
+            return self.decoded(key_states.dtype)
+
+    def rebuilt(spec, shape, seed):
+        cache = build_cache(spec, shape, seed)
+        for layer in cache.layers:
+            layer.__class__ = Rebuilt
+        return cache
+
+    model = load_model(model_dir)
+    ids = tokenizer((Path(__file__).parent / "data" / "legal-contract-00.txt").read_text()).input_ids[:400]
+    logits: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0, -1].clone()))
+    try:
+        spec = {"kind": "turboquant", "bits": 4}
+        rotated = generate(model, spec, ids, 8, seed=5)["tokens"]
+        rotated_logits, logits[:] = list(logits), []
+        reference = generate(model, spec, ids, 8, seed=5, make_cache=rebuilt)["tokens"]
+    finally:
+        hook.remove()
+    assert rotated == reference
+    for ours, ref in zip(rotated_logits, logits):
+        assert torch.allclose(ours, ref, atol=2e-3, rtol=0)
+    assert any(not torch.equal(a, b) for a, b in zip(rotated_logits, logits))  # two paths, not one

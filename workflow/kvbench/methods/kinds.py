@@ -12,9 +12,10 @@ KIND_SETTINGS: dict[str, tuple[str, ...]] = {
     "full": ("storage",),
     "fp8": (),
     "kivi": ("bits", "group_size", "residual", "storage"),
-    "turboquant": ("bits",),
-    "snapkv": ("window", "kernel", "keep_ratio", "capacity", "storage"),
-    "cam": ("window", "kernel", "keep_ratio", "capacity", "merge_budget", "storage"),
+    "turboquant": ("bits", "variant"),
+    "snapkv": ("window", "kernel", "pooling", "keep_ratio", "capacity", "storage"),
+    "cam": ("window", "kernel", "pooling", "keep_ratio", "capacity", "interval", "target", "buffer",
+            "merge_budget", "selection", "storage"),
     "streamingllm": ("sinks", "window", "storage"),
     "h2o": ("heavy", "recent", "keep_ratio", "storage"),
 }

@@ -32,8 +32,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     groups = torch.cat([flat, flat.new_zeros(pad)]).reshape(-1, per_group)
     shifts = torch.arange(per_group, dtype=torch.int32, device=flat.device) * bits
     words = (groups << shifts).sum(dim=1)  # at most 24 bits per group
-    out = torch.stack([(words >> (8 * i)) & 0xFF for i in range(group_bytes)], dim=1)
-    return out.to(torch.uint8).reshape(-1)[: packed_bytes(flat.numel(), bits)]
+    out = torch.stack([(words >> (8 * i)) & 0xFF for i in range(group_bytes)], dim=1).to(torch.uint8).reshape(-1)
+    n = packed_bytes(flat.numel(), bits)
+    return out if out.numel() == n else out[:n].clone()  # no view onto the padding's bytes
 
 
 def unpack(packed: torch.Tensor, bits: int, n_codes: int) -> torch.Tensor:

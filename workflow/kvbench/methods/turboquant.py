@@ -1,25 +1,34 @@
-"""`turboquant`: random rotation + Lloyd-Max scalar codebook, plus a 1-bit QJL residual stage
-for unbiased inner products (Zandieh et al. 2025, arXiv 2504.19874).
+"""`turboquant`: random rotation + Lloyd-Max scalar codebook, optionally plus a 1-bit QJL residual
+stage for unbiased inner products (Zandieh et al. 2025, arXiv 2504.19874).
 
 Per vector x: norm n = |x|, rotated unit vector y = R x / n, whose coordinates are close to
 N(0, 1/d); each coordinate is quantized with the Lloyd-Max codebook of N(0, 1) scaled by 1/sqrt(d).
-Keys (b bits total) use b-1 bits for that MSE stage and 1 bit for QJL on the residual
-r = x - x_mse: signs s = sign(S r) with S Gaussian, and |r|. Since
-E[sqrt(pi/2)/d * |r| * <S q, s>] = <q, r>, the key attention sees,
-x_mse + sqrt(pi/2)/d * |r| * S^T s, gives unbiased scores q.k. Values use all b bits for MSE.
-R and S are shared per layer and counted once.
+`variant: prod` (TurboQuant_prod, the default): keys (b bits total) use b-1 bits for that MSE stage
+and 1 bit for QJL on the residual r = x - x_mse: signs s = sign(S r) with S Gaussian, and |r|. Since
+E[sqrt(pi/2)/d * |r| * <S q, s>] = <q, r>, scores q.k against x_mse + sqrt(pi/2)/d * |r| * S^T s are
+unbiased. `variant: mse` (TurboQuant_mse): keys use all b bits for the MSE stage, no QJL (biased
+inner products, lower variance). Values always use b bits for the MSE stage.
+
+Decode attends in the rotated domain (the method's own attention, installed by `attach`): the query
+is rotated once per step, q' = [R q, S q], and scored against the stored codes as they are,
+k' = [n c, sqrt(pi/2)/d |r| s] (<q', k'> = <q, k_hat>); the output sum_t p_t n_t c_t is rotated back
+once (R^T). No key is rebuilt: O(T d) per step, not O(T d^2). R and S are per-layer fp32 constants
+held by the cache and counted once, like the codebooks.
 """
 
 from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from kvbench.methods.attention import route_attention
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register, tensor_bytes
 from kvbench.methods.packing import pack, unpack, unpack_as
+
+VARIANTS = ("prod", "mse")
 
 
 def _pdf(x: float) -> float:
@@ -51,7 +60,9 @@ def lloyd_max(bits: int, iterations: int = 500) -> tuple[tuple[float, ...], floa
 
 
 class MseQuantizer:
-    """Rotation + Lloyd-Max codebook on unit vectors; norms kept in fp16."""
+    """Rotation + Lloyd-Max codebook on unit vectors; norms kept in fp16. With `TurboBlock`, the
+    block-level codec: `TurboBlock(x, mse, sketch)` encodes x [..., tokens, head_dim],
+    `.decode(mse, sketch)` decodes to fp32 in the original domain, `.nbytes()` is what it holds."""
 
     def __init__(self, rotation: torch.Tensor, bits: int) -> None:
         self.rotation, self.bits = rotation, bits
@@ -74,6 +85,10 @@ class MseQuantizer:
 
     def decode(self, codes: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         return (self.codebook[codes.long()] @ self.rotation) * norms.float()
+
+    def nbytes(self) -> int:
+        """The codebook and its edges (the rotation is the layer's, counted there)."""
+        return tensor_bytes(self.codebook, self.edges)
 
 
 MERGE_AFTER = 16  # decode blocks (one token each) merged into one packed block
@@ -125,18 +140,31 @@ class TurboBlock:
             out.add_((signs @ sketch).mul_(self.residual_norms.float() * qjl_scale(self.shape[-1])))
         return out
 
+    def rotated_into(self, mse: MseQuantizer, out: torch.Tensor) -> None:
+        """Write the block in the rotated domain into `out` [..., tokens, d or 2d]: n c (codebook
+        values times norms) in the first d columns, and for keys with QJL signs
+        sqrt(pi/2)/d |r| s in the last d, so <[R q, S q], out> = <q, decode(...)>."""
+        n, d = self.shape.numel(), self.shape[-1]
+        torch.mul(unpack_as(self.packed, self.bits, n, mse.levels).view(self.shape), self.norms.float(),
+                  out=out[..., :d])
+        if self.signs is not None:
+            torch.mul(unpack_as(self.signs, 1, n, (-1.0, 1.0)).view(self.shape),
+                      self.residual_norms.float() * qjl_scale(d), out=out[..., d:])
+
     def nbytes(self) -> int:
         return tensor_bytes(self.packed, self.norms, self.signs, self.residual_norms)
 
 
 class TurboLayer(MethodLayer):
-    def __init__(self, rotation: torch.Tensor, sketch: torch.Tensor, bits: int) -> None:
+    def __init__(self, rotation: torch.Tensor, sketch: torch.Tensor | None, bits: int) -> None:
         super().__init__()
-        self.key_mse, self.value_mse = MseQuantizer(rotation, bits - 1), MseQuantizer(rotation, bits)
-        self.sketch = sketch
+        self.rotation, self.sketch = rotation, sketch  # sketch None: the MSE-only variant
+        self.key_mse = MseQuantizer(rotation, bits - 1 if sketch is not None else bits)
+        self.value_mse = MseQuantizer(rotation, bits)
         self.key_blocks: list[TurboBlock] = []
         self.value_blocks: list[TurboBlock] = []
         self.tokens = 0
+        self.rotated = False  # the last update returned rotated-domain K/V, for `attend`
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         prefill = not self.is_initialized
@@ -150,7 +178,38 @@ class TurboLayer(MethodLayer):
         if len(self.key_blocks) > MERGE_AFTER:  # keep per-step work vectorized over few blocks
             self.key_blocks = [TurboBlock.merged(self.key_blocks)]
             self.value_blocks = [TurboBlock.merged(self.value_blocks)]
-        dtype = key_states.dtype
+        self.rotated = True
+        key_width = 2 if self.sketch is not None else 1
+        return self._rotated(self.key_blocks, self.key_mse, key_width), self._rotated(self.value_blocks, self.value_mse, 1)
+
+    def _rotated(self, blocks: list[TurboBlock], mse: MseQuantizer, width: int) -> torch.Tensor:
+        b, h, _, d = blocks[0].shape
+        out = torch.empty(b, h, self.tokens, width * d)
+        start = 0
+        for block in blocks:
+            block.rotated_into(mse, out[..., start:start + block.shape[-2], :])
+            start += block.shape[-2]
+        return out
+
+    def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
+        """[R q, S q] (or R q for the MSE-only variant), so scores against `_rotated` keys are
+        those against the decoded keys."""
+        rotated = query.float() @ self.rotation.T
+        return rotated if self.sketch is None else torch.cat([rotated, query.float() @ self.sketch.T], dim=-1)
+
+    def attend(self, original: Callable, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, *args: Any, **kwargs: Any):
+        """The layer's attention: the model's own function on the prompt; while decoding, the same
+        function on the rotated query and stored codes, then the output rotated back once."""
+        if not self.rotated:
+            return original(module, query, key, value, *args, **kwargs)
+        self.rotated = False
+        out, weights = original(module, self.rotate_query(query), key, value, *args, **kwargs)
+        return (out @ self.rotation).to(query.dtype), weights
+
+    def decoded(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key and value in the original domain (rebuilt through R and S): a reference for
+        tests and the block-level codec, not what decode attends through."""
         keys = torch.cat([b.decode(self.key_mse, self.sketch) for b in self.key_blocks], dim=-2)
         values = torch.cat([b.decode(self.value_mse, None) for b in self.value_blocks], dim=-2)
         return keys.to(dtype), values.to(dtype)
@@ -159,7 +218,13 @@ class TurboLayer(MethodLayer):
         return self.tokens
 
     def nbytes(self) -> int:
-        return sum(b.nbytes() for b in self.key_blocks + self.value_blocks)
+        blocks = sum(b.nbytes() for b in self.key_blocks + self.value_blocks)
+        return blocks + self.key_mse.nbytes() + self.value_mse.nbytes()
+
+
+class TurboCache(MethodCache):
+    def attach(self, model: torch.nn.Module) -> list[Any]:
+        return route_attention(model, {i: layer.attend for i, layer in enumerate(self.layers)})
 
 
 def random_rotation(d: int, generator: torch.Generator) -> torch.Tensor:
@@ -169,13 +234,18 @@ def random_rotation(d: int, generator: torch.Generator) -> torch.Tensor:
 
 @register("turboquant")
 def turboquant(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
-    bits = int(settings["bits"])
-    if bits < 2:
-        raise ValueError("turboquant: bits must be >= 2 (b-1 MSE bits + 1 QJL bit for keys)")
+    bits, variant = int(settings["bits"]), settings.get("variant", "prod")
+    if variant not in VARIANTS:
+        raise ValueError(f"turboquant: variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
+    if variant == "prod" and bits < 2:
+        raise ValueError("turboquant: bits must be >= 2 for variant prod (b-1 MSE bits + 1 QJL bit for keys)")
+    if not 1 <= bits <= 4:  # the packer handles 1-4 bit codes (8 would not be a compression)
+        raise ValueError(f"turboquant: bits must be 1 to 4, not {bits}")
     gen = torch.Generator().manual_seed(seed)
     rotations = [random_rotation(shape.head_dim, gen) for _ in range(shape.layers)]
     sketches = [torch.randn(shape.head_dim, shape.head_dim, generator=gen) for _ in range(shape.layers)]
+    if variant == "mse":  # drawn anyway: both variants of one seed share their rotations
+        sketches = [None] * shape.layers
     layers = [TurboLayer(r, s, bits) for r, s in zip(rotations, sketches)]
-    # Rotations and sketches are per-layer constants: stored once at fp16.
-    shared = [t.to(torch.float16) for t in rotations + sketches]
-    return MethodCache(layers, shared=shared)
+    # Rotations and sketches are per-layer fp32 constants, held once.
+    return TurboCache(layers, shared=rotations + [s for s in sketches if s is not None])
