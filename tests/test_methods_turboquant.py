@@ -61,31 +61,43 @@ def test_turboquant_layer_decodes_within_the_lloyd_max_distortion(bits, variant)
     keys, values = layer.update(x, 2 * x)
     assert torch.equal(keys, x) and torch.equal(values, 2 * x)  # the prompt attends in full precision
     key_bits = bits - 1 if variant == "prod" else bits
-    assert layer.key_blocks[0].packed.numel() == math.ceil(x.numel() * key_bits / 8)
-    assert (layer.key_blocks[0].signs is not None) == (variant == "prod")
+    codes = layer.key_block
+    assert codes.packed.numel() + (codes.code_signs.numel() if key_bits == 3 else 0) == x.numel() * key_bits / 8
+    assert (layer.key_block.signs is not None) == (variant == "prod")
     decoded_keys, decoded_values = layer.decoded()
     rel = ((decoded_values - 2 * x).norm() / (2 * x).norm()).item()
     assert rel ** 2 == pytest.approx(lloyd_max(bits)[1], rel=0.25)
-    mse_keys = layer.key_blocks[0].decode(layer.key_mse, None)  # the keys' MSE stage alone
+    mse_keys = layer.key_block.decode(layer.key_mse, None)  # the keys' MSE stage alone
     assert ((mse_keys - x).norm() / x.norm()).item() ** 2 == pytest.approx(lloyd_max(key_bits)[1], rel=0.25)
 
 
-@pytest.mark.parametrize("variant", ["prod", "mse"])
-def test_rotated_scores_equal_scores_against_decoded_keys(variant):
-    """Decode attends to [R q, S q] . [n c, scale |r| s]: the same scores as q . k_hat, without
-    rebuilding k_hat; and values summed in the rotated domain, rotated back once."""
+def attached_layer(spec: dict, shape: ModelShape, seed: int):
+    layer = build_cache(spec, shape, seed=seed).layers[0]
+    layer.attached = True  # as cache.attach(model) marks it; these tests call its attention directly
+    return layer
+
+
+@pytest.mark.parametrize("bits, variant", [(3, "prod"), (4, "prod"), (3, "mse"), (2, "prod")])
+def test_rotated_attention_equals_attention_over_decoded_keys_and_values(bits, variant):
+    """Decode scores [R q, S q] against the stored codes: the same scores as q . k_hat, and values
+    summed in the rotated domain and rotated back once give sum_t p_t v_hat_t."""
     shape = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=D)
-    layer = build_cache({"kind": "turboquant", "bits": 3, "variant": variant}, shape, seed=4).layers[0]
-    x = torch.randn(1, 3, 40, D)
-    layer.update(x, x)
-    rotated_keys, rotated_values = layer.update(torch.randn(1, 3, 1, D), torch.randn(1, 3, 1, D))
-    assert layer.rotated and rotated_keys.shape[-1] == (2 * D if variant == "prod" else D)
+    layer = attached_layer({"kind": "turboquant", "bits": bits, "variant": variant}, shape, 4)
+    layer.update(torch.randn(1, 3, 40, D), torch.randn(1, 3, 40, D))
+    for _ in range(3):  # several blocks: the prompt's and one per decode step
+        layer.update(torch.randn(1, 3, 1, D), torch.randn(1, 3, 1, D))
     keys, values = layer.decoded()
-    query = torch.randn(1, 3, 2, D)
-    assert torch.allclose(layer.rotate_query(query) @ rotated_keys.transpose(-1, -2), query @ keys.transpose(-1, -2),
-                          atol=1e-4)
-    probs = torch.softmax(torch.randn(1, 3, 2, 41), dim=-1)
-    assert torch.allclose((probs @ rotated_values) @ layer.rotation, probs @ values, atol=1e-5)
+    query = torch.randn(1, 9, 2, D)
+    expected = query @ keys.repeat_interleave(3, dim=1).transpose(-1, -2)
+    assert torch.allclose(layer.scores(query), expected, atol=1e-4)
+    probs = torch.softmax(torch.randn(1, 9, 2, 43), dim=-1)
+    expected = (probs @ values.repeat_interleave(3, dim=1)).transpose(1, 2)
+    assert torch.allclose(layer.weighted_values(probs), expected, atol=1e-5)
+    # The attention function: softmax of scaled scores, causal among the new tokens.
+    out, _ = layer.attend(None, None, query, None, None, None, scaling=0.125)
+    causal = torch.arange(43) > torch.arange(41, 43)[:, None]
+    probs = (layer.scores(query) * 0.125).masked_fill(causal, float("-inf")).softmax(-1)
+    assert torch.allclose(out, (probs @ values.repeat_interleave(3, dim=1)).transpose(1, 2), atol=1e-5)
 
 
 def test_qjl_is_unbiased_through_the_layer_and_mse_only_is_not():
@@ -99,31 +111,50 @@ def test_qjl_is_unbiased_through_the_layer_and_mse_only_is_not():
     scores = {"prod": [], "mse": []}
     for seed in range(1500):
         for variant, out in scores.items():
-            layer = build_cache({"kind": "turboquant", "bits": 2, "variant": variant}, shape, seed=seed).layers[0]
+            layer = attached_layer({"kind": "turboquant", "bits": 2, "variant": variant}, shape, seed)
             layer.update(key, key)
-            rotated_keys, _ = layer.update(key, key)  # a decode step: attention reads the rotated domain
-            out.append((layer.rotate_query(query) @ rotated_keys[..., 0, :].transpose(-1, -2)).item())
+            out.append(layer.scores(query)[0, 0, 0, 0].item())
     prod, mse = torch.tensor(scores["prod"]), torch.tensor(scores["mse"])
     assert abs(prod.mean().item() - truth) < 4 * prod.std().item() / math.sqrt(len(prod))  # unbiased
     assert truth - mse.mean().item() > 8 * mse.std().item() / math.sqrt(len(mse))  # biased toward 0
     assert prod.std() > mse.std()  # the price of unbiasedness: more variance per score
 
 
-def test_decode_blocks_merge_without_changing_what_attention_sees():
-    from kvbench.methods.turboquant import MERGE_AFTER
+def test_decode_needs_the_cache_attached():
+    shape = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=D)
+    layer = build_cache({"kind": "turboquant", "bits": 4}, shape).layers[0]
+    layer.update(torch.randn(1, 3, 10, D), torch.randn(1, 3, 10, D))
+    with pytest.raises(RuntimeError, match="run the model with the cache attached"):
+        layer.update(torch.randn(1, 3, 1, D), torch.randn(1, 3, 1, D))
+
+
+def test_three_bit_codes_round_trip_in_sign_magnitude_planes():
+    from kvbench.methods.packing import pack_sign_magnitude, unpack_sign_magnitude, unpack_sign_magnitude_as
+
+    codes = torch.randint(0, 8, (1003,), generator=torch.Generator().manual_seed(0))
+    magnitude, signs = pack_sign_magnitude(codes)
+    assert magnitude.numel() + signs.numel() == math.ceil(1003 / 4) + math.ceil(1003 / 8)  # 3 bits per code
+    assert torch.equal(unpack_sign_magnitude(magnitude, signs, 1003).long(), codes)
+    levels = tuple(float(v) for v in range(10, 18))
+    assert torch.equal(unpack_sign_magnitude_as(magnitude, signs, 1003, levels), codes.float() + 10)
+
+
+@pytest.mark.parametrize("bits, variant", [(3, "prod"), (4, "mse")])
+def test_decode_tokens_append_as_if_encoded_with_the_prompt(bits, variant):
+    """One block per layer: each decode token's codes are appended (no repacking), and the block
+    decodes exactly as the same tokens encoded at once."""
+    from kvbench.methods.turboquant import TurboBlock
 
     shape = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=D)
-    layer = build_cache({"kind": "turboquant", "bits": 3}, shape, seed=2).layers[0]
-    layer.update(torch.randn(1, 3, 50, D), torch.randn(1, 3, 50, D))
-    previous = None
-    for i in range(2 * MERGE_AFTER + 3):
-        step = torch.randn(1, 3, 1, D)
-        keys, values = layer.update(step, step)
-        if previous is not None:  # earlier tokens dequantize identically across merges
-            assert torch.allclose(keys[..., :-1, :], previous, atol=1e-5)  # matmul shapes differ
-        previous = keys
-        assert len(layer.key_blocks) <= MERGE_AFTER + 1
-    assert layer.get_seq_length() == 50 + 2 * MERGE_AFTER + 3
+    layer = attached_layer({"kind": "turboquant", "bits": bits, "variant": variant}, shape, 2)
+    tokens = torch.randn(1, 3, 70, D)
+    layer.update(tokens[..., :50, :], tokens[..., :50, :])
+    for i in range(50, 70):
+        layer.update(tokens[..., i:i + 1, :], tokens[..., i:i + 1, :])
+    assert layer.get_seq_length() == 70 and layer.key_block.packed.shape[-2] == 70
+    whole = TurboBlock(tokens, layer.key_mse, layer.sketch)
+    assert torch.equal(layer.key_block.codes(), whole.codes()) and torch.equal(layer.key_block.norms, whole.norms)
+    assert torch.allclose(layer.decoded()[0], whole.decode(layer.key_mse, layer.sketch), atol=1e-5)
 
 
 def test_the_model_decodes_the_same_through_the_rotated_domain(model_dir, tokenizer):
@@ -138,9 +169,9 @@ def test_the_model_decodes_the_same_through_the_rotated_domain(model_dir, tokeni
     class Rebuilt(TurboLayer):
         def update(self, key_states, value_states, *args, **kwargs):
             out = super().update(key_states, value_states)
-            if not self.rotated:
+            if not self.pending:
                 return out
-            self.rotated = False
+            self.pending = False  # attention runs the model's own function, on rebuilt K/V
             return self.decoded(key_states.dtype)
 
     def rebuilt(spec, shape, seed):

@@ -10,9 +10,20 @@ from kvbench.kv.storage import FP8_E4M3_MAX
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register
 
 
+# Every e4m3 bit pattern's value: decoding by table lookup is several times faster on CPU than
+# converting float8 tensors.
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
 def to_fp8_bytes(x: torch.Tensor) -> torch.Tensor:
-    """Encode: the e4m3 bit patterns of `x` as uint8 (decode: `.view(torch.float8_e4m3fn).to(dtype)`)."""
+    """Encode: the e4m3 bit patterns of `x` as uint8."""
     return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def from_fp8_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """Decode `to_fp8_bytes`'s output to float32 (the same values as `.view(float8_e4m3fn).float()`)."""
+    table = FP8_VALUES.to(codes.device)
+    return torch.index_select(table, 0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
 
 
 class Fp8Layer(MethodLayer):
@@ -27,8 +38,7 @@ class Fp8Layer(MethodLayer):
             return key_states, value_states
         self.keys = torch.cat([self.keys, to_fp8_bytes(key_states)], dim=-2)
         self.values = torch.cat([self.values, to_fp8_bytes(value_states)], dim=-2)
-        return (self.keys.view(torch.float8_e4m3fn).to(key_states.dtype),
-                self.values.view(torch.float8_e4m3fn).to(value_states.dtype))
+        return from_fp8_bytes(self.keys).to(key_states.dtype), from_fp8_bytes(self.values).to(value_states.dtype)
 
 
 @register("fp8")

@@ -24,8 +24,7 @@ from kvbench.methods.packing import PLANE_BITS, pack_planes, unpack_planes_into
 
 def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric uniform quantization with min/max statistics reduced over `dim`."""
-    lo = x.amin(dim=dim, keepdim=True)
-    hi = x.amax(dim=dim, keepdim=True)
+    lo, hi = torch.aminmax(x, dim=dim, keepdim=True)
     scale = ((hi - lo) / (2**bits - 1)).to(torch.float16)
     zero = lo.to(torch.float16)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
@@ -45,7 +44,7 @@ class QuantizedBlock:
     def __init__(self, x: torch.Tensor, bits: int, group: int, per_channel: bool) -> None:
         self.shape, self.bits, self.group, self.per_channel = x.shape, bits, group, per_channel
         codes, self.scale, self.zero = quantize(x.reshape(self.grouped), bits, dim=-2 if per_channel else -1)
-        self.packed = pack_planes(codes.reshape(x.shape), bits)
+        self.packed = pack_planes(codes.reshape(x.shape), bits, check=False)  # clamped above
 
     @property
     def grouped(self) -> tuple[int, ...]:

@@ -10,10 +10,11 @@ unbiased. `variant: mse` (TurboQuant_mse): keys use all b bits for the MSE stage
 inner products, lower variance). Values always use b bits for the MSE stage.
 
 Decode attends in the rotated domain (the method's own attention, installed by `attach`): the query
-is rotated once per step, q' = [R q, S q], and scored against the stored codes as they are,
-k' = [n c, sqrt(pi/2)/d |r| s] (<q', k'> = <q, k_hat>); the output sum_t p_t n_t c_t is rotated back
-once (R^T). No key is rebuilt: O(T d) per step, not O(T d^2). R and S are per-layer fp32 constants
-held by the cache and counted once, like the codebooks.
+is rotated once per step, R q and S q, and scored against the stored codes as they are:
+<q, k_hat> = n <R q, c> + sqrt(pi/2)/d |r| <S q, s>, with c the codebook values read from the packed
+bytes and norms applied per token; the output sum_t p_t n_t c_t is rotated back once (R^T). No key
+or value is rebuilt: O(T d) per step, not O(T d^2). R and S are per-layer fp32 constants held by the
+cache and counted once, like the codebooks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import torch
 
 from kvbench.methods.attention import route_attention
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register, tensor_bytes
-from kvbench.methods.packing import pack, unpack, unpack_as
+from kvbench.methods.packing import (
+    pack, pack_sign_magnitude, unpack, unpack_as, unpack_sign_magnitude, unpack_sign_magnitude_as,
+)
 
 VARIANTS = ("prod", "mse")
 
@@ -76,8 +79,11 @@ class MseQuantizer:
         norms = x.norm(dim=-1, keepdim=True)
         unit = x / norms.clamp_min(1e-12)
         rotated = unit @ self.rotation.T
-        # The code is the number of edges below: a few vectorized comparisons beat bucketize's
-        # per-element binary search several times over.
+        # The code is the number of edges below: for a prompt, a few vectorized comparisons beat
+        # bucketize's per-element binary search several times over; a decode step's few vectors
+        # take one op.
+        if rotated.numel() < 1 << 14:
+            return torch.bucketize(rotated, self.edges).to(torch.uint8), norms.to(torch.float16)
         codes = torch.zeros(rotated.shape, dtype=torch.uint8, device=rotated.device)
         for edge in self.edges.tolist():
             codes += rotated > edge
@@ -91,68 +97,77 @@ class MseQuantizer:
         return tensor_bytes(self.codebook, self.edges)
 
 
-MERGE_AFTER = 16  # decode blocks (one token each) merged into one packed block
-
-
 def qjl_scale(d: int) -> float:
     return math.sqrt(math.pi / 2) / d
 
 
+def _rows(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Packed codes as one row of bytes per token, so later tokens append along the token axis
+    (head_dim * bits is a multiple of 8 for head_dim a multiple of 8)."""
+    return packed.view(*shape[:-1], -1)
+
+
 class TurboBlock:
-    """Tokens of K or V, packed: codes, fp16 norms, and for keys QJL signs + fp16 residual norms."""
+    """Tokens of K or V, packed: codes, fp16 norms, and for keys QJL signs + fp16 residual norms.
+    Each token's codes are one row of bytes; 1/2/4-bit codes are packed whole, 3-bit codes as a
+    2-bit magnitude and a 1-bit sign plane (same bytes), so every code is read by byte-table lookups."""
 
     def __init__(self, x: torch.Tensor, mse: MseQuantizer, sketch: torch.Tensor | None) -> None:
+        if x.shape[-1] % 8:
+            raise ValueError(f"turboquant: head_dim {x.shape[-1]} must be a multiple of 8")
         codes, norms = mse.encode(x.float())
         signs = residual_norms = None
         if sketch is not None:
             residual = x.float() - mse.decode(codes, norms)
             signs = (residual @ sketch.T > 0).to(torch.uint8)
             residual_norms = residual.norm(dim=-1, keepdim=True).to(torch.float16)
-        self._store(codes, norms, signs, residual_norms, mse.bits)
+        self.shape, self.bits, self.norms, self.residual_norms = codes.shape, mse.bits, norms, residual_norms
+        if self.bits == 3:
+            magnitude, code_signs = pack_sign_magnitude(codes)
+            self.packed, self.code_signs = _rows(magnitude, self.shape), _rows(code_signs, self.shape)
+        else:
+            self.packed, self.code_signs = _rows(pack(codes, self.bits, check=False), self.shape), None
+        self.signs = _rows(pack(signs, 1, check=False), self.shape) if signs is not None else None
 
-    def _store(self, codes: torch.Tensor, norms: torch.Tensor, signs: torch.Tensor | None,
-               residual_norms: torch.Tensor | None, bits: int) -> None:
-        self.shape, self.bits, self.norms, self.residual_norms = codes.shape, bits, norms, residual_norms
-        self.packed = pack(codes, bits)
-        self.signs = pack(signs, 1) if signs is not None else None
+    def append(self, later: "TurboBlock") -> None:
+        """Take the tokens of `later` after this block's (one decode step's, usually)."""
+        for name in ("packed", "code_signs", "norms", "signs", "residual_norms"):
+            mine = getattr(self, name)
+            if mine is not None:
+                setattr(self, name, torch.cat([mine, getattr(later, name)], dim=-2))
+        self.shape = torch.Size((*self.shape[:-2], self.shape[-2] + later.shape[-2], self.shape[-1]))
 
-    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        codes = unpack(self.packed, self.bits, self.shape.numel()).reshape(self.shape)
-        signs = unpack(self.signs, 1, self.shape.numel()).reshape(self.shape) if self.signs is not None else None
-        return codes, self.norms, signs, self.residual_norms
+    def codes(self) -> torch.Tensor:
+        n = self.shape.numel()
+        if self.code_signs is not None:
+            return unpack_sign_magnitude(self.packed, self.code_signs, n).reshape(self.shape)
+        return unpack(self.packed, self.bits, n).reshape(self.shape)
 
-    @classmethod
-    def merged(cls, blocks: list["TurboBlock"]) -> "TurboBlock":
-        """One block holding the tokens of `blocks` (decode appends one token per block)."""
-        parts = [b.parts() for b in blocks]
-        out = cls.__new__(cls)
-        cat = [torch.cat(items, dim=-2) if items[0] is not None else None for items in zip(*parts)]
-        out._store(*cat, blocks[0].bits)
-        return out
+    def levels(self, mse: MseQuantizer) -> torch.Tensor:
+        """Each coordinate's codebook value (rotated domain, unit norm), by table lookup straight
+        from the packed bytes: [..., tokens, d] fp32."""
+        n = self.shape.numel()
+        if self.code_signs is not None:
+            return unpack_sign_magnitude_as(self.packed, self.code_signs, n, mse.levels).view(self.shape)
+        return unpack_as(self.packed, self.bits, n, mse.levels).view(self.shape)
+
+    def qjl_signs(self) -> torch.Tensor:
+        """The QJL signs as +-1: [..., tokens, d] fp32."""
+        return unpack_as(self.signs, 1, self.shape.numel(), (-1.0, 1.0)).view(self.shape)
+
+    def qjl_weights(self) -> torch.Tensor:
+        """sqrt(pi/2)/d |r| per token: [..., tokens]."""
+        return self.residual_norms.float()[..., 0] * qjl_scale(self.shape[-1])
 
     def decode(self, mse: MseQuantizer, sketch: torch.Tensor | None) -> torch.Tensor:
-        """Every token of the block at fp32; runs each decode step, so codes become codebook values
-        (and signs +-1) by table lookup straight from the packed bytes."""
-        n = self.shape.numel()
-        out = (unpack_as(self.packed, self.bits, n, mse.levels).view(self.shape) @ mse.rotation).mul_(self.norms.float())
+        """Every token of the block at fp32 in the original domain (rotated back, QJL term added)."""
+        out = (self.levels(mse) @ mse.rotation).mul_(self.norms.float())
         if sketch is not None and self.signs is not None:
-            signs = unpack_as(self.signs, 1, n, (-1.0, 1.0)).view(self.shape)
-            out.add_((signs @ sketch).mul_(self.residual_norms.float() * qjl_scale(self.shape[-1])))
+            out.add_((self.qjl_signs() @ sketch).mul_(self.qjl_weights()[..., None]))
         return out
 
-    def rotated_into(self, mse: MseQuantizer, out: torch.Tensor) -> None:
-        """Write the block in the rotated domain into `out` [..., tokens, d or 2d]: n c (codebook
-        values times norms) in the first d columns, and for keys with QJL signs
-        sqrt(pi/2)/d |r| s in the last d, so <[R q, S q], out> = <q, decode(...)>."""
-        n, d = self.shape.numel(), self.shape[-1]
-        torch.mul(unpack_as(self.packed, self.bits, n, mse.levels).view(self.shape), self.norms.float(),
-                  out=out[..., :d])
-        if self.signs is not None:
-            torch.mul(unpack_as(self.signs, 1, n, (-1.0, 1.0)).view(self.shape),
-                      self.residual_norms.float() * qjl_scale(d), out=out[..., d:])
-
     def nbytes(self) -> int:
-        return tensor_bytes(self.packed, self.norms, self.signs, self.residual_norms)
+        return tensor_bytes(self.packed, self.code_signs, self.norms, self.signs, self.residual_norms)
 
 
 class TurboLayer(MethodLayer):
@@ -161,70 +176,102 @@ class TurboLayer(MethodLayer):
         self.rotation, self.sketch = rotation, sketch  # sketch None: the MSE-only variant
         self.key_mse = MseQuantizer(rotation, bits - 1 if sketch is not None else bits)
         self.value_mse = MseQuantizer(rotation, bits)
-        self.key_blocks: list[TurboBlock] = []
-        self.value_blocks: list[TurboBlock] = []
-        self.tokens = 0
-        self.rotated = False  # the last update returned rotated-domain K/V, for `attend`
+        self.key_block: TurboBlock | None = None
+        self.value_block: TurboBlock | None = None
+        self.attached = False  # set while the cache's attention route is installed
+        self.pending = False  # this step's attention is the layer's own (`attend`)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        prefill = not self.is_initialized
-        if prefill:
+        keys, values = TurboBlock(key_states, self.key_mse, self.sketch), TurboBlock(value_states, self.value_mse, None)
+        if not self.is_initialized:  # the prompt attends in full precision; the cache holds the quantized form
             self.lazy_initialization(key_states, value_states)
-        self.key_blocks.append(TurboBlock(key_states, self.key_mse, self.sketch))
-        self.value_blocks.append(TurboBlock(value_states, self.value_mse, None))
-        self.tokens += key_states.shape[-2]
-        if prefill:  # the prompt attends in full precision; the cache holds the quantized form
+            self.key_block, self.value_block = keys, values
             return key_states, value_states
-        if len(self.key_blocks) > MERGE_AFTER:  # keep per-step work vectorized over few blocks
-            self.key_blocks = [TurboBlock.merged(self.key_blocks)]
-            self.value_blocks = [TurboBlock.merged(self.value_blocks)]
-        self.rotated = True
-        key_width = 2 if self.sketch is not None else 1
-        return self._rotated(self.key_blocks, self.key_mse, key_width), self._rotated(self.value_blocks, self.value_mse, 1)
+        if not self.attached:
+            raise RuntimeError("turboquant: decode attends through the cache's own attention; "
+                               "run the model with the cache attached (cache.attach(model))")
+        self.key_block.append(keys)
+        self.value_block.append(values)
+        self.pending = True
+        return key_states, value_states  # unused: `attend` reads the blocks
 
-    def _rotated(self, blocks: list[TurboBlock], mse: MseQuantizer, width: int) -> torch.Tensor:
-        b, h, _, d = blocks[0].shape
-        out = torch.empty(b, h, self.tokens, width * d)
-        start = 0
-        for block in blocks:
-            block.rotated_into(mse, out[..., start:start + block.shape[-2], :])
-            start += block.shape[-2]
-        return out
+    def rotate_query(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(R q, S q): scores against the codebook values and the QJL signs."""
+        q = query.float()
+        return q @ self.rotation.T, (q @ self.sketch.T if self.sketch is not None else None)
 
-    def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
-        """[R q, S q] (or R q for the MSE-only variant), so scores against `_rotated` keys are
-        those against the decoded keys."""
-        rotated = query.float() @ self.rotation.T
-        return rotated if self.sketch is None else torch.cat([rotated, query.float() @ self.sketch.T], dim=-1)
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        """<q, k_hat> for every cached key, computed in the rotated domain: query [b, Hq, n, d]
+        (GQA: consecutive query heads share a KV head) -> [b, Hq, n, T]."""
+        b, hq, n, d = query.shape
+        block = self.key_block
+        hkv, t = block.shape[1], block.shape[-2]
+        rotated, sketched = (x.reshape(b, hkv, hq // hkv * n, d) if x is not None else None
+                             for x in self.rotate_query(query))
+        scores = (rotated @ block.levels(self.key_mse).transpose(-1, -2)).mul_(block.norms.float()[..., 0][:, :, None])
+        if sketched is not None:
+            scores.add_((sketched @ block.qjl_signs().transpose(-1, -2)).mul_(block.qjl_weights()[:, :, None]))
+        return scores.view(b, hq, n, t)
+
+    def weighted_values(self, probs: torch.Tensor) -> torch.Tensor:
+        """sum_t p_t v_hat_t for probs [b, Hq, n, T] -> [b, n, Hq, d]: summed in the rotated domain
+        (norms folded into the weights), rotated back once."""
+        b, hq, n, t = probs.shape
+        block = self.value_block
+        hkv = block.shape[1]
+        p = probs.reshape(b, hkv, hq // hkv * n, t) * block.norms.float()[..., 0][:, :, None]
+        out = p @ block.levels(self.value_mse)
+        return (out @ self.rotation).view(b, hq, n, -1).transpose(1, 2)
 
     def attend(self, original: Callable, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, *args: Any, **kwargs: Any):
-        """The layer's attention: the model's own function on the prompt; while decoding, the same
-        function on the rotated query and stored codes, then the output rotated back once."""
-        if not self.rotated:
-            return original(module, query, key, value, *args, **kwargs)
-        self.rotated = False
-        out, weights = original(module, self.rotate_query(query), key, value, *args, **kwargs)
-        return (out @ self.rotation).to(query.dtype), weights
+               value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, scaling: float | None = None,
+               **kwargs: Any):
+        """The layer's attention: the model's own function on the prompt; while decoding, softmax
+        attention over the stored codes in the rotated domain (no key or value is rebuilt)."""
+        if not self.pending:
+            return original(module, query, key, value, attention_mask, *args, scaling=scaling, **kwargs)
+        self.pending = False
+        n = query.shape[-2]
+        scores = self.scores(query) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+        if attention_mask is not None:
+            mask = attention_mask[..., -scores.shape[-1]:]
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        elif n > 1:  # several new tokens: each sees the cache up to itself
+            t = scores.shape[-1]
+            scores = scores.masked_fill(torch.arange(t) > torch.arange(t - n, t)[:, None], float("-inf"))
+        return self.weighted_values(scores.softmax(dim=-1)).to(query.dtype), None
 
     def decoded(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key and value in the original domain (rebuilt through R and S): a reference for
         tests and the block-level codec, not what decode attends through."""
-        keys = torch.cat([b.decode(self.key_mse, self.sketch) for b in self.key_blocks], dim=-2)
-        values = torch.cat([b.decode(self.value_mse, None) for b in self.value_blocks], dim=-2)
+        keys = self.key_block.decode(self.key_mse, self.sketch)
+        values = self.value_block.decode(self.value_mse, None)
         return keys.to(dtype), values.to(dtype)
 
     def get_seq_length(self) -> int:
-        return self.tokens
+        return self.key_block.shape[-2] if self.key_block is not None else 0
 
     def nbytes(self) -> int:
-        blocks = sum(b.nbytes() for b in self.key_blocks + self.value_blocks)
+        blocks = sum(b.nbytes() for b in (self.key_block, self.value_block) if b is not None)
         return blocks + self.key_mse.nbytes() + self.value_mse.nbytes()
+
+
+class Detach:
+    """Handle that marks the layers detached again."""
+
+    def __init__(self, layers: list[TurboLayer]) -> None:
+        self.layers = layers
+
+    def remove(self) -> None:
+        for layer in self.layers:
+            layer.attached = False
 
 
 class TurboCache(MethodCache):
     def attach(self, model: torch.nn.Module) -> list[Any]:
-        return route_attention(model, {i: layer.attend for i, layer in enumerate(self.layers)})
+        for layer in self.layers:
+            layer.attached = True
+        return [*route_attention(model, {i: layer.attend for i, layer in enumerate(self.layers)}), Detach(self.layers)]
 
 
 def random_rotation(d: int, generator: torch.Generator) -> torch.Tensor:
