@@ -23,6 +23,7 @@ from importlib import metadata
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, QuantizedCache
+from transformers.utils import logging as transformers_logging
 
 
 def held_bytes(t: torch.Tensor | None) -> int:
@@ -120,6 +121,7 @@ def kept_positions(model, setup: dict) -> list[dict]:
 
 def main() -> None:
     mode, model_dir, setup_path, out_path = sys.argv[1:5]
+    transformers_logging.disable_progress_bar()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     setup = json.load(open(setup_path))

@@ -173,3 +173,13 @@ def test_hook_queries_are_the_queries_eager_attention_used(model_dir):
         assert len(layer.seen) == len(used[index]) == 2
         for ours, real in zip(layer.seen, used[index]):
             assert ours.shape == real.shape and torch.allclose(ours, real, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"kind": "snapkv", "kernel": 6}, "snapkv: kernel must be a positive odd number, not 6"),
+    ({"kind": "snapkv", "pooling": "mean"}, "snapkv: pooling must be one of avg, max, not 'mean'"),
+    ({"kind": "cam", "target": 100, "selection": "heads"}, "cam: selection must be shared or per_head"),
+])
+def test_scoring_settings_that_would_fail_mid_run_are_refused(spec, message):
+    with pytest.raises(ValueError, match=message):
+        build_cache(spec, SHAPE)

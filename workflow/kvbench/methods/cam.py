@@ -28,7 +28,9 @@ from typing import Any, Callable
 import torch
 
 from kvbench.methods.base import STORAGE, ModelShape, layer_seed, register, tensor_bytes
-from kvbench.methods.eviction import EvictionCache, ScoredLayer, attention_probs, gather, keep_count, snapkv_scores
+from kvbench.methods.eviction import (
+    EvictionCache, ScoredLayer, attention_probs, check_scoring, gather, keep_count, snapkv_scores,
+)
 
 Uniform = Callable[[tuple[int, ...]], torch.Tensor]
 
@@ -141,5 +143,8 @@ class CaMLayer(ScoredLayer):
 def cam(settings: dict[str, Any], shape: ModelShape, seed: int) -> EvictionCache:
     if not ({"keep_ratio", "capacity", "target"} & set(settings)):
         raise ValueError("cam: set keep_ratio or capacity (compress at prefill) and/or target (while decoding)")
+    check_scoring("cam", settings)
+    if settings.get("selection", "shared") not in ("shared", "per_head"):
+        raise ValueError(f"cam: selection must be shared or per_head, not {settings['selection']!r}")
     storage = STORAGE[settings.get("storage", "fp16")]
     return EvictionCache([CaMLayer(storage, shape.q_heads, settings, seed, i) for i in range(shape.layers)])

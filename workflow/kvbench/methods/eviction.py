@@ -114,6 +114,18 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, window: int, kernel
     return F.pad(scores, (0, window), value=float("inf"))
 
 
+def check_scoring(kind: str, settings: dict[str, Any]) -> None:
+    """Refuse SnapKV scoring settings that would fail mid-run (pooling keeps T positions only for
+    an odd kernel)."""
+    kernel, pooling = int(settings.get("kernel", 7)), settings.get("pooling", "avg")
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"{kind}: kernel must be a positive odd number, not {kernel}")
+    if pooling not in POOLING:
+        raise ValueError(f"{kind}: pooling must be one of {', '.join(POOLING)}, not {pooling!r}")
+    if int(settings.get("window", 1)) < 1:
+        raise ValueError(f"{kind}: window must be >= 1")
+
+
 def keep_count(tokens: int, settings: dict[str, Any]) -> int:
     """Tokens kept per head: a fixed `capacity`, or `keep_ratio` of the prompt rounded down (as
     kvpress's int(T * (1 - compression_ratio)))."""

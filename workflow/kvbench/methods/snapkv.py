@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from kvbench.methods.base import STORAGE, ModelShape, register
-from kvbench.methods.eviction import EvictionCache, ScoredLayer, gather, keep_count, keep_top, snapkv_scores
+from kvbench.methods.eviction import (
+    EvictionCache, ScoredLayer, check_scoring, gather, keep_count, keep_top, snapkv_scores,
+)
 
 
 class SnapKVLayer(ScoredLayer):
@@ -51,5 +53,6 @@ class SnapKVLayer(ScoredLayer):
 
 @register("snapkv")
 def snapkv(settings: dict[str, Any], shape: ModelShape, seed: int) -> EvictionCache:
+    check_scoring("snapkv", settings)
     storage = STORAGE[settings.get("storage", "fp16")]
     return EvictionCache([SnapKVLayer(storage, shape.q_heads, settings) for _ in range(shape.layers)])
