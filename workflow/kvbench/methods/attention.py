@@ -75,3 +75,65 @@ def route_attention(model: torch.nn.Module, routes: dict[int, Route]) -> list[Ro
         _ROUTES[module] = route
         handles.append(RouteHandle(name, module))
     return handles
+
+
+class RoutedLayer:
+    """Mixin for a cache layer that attends over its compressed form itself while decoding: its
+    `update` marks the step `pending` (and returns the new K/V, unused), `attend` computes softmax
+    attention from the layer's `scores(query)` and `weighted_values(probs)`, then runs
+    `after_attention` (e.g. KIVI's flush, which the reference does after the step's attention)."""
+
+    attached = False  # set while the cache's attention route is installed
+    pending = False  # this step's attention is the layer's own
+
+    def require_attached(self, kind: str) -> None:
+        if not self.attached:
+            raise RuntimeError(f"{kind}: decode attends through the cache's own attention; "
+                               "run the model with the cache attached (cache.attach(model))")
+
+    def scores(self, query: torch.Tensor) -> torch.Tensor:  # [b, Hq, n, d] -> [b, Hq, n, T]
+        raise NotImplementedError
+
+    def weighted_values(self, probs: torch.Tensor) -> torch.Tensor:  # [b, Hq, n, T] -> [b, n, Hq, d]
+        raise NotImplementedError
+
+    def after_attention(self) -> None:
+        pass
+
+    def attend(self, original: Callable, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, scaling: float | None = None,
+               **kwargs: Any):
+        """The model's own attention function on the prompt; while decoding, softmax attention the
+        layer computes over its stored form (no full-precision K or V is rebuilt for it)."""
+        if not self.pending:
+            return original(module, query, key, value, attention_mask, *args, scaling=scaling, **kwargs)
+        self.pending = False
+        n = query.shape[-2]
+        scores = self.scores(query) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+        if attention_mask is not None:
+            mask = attention_mask[..., -scores.shape[-1]:]
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        elif n > 1:  # several new tokens: each sees the cache up to itself
+            t = scores.shape[-1]
+            scores = scores.masked_fill(torch.arange(t) > torch.arange(t - n, t)[:, None], float("-inf"))
+        out = self.weighted_values(scores.softmax(dim=-1)).to(query.dtype)
+        self.after_attention()
+        return out, None
+
+
+class Detach:
+    """Handle that marks routed layers detached again."""
+
+    def __init__(self, layers: list) -> None:
+        self.layers = layers
+
+    def remove(self) -> None:
+        for layer in self.layers:
+            layer.attached = False
+
+
+def attach_routed(model: torch.nn.Module, layers: list) -> list:
+    """Install every routed layer's `attend` on `model`; returns the handles."""
+    for layer in layers:
+        layer.attached = True
+    return [*route_attention(model, {i: layer.attend for i, layer in enumerate(layers)}), Detach(layers)]

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from kvbench.methods.attention import route_attention
+from kvbench.methods.attention import RoutedLayer, attach_routed
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register, tensor_bytes
 from kvbench.methods.packing import (
     pack, pack_sign_magnitude, unpack, unpack_as, unpack_sign_magnitude, unpack_sign_magnitude_as,
@@ -170,7 +170,7 @@ class TurboBlock:
         return tensor_bytes(self.packed, self.code_signs, self.norms, self.signs, self.residual_norms)
 
 
-class TurboLayer(MethodLayer):
+class TurboLayer(RoutedLayer, MethodLayer):
     def __init__(self, rotation: torch.Tensor, sketch: torch.Tensor | None, bits: int) -> None:
         super().__init__()
         self.rotation, self.sketch = rotation, sketch  # sketch None: the MSE-only variant
@@ -178,8 +178,6 @@ class TurboLayer(MethodLayer):
         self.value_mse = MseQuantizer(rotation, bits)
         self.key_block: TurboBlock | None = None
         self.value_block: TurboBlock | None = None
-        self.attached = False  # set while the cache's attention route is installed
-        self.pending = False  # this step's attention is the layer's own (`attend`)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         keys, values = TurboBlock(key_states, self.key_mse, self.sketch), TurboBlock(value_states, self.value_mse, None)
@@ -187,9 +185,7 @@ class TurboLayer(MethodLayer):
             self.lazy_initialization(key_states, value_states)
             self.key_block, self.value_block = keys, values
             return key_states, value_states
-        if not self.attached:
-            raise RuntimeError("turboquant: decode attends through the cache's own attention; "
-                               "run the model with the cache attached (cache.attach(model))")
+        self.require_attached("turboquant")
         self.key_block.append(keys)
         self.value_block.append(values)
         self.pending = True
@@ -223,24 +219,6 @@ class TurboLayer(MethodLayer):
         out = p @ block.levels(self.value_mse)
         return (out @ self.rotation).view(b, hq, n, -1).transpose(1, 2)
 
-    def attend(self, original: Callable, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, scaling: float | None = None,
-               **kwargs: Any):
-        """The layer's attention: the model's own function on the prompt; while decoding, softmax
-        attention over the stored codes in the rotated domain (no key or value is rebuilt)."""
-        if not self.pending:
-            return original(module, query, key, value, attention_mask, *args, scaling=scaling, **kwargs)
-        self.pending = False
-        n = query.shape[-2]
-        scores = self.scores(query) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-        if attention_mask is not None:
-            mask = attention_mask[..., -scores.shape[-1]:]
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        elif n > 1:  # several new tokens: each sees the cache up to itself
-            t = scores.shape[-1]
-            scores = scores.masked_fill(torch.arange(t) > torch.arange(t - n, t)[:, None], float("-inf"))
-        return self.weighted_values(scores.softmax(dim=-1)).to(query.dtype), None
-
     def decoded(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key and value in the original domain (rebuilt through R and S): a reference for
         tests and the block-level codec, not what decode attends through."""
@@ -256,22 +234,9 @@ class TurboLayer(MethodLayer):
         return blocks + self.key_mse.nbytes() + self.value_mse.nbytes()
 
 
-class Detach:
-    """Handle that marks the layers detached again."""
-
-    def __init__(self, layers: list[TurboLayer]) -> None:
-        self.layers = layers
-
-    def remove(self) -> None:
-        for layer in self.layers:
-            layer.attached = False
-
-
 class TurboCache(MethodCache):
     def attach(self, model: torch.nn.Module) -> list[Any]:
-        for layer in self.layers:
-            layer.attached = True
-        return [*route_attention(model, {i: layer.attend for i, layer in enumerate(self.layers)}), Detach(self.layers)]
+        return attach_routed(model, self.layers)
 
 
 def random_rotation(d: int, generator: torch.Generator) -> torch.Tensor:
