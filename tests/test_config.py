@@ -41,13 +41,13 @@ CASES = [
     (method({"kind": "kivi", "bits": 3}), "methods.bad.bits: 3 is not one of [1, 2, 4, 8]"),
     (method({"kind": "kivi", "bits": "two"}), "methods.bad.bits: 'two' is not of type int"),
     (method({"kind": "kivi", "group_size": 32}), "methods.bad.bits: required for kind 'kivi'"),
-    (method({"kind": "kivi", "bits": 2, "residual": -1}), "methods.bad.residual: -1 is below the minimum 0"),
+    (method({"kind": "kivi", "bits": 2, "residual": -1}), "methods.bad.residual: -1 is below the minimum 1"),
     (method({"kind": "snapkv", "keep_ratio": 7}), "methods.bad.keep_ratio: 7 is above the maximum 1.0"),
     (method({"kind": "snapkv", "keep_ratio": 0}), "methods.bad.keep_ratio: 0 must be greater than 0.0"),
     (method({"kind": "snapkv", "kernel": 6}), "methods.bad.kernel: 6 must be odd"),
     (method({"kind": "snapkv", "keep_ratio": 0.5, "capacity": 64}), "methods.bad.capacity: cannot be combined with keep_ratio"),
     (method({"kind": "cam", "window": True}), "methods.bad.window: True is not of type int"),
-    (method({"kind": "turboquant", "bits": 5}), "methods.bad.bits: 5 is not one of [2, 3, 4]"),
+    (method({"kind": "turboquant", "bits": 5}), "methods.bad.bits: 5 is not one of [1, 2, 3, 4]"),
     (method({"kind": "h2o", "heavy": 64}), "methods.bad.recent: required together with heavy"),
     (method({"kind": "full", "storage": "fp4"}), "methods.bad.storage: 'fp4' is not one of ['fp16', 'bf16', 'fp32']"),
     (method({"kind": "fp8", "bits": 8}), "methods.bad.bits: unknown setting for kind 'fp8'"),
@@ -124,7 +124,7 @@ def test_lengths_and_head_dim_come_from_the_model_folder_once_it_exists(tmp_path
     config = broken(lambda c: (c["models"].update(local={"path": str(folder)}),
                                c["corpus"].update(generator="local"), c["system"].update(models=["local"]),
                                c["vllm"].update(max_model_len=2048),
-                               c["methods"].update(odd={"kind": "kivi", "bits": 2, "group_size": 48})))
+                               c["methods"].update(odd={"kind": "kivi", "bits": 2, "group_size": 48, "residual": 96})))
     problems = config_problems(config, SCHEMA)
     assert problems == ["methods.odd.group_size: 48 does not divide the model's head_dim 64"]
     config["methods"]["odd"]["group_size"] = 32

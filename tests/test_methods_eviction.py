@@ -1,131 +1,185 @@
-"""SnapKV, CaM, H2O on synthetic tensors with known attention, plus the query hook on the real model."""
+"""SnapKV, H2O on synthetic tensors against brute-force recomputations, plus the query hook on the
+real model against the queries eager attention really used."""
+
+import math
 
 import pytest
 import torch
 
 from kvbench.methods.base import ModelShape, build_cache
-from kvbench.methods.cam import merge_evicted
-from kvbench.methods.eviction import attention_probs
+from kvbench.methods.eviction import attention_probs, snapkv_scores
 
 SHAPE = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=16)
+GROUP = SHAPE.q_heads // SHAPE.kv_heads
 
 
-def tensors(tokens: int, seed: int = 0):
+def tensors(tokens: int, seed: int = 0, queries: int | None = None):
     gen = torch.Generator().manual_seed(seed)
-    keys = torch.randn(1, SHAPE.kv_heads, tokens, SHAPE.head_dim, generator=gen) * 0.1
+    keys = torch.randn(1, SHAPE.kv_heads, tokens, SHAPE.head_dim, generator=gen)
     values = torch.randn(1, SHAPE.kv_heads, tokens, SHAPE.head_dim, generator=gen)
-    queries = torch.randn(1, SHAPE.q_heads, tokens, SHAPE.head_dim, generator=gen) * 0.1
-    return keys, values, queries
+    q = torch.randn(1, SHAPE.q_heads, queries or tokens, SHAPE.head_dim, generator=gen)
+    return keys, values, q
 
 
-def prefill(spec, tokens=100, plant=()):
-    keys, values, queries = tensors(tokens)
-    for pos in plant:  # keys every query attends to strongly
-        keys[..., pos, 0] = 30.0  # the other coordinates stay random, so planted keys stay distinct
-    queries[..., 0] = 1.0
-    cache = build_cache(spec, SHAPE)
-    layer = cache.layers[0]
-    layer.queries = queries
-    seen_k, seen_v = layer.update(keys, values)
-    assert torch.equal(seen_k, keys) and torch.equal(seen_v, values)  # prefill sees the whole prompt
-    return layer, keys, values, queries
+def brute_probs(query: torch.Tensor, keys: torch.Tensor, visible: int) -> list[float]:
+    """Softmax attention of one query vector [d] over keys[:visible] [T, d], one score at a time."""
+    logits = [float(query @ keys[j]) / math.sqrt(query.shape[0]) for j in range(visible)]
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    return [w / sum(weights) for w in weights] + [0.0] * (keys.shape[0] - visible)
 
 
-def kept_positions(layer, keys):
-    # Recover positions by matching stored keys against the originals (per head).
-    out = []
-    for h in range(SHAPE.kv_heads):
-        stored = layer.keys[0, h].float()
-        ref = keys[0, h].to(torch.float16).float()
-        out.append([int((ref == row).all(-1).nonzero()[0]) for row in stored])
+def brute_snapkv(queries, keys, window, kernel, pooling):
+    """kvpress SnapKVPress.score written out: per query head, the window's attention (causal)
+    averaged over the window, prefix only, pooled with zero padding; then the GQA group mean."""
+    t = keys.shape[-2]
+    out = torch.zeros(SHAPE.kv_heads, t - window)
+    for kv_head in range(SHAPE.kv_heads):
+        for qh in range(kv_head * GROUP, (kv_head + 1) * GROUP):
+            rows = [brute_probs(queries[0, qh, -window + i], keys[0, kv_head], t - window + i + 1)
+                    for i in range(window)]
+            mean = [sum(row[j] for row in rows) / window for j in range(t - window)]
+            half = kernel // 2
+            for j in range(t - window):
+                hood = [mean[k] if 0 <= k < t - window else 0.0 for k in range(j - half, j + half + 1)]
+                out[kv_head, j] += (sum(hood) / kernel if pooling == "avg" else max(hood)) / GROUP
     return out
 
 
-@pytest.mark.parametrize("spec, count", [({"kind": "snapkv", "keep_ratio": 0.25, "window": 8}, 25),
-                                         ({"kind": "snapkv", "capacity": 40, "window": 8}, 40)])
-def test_snapkv_keeps_exact_count_per_head_and_always_the_window(spec, count):
-    layer, keys, _, _ = prefill(spec, plant=(10, 40))
-    assert layer.keys.shape == (1, SHAPE.kv_heads, count, SHAPE.head_dim)
-    for positions in kept_positions(layer, keys):
-        assert positions == sorted(positions) and len(set(positions)) == count
-        assert set(range(92, 100)) <= set(positions)
-        # Max-pooling with kernel 7 keeps each planted key's neighbourhood.
-        assert set(range(7, 14)) | set(range(37, 44)) <= set(positions)
-    assert layer.nbytes() == 2 * SHAPE.kv_heads * count * SHAPE.head_dim * 2
+@pytest.mark.parametrize("pooling", ["avg", "max"])
+def test_snapkv_scores_equal_brute_force(pooling):
+    keys, _, queries = tensors(40)
+    scores = snapkv_scores(queries, keys, 6, 5, pooling)
+    assert torch.allclose(scores[:, :-6], brute_snapkv(queries, keys, 6, 5, pooling), atol=1e-6)
+    assert torch.isinf(scores[:, -6:]).all()  # the window is always kept
 
 
-def test_snapkv_decode_appends():
-    layer, *_ = prefill({"kind": "snapkv", "keep_ratio": 0.25, "window": 8})
-    k, v, q = tensors(1, seed=5)
-    layer.queries = q
-    seen, _ = layer.update(k, v)
-    assert seen.shape[-2] == 26 and layer.keys.shape[-2] == 26
+@pytest.mark.parametrize("spec, keep", [({"kind": "snapkv", "keep_ratio": 0.25, "window": 8, "kernel": 5}, 25),
+                                        ({"kind": "snapkv", "capacity": 40, "window": 8, "kernel": 5,
+                                          "pooling": "max"}, 40)])
+def test_snapkv_keeps_the_brute_force_top_positions_and_the_window(spec, keep):
+    keys, values, queries = tensors(103)  # int(103 * 0.25) = 25, as kvpress rounds
+    layer = build_cache(spec, SHAPE).layers[0]
+    layer.queries = queries[..., -8:, :]
+    seen_k, seen_v = layer.update(keys, values)
+    assert torch.equal(seen_k, keys) and torch.equal(seen_v, values)  # the prefill sees the whole prompt
+    assert layer.queries is None  # released once used
+    scores = brute_snapkv(queries, keys, 8, 5, spec.get("pooling", "avg"))
+    for h in range(SHAPE.kv_heads):
+        expected = sorted(scores[h].topk(keep - 8).indices.tolist() + list(range(95, 103)))
+        assert torch.equal(layer.keys[0, h], keys[0, h, expected].half())
+        assert torch.equal(layer.values[0, h], values[0, h, expected].half())
+    k, v, _ = tensors(1, seed=5)
+    seen, _ = layer.update(k, v)  # decode appends, no further eviction
+    assert seen.shape[-2] == keep + 1 and layer.keys.shape[-2] == keep + 1
 
 
 def test_gqa_scores_average_the_group():
     keys, _, queries = tensors(12)
-    probs = attention_probs(queries[..., -4:, :], keys, kv_groups=3)
-    per_q = attention_probs(queries[..., -4:, :], keys.repeat_interleave(3, dim=1), kv_groups=1)
-    assert torch.allclose(probs[1], per_q[3:6].mean(0))
-    assert torch.allclose(probs.sum(-1), torch.ones(3, 4))
-    assert (probs[:, 0, 9:] == 0).all()  # causal: query at position 8 sees keys 0..8
+    probs = attention_probs(queries[..., -4:, :], keys)
+    for kv_head in range(SHAPE.kv_heads):
+        for i in range(4):
+            expected = [sum(x) / GROUP for x in zip(*[brute_probs(queries[0, qh, 8 + i], keys[0, kv_head], 9 + i)
+                                                      for qh in range(kv_head * GROUP, (kv_head + 1) * GROUP)])]
+            assert torch.allclose(probs[kv_head, i], torch.tensor(expected), atol=1e-6)
 
 
-def test_cam_conserves_the_attention_mass_it_merges():
-    _, values, _ = tensors(50)
-    weights = torch.rand(SHAPE.kv_heads, 50, generator=torch.Generator().manual_seed(1))
-    kept = torch.stack([torch.arange(0, 50, 3)] * SHAPE.kv_heads)
-    targets = kept[:, -4:]
-    merged = merge_evicted(values, weights, kept, targets)
-    before = (weights[..., None] * values[0]).sum(1)
-    after = (weights.gather(1, kept)[..., None] * merged[0]).sum(1)
-    assert torch.allclose(after, before, atol=1e-4)
-    untouched = kept[:, :-4]
-    assert torch.equal(merged[0][:, : untouched.shape[1]], values[0].gather(1, untouched[..., None].expand(-1, -1, 16)))
+def test_h2o_scores_and_kept_tokens_equal_brute_force():
+    heavy, recent = 6, 10
+    layer = build_cache({"kind": "h2o", "heavy": heavy, "recent": recent}, SHAPE).layers[0]
+    keys, values, queries = tensors(40)
+    steps = [tensors(1, seed=10 + i) for i in range(6)]
+    # Brute force: each head's positions and accumulated attention, evicting after every update.
+    kept = [list(range(40)) for _ in range(SHAPE.kv_heads)]
+    score = [[0.0] * 40 for _ in range(SHAPE.kv_heads)]
+    all_keys = torch.cat([keys] + [s[0] for s in steps], dim=-2)
 
+    def attend(h, position, query_rows):
+        # Decode attends to the stored (fp16) kept keys plus its own key at compute precision.
+        cached = torch.stack([all_keys[0, h, p] if p >= position - 1 or position == 40 else
+                              all_keys[0, h, p].half().float() for p in kept[h]])
+        for qh in range(h * GROUP, (h + 1) * GROUP):
+            for q, visible in query_rows:
+                for j, p in enumerate(brute_probs(q[qh], cached, visible)):
+                    score[h][j] += p / GROUP
+        n = len(kept[h])
+        if n > heavy + recent:
+            old = sorted(range(n - recent), key=lambda j: -score[h][j])[:heavy]
+            chosen = sorted(old) + list(range(n - recent, n))
+            kept[h] = [kept[h][j] for j in chosen]
+            score[h] = [score[h][j] for j in chosen]
 
-def test_cam_evicts_like_snapkv_and_changes_only_merge_targets():
-    spec = {"kind": "cam", "keep_ratio": 0.3, "window": 8, "merge_budget": 4}
-    layer, keys, values, _ = prefill(spec, plant=(10, 40))
-    assert layer.keys.shape[-2] == 30
-    positions = kept_positions(layer, keys)
-    for h, pos in enumerate(positions):
-        assert {10, 40} <= set(pos) and set(range(92, 100)) <= set(pos)
-        stored = layer.values[0, h].float()
-        original = values[0, h, pos].to(torch.float16).float()
-        changed = (~torch.isclose(stored, original, atol=1e-2)).any(-1).nonzero().flatten().tolist()
-        assert set(changed) <= set(range(30 - 8 - 4, 30 - 8))  # only the merge targets
-
-
-def test_h2o_keeps_heavy_hitters_and_recent_tokens_within_budget():
-    spec = {"kind": "h2o", "heavy": 6, "recent": 10}
-    layer, keys, _, _ = prefill(spec, plant=(5, 15, 25))
-    assert layer.keys.shape[-2] == 16
-    for pos in kept_positions(layer, keys):
-        assert {5, 15, 25} <= set(pos) and set(range(90, 100)) <= set(pos)
-    for step in range(5):
-        k, v, q = tensors(1, seed=10 + step)
-        q[..., 0] = 1.0
+    layer.queries = queries
+    layer.update(keys, values)
+    for h in range(SHAPE.kv_heads):
+        attend(h, 40, [(queries[0, :, i], i + 1) for i in range(40)])
+    for i, (k, v, q) in enumerate(steps):
         layer.queries = q
         seen, _ = layer.update(k, v)
-        assert seen.shape[-2] == 17 and layer.keys.shape[-2] == 16
+        assert seen.shape[-2] == heavy + recent + 1  # this step sees the kept tokens and itself
+        for h in range(SHAPE.kv_heads):
+            kept[h] = kept[h] + [40 + i]
+            score[h] = score[h] + [0.0]
+            attend(h, 41 + i, [(q[0, :, 0], len(kept[h]))])
+        for h in range(SHAPE.kv_heads):
+            assert torch.equal(layer.keys[0, h], all_keys[0, h, kept[h]].half()), f"step {i} head {h}"
+            assert torch.allclose(layer.scores[h], torch.tensor(score[h]), atol=1e-5)
 
 
-def test_hook_feeds_real_queries_and_prefill_matches_full(model_dir):
+def test_eviction_without_attached_queries_is_an_error():
+    layer = build_cache({"kind": "snapkv", "keep_ratio": 0.25, "window": 8}, SHAPE).layers[0]
+    keys, values, _ = tensors(50)
+    with pytest.raises(RuntimeError, match="snapkv: no queries reached the layer"):
+        layer.update(keys, values)
+
+
+def test_hook_queries_are_the_queries_eager_attention_used(model_dir):
+    """The pre-hook recomputes post-RoPE queries; eager attention, wrapped, reports the ones it used."""
+    import transformers.models.llama.modeling_llama as llama
+
+    from kvbench.harness import attached
+    from kvbench.methods.eviction import EvictionCache, ScoredLayer
     from kvbench.models import load_model, load_tokenizer
 
+    class Recording(ScoredLayer):
+        prefill_queries, decode_queries = None, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.seen = getattr(self, "seen", []) + [self.take_queries()]
+            return super().update(key_states, value_states)
+
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
-    ids = torch.tensor([tok("The court held that the contract was void. " * 12).input_ids])
+    model.config._attn_implementation = "eager"
+    used: dict[int, list[torch.Tensor]] = {}
+    original = llama.eager_attention_forward
+
+    def eager(module, query, *args, **kwargs):
+        used.setdefault(module.layer_idx, []).append(query.clone())
+        return original(module, query, *args, **kwargs)
+
     shape = ModelShape.of(model.config)
-    cache = build_cache({"kind": "snapkv", "keep_ratio": 0.5, "window": 8}, shape)
-    handles = cache.attach(model)
+    cache = EvictionCache([Recording(torch.float32, shape.q_heads) for _ in range(shape.layers)])
+    ids = torch.tensor([tok("The court held that the contract was void. " * 8).input_ids])
+    llama.eager_attention_forward = eager
     try:
-        with torch.inference_mode():
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-            ref = model(input_ids=ids, use_cache=True)
+        with torch.inference_mode(), attached(cache, model):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True,
+                  position_ids=torch.tensor([[ids.shape[1]]]))
     finally:
-        for h in handles:
-            h.remove()
-    assert torch.allclose(out.logits, ref.logits, atol=1e-4)
-    assert all(layer.queries.shape == (1, shape.q_heads, 8, shape.head_dim) for layer in cache.layers)  # the window only
-    assert cache.layers[0].keys.shape[-2] == -(-ids.shape[1] // 2)
+        llama.eager_attention_forward = original
+        model.config._attn_implementation = "sdpa"
+    for index, layer in enumerate(cache.layers):
+        assert len(layer.seen) == len(used[index]) == 2
+        for ours, real in zip(layer.seen, used[index]):
+            assert ours.shape == real.shape and torch.allclose(ours, real, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"kind": "snapkv", "kernel": 6}, r"kernel: 6 must be odd \(a centred pooling window\)"),
+    ({"kind": "snapkv", "pooling": "mean"}, r"pooling: 'mean' is not one of \['avg', 'max'\]"),
+    ({"kind": "cam", "target": 100, "selection": "heads"}, r"selection: 'heads' is not one of \['shared', 'per_head'\]"),
+])
+def test_scoring_settings_that_would_fail_mid_run_are_refused(spec, message):
+    with pytest.raises(ValueError, match=message):
+        build_cache(spec, SHAPE)

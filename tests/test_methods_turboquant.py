@@ -53,37 +53,145 @@ def test_qjl_inner_product_estimator_is_unbiased():
     assert abs(mse_only[0] - truth) > abs(mean - truth)  # the MSE stage alone is biased here
 
 
-@pytest.mark.parametrize("bits", [3, 4])
-def test_turboquant_cache_bytes_are_its_packed_tensors(bits):
+@pytest.mark.parametrize("bits, variant", [(3, "prod"), (4, "prod"), (3, "mse"), (4, "mse")])
+def test_turboquant_layer_decodes_within_the_lloyd_max_distortion(bits, variant):
     shape = ModelShape(layers=2, kv_heads=3, q_heads=9, head_dim=D)
-    cache = build_cache({"kind": "turboquant", "bits": bits}, shape, seed=1)
+    layer = build_cache({"kind": "turboquant", "bits": bits, "variant": variant}, shape, seed=1).layers[0]
     x = torch.randn(1, 3, 100, D)
-    keys, values = cache.layers[0].update(x, x)
-    assert torch.equal(keys, x) and torch.equal(values, x)  # the prompt attends in full precision
-    n = x.numel()
-    expected = (math.ceil(n * (bits - 1) / 8) + 2 * 300  # key codes + fp16 norms
-                + math.ceil(n / 8) + 2 * 300  # QJL signs + fp16 residual norms
-                + math.ceil(n * bits / 8) + 2 * 300)  # value codes + fp16 norms
-    assert cache.layers[0].nbytes() == expected
-    assert cache.nbytes() == expected + 4 * D * D * 2  # two rotations + two sketches, fp16, once
-    step = torch.randn(1, 3, 1, D)
-    _, values = cache.layers[0].update(step, step)  # decode attends to the dequantized cache
-    rel = ((values[..., :100, :] - x).norm() / x.norm()).item()
+    keys, values = layer.update(x, 2 * x)
+    assert torch.equal(keys, x) and torch.equal(values, 2 * x)  # the prompt attends in full precision
+    key_bits = bits - 1 if variant == "prod" else bits
+    codes = layer.key_block
+    assert codes.packed.numel() + (codes.code_signs.numel() if key_bits == 3 else 0) == x.numel() * key_bits / 8
+    assert (layer.key_block.signs is not None) == (variant == "prod")
+    decoded_keys, decoded_values = layer.decoded()
+    rel = ((decoded_values - 2 * x).norm() / (2 * x).norm()).item()
     assert rel ** 2 == pytest.approx(lloyd_max(bits)[1], rel=0.25)
+    mse_keys = layer.key_block.decode(layer.key_mse, None)  # the keys' MSE stage alone
+    assert ((mse_keys - x).norm() / x.norm()).item() ** 2 == pytest.approx(lloyd_max(key_bits)[1], rel=0.25)
 
 
-def test_decode_blocks_merge_without_changing_what_attention_sees():
-    from kvbench.methods.turboquant import MERGE_AFTER
+def attached_layer(spec: dict, shape: ModelShape, seed: int):
+    layer = build_cache(spec, shape, seed=seed).layers[0]
+    layer.attached = True  # as cache.attach(model) marks it; these tests call its attention directly
+    return layer
+
+
+@pytest.mark.parametrize("bits, variant", [(3, "prod"), (4, "prod"), (3, "mse"), (2, "prod")])
+def test_rotated_attention_equals_attention_over_decoded_keys_and_values(bits, variant):
+    """Decode scores [R q, S q] against the stored codes: the same scores as q . k_hat, and values
+    summed in the rotated domain and rotated back once give sum_t p_t v_hat_t."""
+    shape = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=D)
+    layer = attached_layer({"kind": "turboquant", "bits": bits, "variant": variant}, shape, 4)
+    layer.update(torch.randn(1, 3, 40, D), torch.randn(1, 3, 40, D))
+    for _ in range(3):  # several blocks: the prompt's and one per decode step
+        layer.update(torch.randn(1, 3, 1, D), torch.randn(1, 3, 1, D))
+    keys, values = layer.decoded()
+    query = torch.randn(1, 9, 2, D)
+    expected = query @ keys.repeat_interleave(3, dim=1).transpose(-1, -2)
+    assert torch.allclose(layer.scores(query), expected, atol=1e-4)
+    probs = torch.softmax(torch.randn(1, 9, 2, 43), dim=-1)
+    expected = (probs @ values.repeat_interleave(3, dim=1)).transpose(1, 2)
+    assert torch.allclose(layer.weighted_values(probs), expected, atol=1e-5)
+    # The attention function: softmax of scaled scores, causal among the new tokens.
+    out, _ = layer.attend(None, None, query, None, None, None, scaling=0.125)
+    causal = torch.arange(43) > torch.arange(41, 43)[:, None]
+    probs = (layer.scores(query) * 0.125).masked_fill(causal, float("-inf")).softmax(-1)
+    assert torch.allclose(out, (probs @ values.repeat_interleave(3, dim=1)).transpose(1, 2), atol=1e-5)
+
+
+def test_qjl_is_unbiased_through_the_layer_and_mse_only_is_not():
+    """Scores the layer's decode attention computes for a fixed key and query, over sketches (one
+    cache seed each): the product variant's mean is the true score; the MSE variant shrinks it."""
+    shape = ModelShape(layers=1, kv_heads=1, q_heads=1, head_dim=D)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(1, 1, 1, D, generator=gen)
+    query = key + 0.5 * torch.randn(1, 1, 1, D, generator=gen)  # correlated, as attention's winners are
+    truth = (query * key).sum().item()
+    scores = {"prod": [], "mse": []}
+    for seed in range(1500):
+        for variant, out in scores.items():
+            layer = attached_layer({"kind": "turboquant", "bits": 2, "variant": variant}, shape, seed)
+            layer.update(key, key)
+            out.append(layer.scores(query)[0, 0, 0, 0].item())
+    prod, mse = torch.tensor(scores["prod"]), torch.tensor(scores["mse"])
+    assert abs(prod.mean().item() - truth) < 4 * prod.std().item() / math.sqrt(len(prod))  # unbiased
+    assert truth - mse.mean().item() > 8 * mse.std().item() / math.sqrt(len(mse))  # biased toward 0
+    assert prod.std() > mse.std()  # the price of unbiasedness: more variance per score
+
+
+def test_decode_needs_the_cache_attached():
+    shape = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=D)
+    layer = build_cache({"kind": "turboquant", "bits": 4}, shape).layers[0]
+    layer.update(torch.randn(1, 3, 10, D), torch.randn(1, 3, 10, D))
+    with pytest.raises(RuntimeError, match="run the model with the cache attached"):
+        layer.update(torch.randn(1, 3, 1, D), torch.randn(1, 3, 1, D))
+
+
+def test_three_bit_codes_round_trip_in_sign_magnitude_planes():
+    from kvbench.methods.packing import pack_sign_magnitude, unpack_sign_magnitude, unpack_sign_magnitude_as
+
+    codes = torch.randint(0, 8, (1003,), generator=torch.Generator().manual_seed(0))
+    magnitude, signs = pack_sign_magnitude(codes)
+    assert magnitude.numel() + signs.numel() == math.ceil(1003 / 4) + math.ceil(1003 / 8)  # 3 bits per code
+    assert torch.equal(unpack_sign_magnitude(magnitude, signs, 1003).long(), codes)
+    levels = tuple(float(v) for v in range(10, 18))
+    assert torch.equal(unpack_sign_magnitude_as(magnitude, signs, 1003, levels), codes.float() + 10)
+
+
+@pytest.mark.parametrize("bits, variant", [(3, "prod"), (4, "mse")])
+def test_decode_tokens_append_as_if_encoded_with_the_prompt(bits, variant):
+    """One block per layer: each decode token's codes are appended (no repacking), and the block
+    decodes exactly as the same tokens encoded at once."""
+    from kvbench.methods.turboquant import TurboBlock
 
     shape = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=D)
-    layer = build_cache({"kind": "turboquant", "bits": 3}, shape, seed=2).layers[0]
-    layer.update(torch.randn(1, 3, 50, D), torch.randn(1, 3, 50, D))
-    previous = None
-    for i in range(2 * MERGE_AFTER + 3):
-        step = torch.randn(1, 3, 1, D)
-        keys, values = layer.update(step, step)
-        if previous is not None:  # earlier tokens dequantize identically across merges
-            assert torch.allclose(keys[..., :-1, :], previous, atol=1e-5)  # matmul shapes differ
-        previous = keys
-        assert len(layer.key_blocks) <= MERGE_AFTER + 1
-    assert layer.get_seq_length() == 50 + 2 * MERGE_AFTER + 3
+    layer = attached_layer({"kind": "turboquant", "bits": bits, "variant": variant}, shape, 2)
+    tokens = torch.randn(1, 3, 70, D)
+    layer.update(tokens[..., :50, :], tokens[..., :50, :])
+    for i in range(50, 70):
+        layer.update(tokens[..., i:i + 1, :], tokens[..., i:i + 1, :])
+    assert layer.get_seq_length() == 70 and layer.key_block.packed.shape[-2] == 70
+    whole = TurboBlock(tokens, layer.key_mse, layer.sketch)
+    assert torch.equal(layer.key_block.codes(), whole.codes()) and torch.equal(layer.key_block.norms, whole.norms)
+    assert torch.allclose(layer.decoded()[0], whole.decode(layer.key_mse, layer.sketch), atol=1e-5)
+
+
+def test_the_model_decodes_the_same_through_the_rotated_domain(model_dir, tokenizer):
+    """Through the real model: decode attending in the rotated domain gives the logits of decode
+    attending to keys and values rebuilt in the original domain (the previous implementation)."""
+    from pathlib import Path
+
+    from kvbench.harness import generate
+    from kvbench.methods.turboquant import TurboLayer
+    from kvbench.models import load_model
+
+    class Rebuilt(TurboLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            out = super().update(key_states, value_states)
+            if not self.pending:
+                return out
+            self.pending = False  # attention runs the model's own function, on rebuilt K/V
+            return self.decoded(key_states.dtype)
+
+    def rebuilt(spec, shape, seed):
+        cache = build_cache(spec, shape, seed)
+        for layer in cache.layers:
+            layer.__class__ = Rebuilt
+        return cache
+
+    model = load_model(model_dir)
+    ids = tokenizer((Path(__file__).parent / "data" / "legal-contract-00.txt").read_text()).input_ids[:400]
+    logits: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0, -1].clone()))
+    try:
+        spec = {"kind": "turboquant", "bits": 4}
+        rotated = generate(model, spec, ids, 8, seed=5)["tokens"]
+        rotated_logits, logits[:] = list(logits), []
+        reference = generate(model, spec, ids, 8, seed=5, make_cache=rebuilt)["tokens"]
+    finally:
+        hook.remove()
+    assert rotated == reference
+    for ours, ref in zip(rotated_logits, logits):
+        assert torch.allclose(ours, ref, atol=2e-3, rtol=0)
+    assert any(not torch.equal(a, b) for a, b in zip(rotated_logits, logits))  # two paths, not one

@@ -4,27 +4,60 @@ TTFT, TPOT, throughput and the bytes the cache holds. Failures become rows, neve
 from __future__ import annotations
 
 import gc
+import re
 import resource
+import statistics
 import time
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
 from kvbench.methods.base import MethodCache, ModelShape, build_cache
 
 CacheFactory = Callable[[dict[str, Any], ModelShape, int], MethodCache]
+TIMINGS = ("ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s", "e2e_s")
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _proc_status_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) / 1024 if match else None
+
+
+def reset_peak_memory(device: torch.device) -> float | None:
+    """Restart the peak-memory count and return the memory in use now (MB): CUDA allocations on
+    GPU; on Linux CPUs the resident set (writing 5 to /proc/self/clear_refs resets VmHWM). None
+    where the peak cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _proc_status_mb("VmRSS")
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak CUDA memory on GPU, peak RSS of the process on CPU."""
+    """Peak CUDA memory on GPU; peak RSS on CPU (since the last reset where Linux allows it)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return peak_rss_mb()
+    return _proc_status_mb("VmHWM") or peak_rss_mb()
+
+
+def median_and_std(values: list[float]) -> tuple[float, float]:
+    """The true median (the mean of the middle two for an even count) and the sample std (0 for one)."""
+    return statistics.median(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def context_bucket(tokens: int, max_context: int) -> str:
@@ -42,6 +75,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextmanager
+def attached(cache: MethodCache, model: torch.nn.Module) -> Iterator[MethodCache]:
+    """Every forward pass through a method's cache runs inside this: the method's hooks (query
+    capture, its own attention) are installed on `model` and removed after."""
+    handles = cache.attach(model)
+    try:
+        yield cache
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.inference_mode()
 def generate(
     model: torch.nn.Module, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int, seed: int = 0,
@@ -53,10 +98,9 @@ def generate(
     device = next(model.parameters()).device
     shape = ModelShape.of(model.config)
     cache = make_cache(spec, shape, seed)
-    handles = cache.attach(model)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    try:
+    with attached(cache, model):
         ids = torch.tensor([input_ids], device=device)
         _sync(device)
         start = time.perf_counter()
@@ -74,9 +118,6 @@ def generate(
             position += 1
         _sync(device)
         total = time.perf_counter() - start
-    finally:
-        for handle in handles:
-            handle.remove()
     decode_steps = len(tokens) - 1
     full_prefill = shape.full_bytes(len(input_ids))
     full_end = shape.full_bytes(len(input_ids) + decode_steps)
@@ -104,8 +145,8 @@ def run_row(
     try:
         # Warm-up (excluded), long enough to pass the quantizers' residual windows.
         generate(model, spec, input_ids[:256], 2, seed, make_cache)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        gc.collect()
+        baseline = reset_peak_memory(device)
         runs = [generate(model, spec, input_ids, max_new_tokens, seed, make_cache) for _ in range(repeats)]
     except Exception as err:  # an OOM or a method bug on this prompt: a row with the error
         traceback.print_exc()
@@ -116,13 +157,11 @@ def run_row(
     row |= {k: first[k] for k in ("new_tokens", "kv_bytes_prefill", "kv_bytes_end", "full16_bytes_prefill",
                                   "full16_bytes_end", "ratio_prefill", "ratio_end")}
     row["output_ids"] = first["tokens"]
-    for key in ("ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s", "e2e_s"):
-        values = torch.tensor([r[key] for r in runs if r[key] is not None], dtype=torch.float64)
-        if values.numel() == 0:  # e.g. TPOT when the first token was the end of sequence
-            row[key] = row[f"{key}_std"] = None
-            continue
-        row[key] = float(values.median())
-        row[f"{key}_std"] = float(values.std()) if values.numel() > 1 else 0.0
+    for key in TIMINGS:
+        values = [r[key] for r in runs if r[key] is not None]
+        # None e.g. for TPOT when the first token was the end of sequence
+        row[key], row[f"{key}_std"] = median_and_std(values) if values else (None, None)
     row["repeats"] = repeats
     row["peak_memory_mb"] = peak_memory_mb(device)
+    row["memory_increase_mb"] = row["peak_memory_mb"] - baseline if baseline is not None else None
     return row

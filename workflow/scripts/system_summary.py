@@ -4,7 +4,7 @@ from kvbench.provenance import provenance, read_tables, write_table
 
 with job_log(snakemake.log[0], snakemake.config):
     table = read_tables(snakemake.input, keep=("model",))  # one job per model x method
-    columns = ["ttft_s", "tpot_s", "kv_bytes_end", "ratio_end", "peak_memory_mb"]
+    columns = ["ttft_s", "tpot_s", "kv_bytes_end", "ratio_end", "memory_increase_mb"]
     ok = table[table.error.isna()]
     print(ok.groupby(["model", "method", "bucket"])[columns].median().to_string(float_format="%.3f"))
     failed = table[table.error.notna()]

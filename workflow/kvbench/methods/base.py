@@ -2,6 +2,11 @@
 
 A method is one module that registers a factory under its `kind`; config entries such as
 `kivi2: {kind: kivi, bits: 2, group_size: 32, residual: 128}` pick the kind and its settings.
+
+`nbytes()` is every byte the cache object holds: codes, scales, zero points, residual windows, kept
+tokens, and method state (scores, buffered queries, rotations). Layers therefore never keep views
+into larger tensors (a view would keep the whole storage alive while counting a slice of it), and
+release captured queries as soon as they are used; tests walk every cache's storages to check it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,16 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def owned(x: torch.Tensor) -> torch.Tensor:
+    """`x` in a storage of its own (a slice would keep its parent's whole storage alive)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def layer_seed(seed: int, layer: int, event: int = 0) -> int:
+    """A distinct, reproducible seed per (run seed, layer, event): random draws need no held state."""
+    return (seed * 1_000_003 + layer) * 1_000_003 + event
+
+
 class MethodLayer(DynamicLayer):
     """A cache layer that can say how many bytes it holds (codes, scales, zero points, windows)."""
 
@@ -56,7 +71,8 @@ class MethodCache(Cache):
         return sum(layer.nbytes() for layer in self.layers) + tensor_bytes(*self.shared)
 
     def attach(self, model: torch.nn.Module) -> list[Any]:
-        """Install hooks a method needs (query capture for eviction); returns removable handles."""
+        """Install what the method needs on `model` (query capture, its own attention); returns
+        handles with `.remove()`. Every forward pass through this cache must run attached."""
         return []
 
 

@@ -2,7 +2,7 @@
 
 The cache update does not see queries, so a forward pre-hook on each attention module recomputes
 this step's post-RoPE queries (q_proj + RoPE, as the module itself does) and hands them to the
-layer. Kept keys and values are stored at a 16-bit storage dtype.
+layer, which releases them once used. Kept keys and values are stored at a 16-bit storage dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvbench.methods.base import MethodCache, MethodLayer
@@ -19,12 +20,12 @@ from kvbench.methods.base import MethodCache, MethodLayer
 class ScoredLayer(MethodLayer):
     """A layer that receives this step's queries from the hook before `update` runs.
 
-    `query_window`: how many of the last queries the layer needs (None: all of them); the hook
-    projects only those, so scoring adds little to the prefill. `decode_queries`: whether decode
-    steps need queries too (H2O keeps scoring; SnapKV and CaM select once, at prefill).
+    `prefill_queries`: how many of the prompt's last queries the layer needs (None: all of them,
+    0: none); the hook projects only those, so scoring adds little to the prefill.
+    `decode_queries`: whether decode steps need their query too (H2O keeps scoring).
     """
 
-    query_window: int | None = None
+    prefill_queries: int | None = 0
     decode_queries: bool = False
 
     def __init__(self, storage: torch.dtype, q_heads: int) -> None:
@@ -34,6 +35,11 @@ class ScoredLayer(MethodLayer):
 
     def store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values = keys.to(self.storage), values.to(self.storage)
+
+    def take_queries(self) -> torch.Tensor | None:
+        """This step's queries, released from the layer (they are not part of the cache)."""
+        queries, self.queries = self.queries, None
+        return queries
 
 
 class EvictionCache(MethodCache):
@@ -48,11 +54,16 @@ class EvictionCache(MethodCache):
 
         def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             layer = self.layers[index]
-            if layer.is_initialized and not layer.decode_queries:
-                return
+            if layer.is_initialized:
+                if not layer.decode_queries:
+                    return
+                window = None
+            else:
+                window = layer.prefill_queries
+                if window == 0:
+                    return
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             cos, sin = kwargs["position_embeddings"]
-            window = layer.query_window
             if window is not None:
                 hidden, cos, sin = hidden[:, -window:], cos[:, -window:], sin[:, -window:]
             q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2)
@@ -62,45 +73,63 @@ class EvictionCache(MethodCache):
         return capture
 
 
-def attention_probs(queries: torch.Tensor, keys: torch.Tensor, kv_groups: int) -> torch.Tensor:
-    """Softmax attention of `queries` [1, Hq, W, d] (the last W positions) over `keys`
-    [1, Hkv, T, d], causal, averaged over each GQA group: [Hkv, W, T]."""
+def head_probs(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Softmax attention [Hq, W, T] of `queries` [1, Hq, W, d] (the last W positions) over `keys`
+    [1, Hkv, T, d] (GQA: each query head reads its group's KV head), causal."""
     w, t, d = queries.shape[-2], keys.shape[-2], queries.shape[-1]
-    k = keys.float().repeat_interleave(kv_groups, dim=1)
+    k = keys.float().repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
     logits = queries.float() @ k.transpose(-1, -2) / math.sqrt(d)  # [1, Hq, W, T]
     q_pos = torch.arange(t - w, t)[:, None]
     logits = logits.masked_fill(torch.arange(t)[None, :] > q_pos, float("-inf"))
-    probs = logits.softmax(dim=-1)[0]
-    return probs.reshape(-1, kv_groups, w, t).mean(dim=1)
+    return logits.softmax(dim=-1)[0]
 
 
-def pooled_window_scores(queries: torch.Tensor, keys: torch.Tensor, kv_groups: int, window: int,
-                         kernel: int) -> torch.Tensor:
-    """SnapKV scores [Hkv, T]: attention of the last `window` queries summed, then max-pooled."""
-    return max_pool(attention_probs(queries[..., -window:, :], keys, kv_groups).sum(dim=1), kernel)
+def group_mean(per_query_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[Hq, ...] -> [Hkv, ...]: the mean over each GQA group's query heads."""
+    return per_query_head.reshape(kv_heads, -1, *per_query_head.shape[1:]).mean(dim=1)
 
 
-def max_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Each position's score [H, T] raised to its neighbourhood's maximum: keeps clusters whole."""
-    return torch.nn.functional.max_pool1d(scores[None], kernel, stride=1, padding=kernel // 2)[0]
+def attention_probs(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention of the last W `queries` over `keys`, averaged per GQA group: [Hkv, W, T]."""
+    return group_mean(head_probs(queries, keys), keys.shape[1])
+
+
+def pool(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """Each position's score [H, T] smoothed over its `kernel` neighbours (zero-padded at the ends,
+    as F.avg_pool1d and F.max_pool1d do): keeps clusters of attended tokens whole."""
+    fn = F.avg_pool1d if pooling == "avg" else F.max_pool1d
+    return fn(scores[None], kernel, stride=1, padding=kernel // 2)[0]
+
+
+def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, window: int, kernel: int, pooling: str) -> torch.Tensor:
+    """SnapKV scores [Hkv, T], as kvpress SnapKVPress computes them: the attention of the last
+    `window` queries (each query head's softmax over every key, causal inside the window), averaged
+    over the window, on the prefix (all but the window) only; pooled per query head; averaged over
+    each GQA group; the window itself scores +inf so it is always kept."""
+    t = keys.shape[-2]
+    probs = head_probs(queries[..., -window:, :], keys)[..., : t - window]  # [Hq, W, T - W]
+    scores = group_mean(pool(probs.mean(dim=1), kernel, pooling), keys.shape[1])
+    return F.pad(scores, (0, window), value=float("inf"))
 
 
 def keep_count(tokens: int, settings: dict[str, Any]) -> int:
-    """Tokens kept per head: a fixed `capacity`, or `keep_ratio` of the prompt."""
+    """Tokens kept per head: a fixed `capacity`, or `keep_ratio` of the prompt rounded down (as
+    kvpress's int(T * (1 - compression_ratio)))."""
     if "capacity" in settings:
         return min(tokens, int(settings["capacity"]))
-    return min(tokens, max(1, math.ceil(tokens * float(settings.get("keep_ratio", 0.25)))))
+    return min(tokens, max(1, int(tokens * float(settings.get("keep_ratio", 0.25)))))
 
 
-def select_with_window(scores: torch.Tensor, keep: int, window: int) -> torch.Tensor:
-    """Per KV head, indices of the top (keep - window) prefix positions plus the last `window`
-    positions, in position order: [Hkv, keep]."""
-    heads, tokens = scores.shape
-    window = min(window, keep)
-    prefix = scores[:, : tokens - window]
-    top = prefix.topk(keep - window, dim=-1).indices
-    recent = torch.arange(tokens - window, tokens).expand(heads, window)
-    return torch.cat([top, recent], dim=-1).sort(dim=-1).values
+def keep_top(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Per head, the positions of the `keep` highest scores [H, T], in position order: [H, keep]."""
+    return scores.topk(keep, dim=-1).indices.sort(dim=-1).values
+
+
+def protect_recent(scores: torch.Tensor, recent: int) -> torch.Tensor:
+    """`scores` with the last `recent` positions raised to +inf (always kept)."""
+    if recent <= 0:
+        return scores
+    return torch.cat([scores[:, :-recent], torch.full_like(scores[:, -recent:], float("inf"))], dim=-1)
 
 
 def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

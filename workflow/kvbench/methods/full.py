@@ -11,7 +11,8 @@ from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, 
 
 
 class StoredLayer(MethodLayer):
-    """Full cache held at a storage dtype, computed with at the incoming dtype."""
+    """Full cache held at a storage dtype, computed with at the incoming dtype. The prefill attends
+    to the K/V it was given, as every method's prefill does; decode reads the stored cache."""
 
     def __init__(self, storage: torch.dtype | None) -> None:
         super().__init__()
@@ -20,9 +21,11 @@ class StoredLayer(MethodLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if self.storage is None:
             return super().update(key_states, value_states)
-        compute = key_states.dtype
+        prefill = not self.is_initialized
         keys, values = super().update(key_states.to(self.storage), value_states.to(self.storage))
-        return keys.to(compute), values.to(compute)
+        if prefill:
+            return key_states, value_states
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
 
 
 @register("full")

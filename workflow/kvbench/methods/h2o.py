@@ -2,7 +2,8 @@
 
 Every query's attention (averaged over each GQA group) is added to its keys' scores; the cache
 keeps the `recent` newest tokens and the highest-scoring others, `heavy` of them (or a fraction
-`keep_ratio` of the prompt, split evenly between heavy hitters and recent tokens)."""
+`keep_ratio` of the prompt, split evenly between heavy hitters and recent tokens). The scores are
+method state the cache holds (fp32, one per kept token per KV head) and count in its bytes."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from typing import Any
 
 import torch
 
-from kvbench.methods.base import STORAGE, ModelShape, register
-from kvbench.methods.eviction import EvictionCache, ScoredLayer, attention_probs, gather, select_with_window
+from kvbench.methods.base import STORAGE, ModelShape, register, tensor_bytes
+from kvbench.methods.eviction import EvictionCache, ScoredLayer, attention_probs, gather, keep_top, protect_recent
 
 QUERY_CHUNK = 256  # prefill attention is accumulated in chunks of queries to bound memory
 
 
 class H2OLayer(ScoredLayer):
+    prefill_queries = None  # every prompt query's attention counts
     decode_queries = True  # heavy hitters accumulate every new query's attention
 
     def __init__(self, storage: torch.dtype, q_heads: int, settings: dict[str, Any]) -> None:
@@ -41,23 +43,27 @@ class H2OLayer(ScoredLayer):
             self.lazy_initialization(key_states, value_states)
             keys, values = key_states, value_states
             self.budget = self._budget(keys.shape[-2])
-        groups = self.q_heads // keys.shape[1]
+        queries = self.take_queries()
+        if queries is None:
+            raise RuntimeError("h2o: no queries reached the layer; run the model with the cache attached")
         new = torch.zeros(keys.shape[1], key_states.shape[-2])
         scores = new if self.scores is None else torch.cat([self.scores, new], dim=-1)
-        queries = self.queries
         for start in range(0, queries.shape[-2], QUERY_CHUNK):  # each query's attention, causal
             chunk = queries[..., start:start + QUERY_CHUNK, :]
             visible = keys.shape[-2] - queries.shape[-2] + start + chunk.shape[-2]
-            scores[:, :visible] += attention_probs(chunk, keys[..., :visible, :], groups).sum(dim=1)
+            scores[:, :visible] += attention_probs(chunk, keys[..., :visible, :]).sum(dim=1)
         heavy, recent = self.budget
         if keys.shape[-2] > heavy + recent:
-            index = select_with_window(scores, heavy + recent, recent)
+            index = keep_top(protect_recent(scores, recent), heavy + recent)
             self.store(gather(keys, index), gather(values, index))
             self.scores = scores.gather(1, index)
         else:
             self.store(keys, values)
             self.scores = scores
         return keys, values
+
+    def nbytes(self) -> int:
+        return super().nbytes() + tensor_bytes(self.scores)
 
 
 @register("h2o")

@@ -8,8 +8,8 @@ defaults live with the implementation, since a missing optional setting means "u
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
@@ -60,20 +60,44 @@ class Kind:
     settings: dict[str, Setting]
     exclusive: tuple[tuple[str, str], ...] = ()  # at most one of each pair
     together: tuple[tuple[str, ...], ...] = ()  # all or none of each group
+    rules: tuple[Callable[[Mapping[str, Any]], list[str]], ...] = ()  # checks across settings
 
 
 STORAGE = choice("fp16", "bf16", "fp32")  # the dtype the cache holds its kept values in
 # 1/2/4/8-bit codes pack in byte planes (kvbench.methods.packing.PLANE_BITS).
 KIVI_BITS = (1, 2, 4, 8)
-# Keys use b-1 Lloyd-Max bits + 1 QJL bit, values b bits; the packer takes 1/2/3/4-bit codes.
-TURBOQUANT_BITS = (2, 3, 4)
+# Variant prod: keys use b-1 Lloyd-Max bits + 1 QJL bit (so b >= 2), values b bits; variant mse: b
+# bits for both. The packer takes 1-4 bit codes.
+TURBOQUANT_BITS = (1, 2, 3, 4)
 EVICTION = {
     "window": integer(1),  # observation window (last queries), kept as is
-    "kernel": integer(1, odd=True),  # max-pooling kernel over scores
+    "kernel": integer(1, odd=True),  # pooling kernel over scores
+    "pooling": choice("avg", "max"),  # SnapKV's reference pools with avg (kvpress) or max (paper code)
     "keep_ratio": ratio(),  # fraction of the prompt kept ...
     "capacity": integer(1),  # ... or a fixed token count per head
     "storage": STORAGE,
 }
+
+
+def kivi_residual(spec: Mapping[str, Any]) -> list[str]:
+    group, residual = spec.get("group_size", 32), spec.get("residual", 128)
+    if isinstance(group, int) and isinstance(residual, int) and group > 0 < residual and (residual < group or residual % group):
+        return [f"residual: {residual} must be a positive multiple of group_size {group} "
+                "(keys are quantized R at a time in per-channel groups of G tokens)"]
+    return []
+
+
+def turboquant_prod_bits(spec: Mapping[str, Any]) -> list[str]:
+    if spec.get("variant", "prod") == "prod" and spec.get("bits") == 1:
+        return ["bits: 1 is too few for variant prod (b-1 MSE bits + 1 QJL bit for keys); use variant mse"]
+    return []
+
+
+def cam_compresses(spec: Mapping[str, Any]) -> list[str]:
+    if not {"keep_ratio", "capacity", "target"} & set(spec):
+        return ["keep_ratio: cam needs keep_ratio or capacity (compress at prefill) and/or target (while decoding)"]
+    return []
+
 
 KINDS: dict[str, Kind] = {
     "full": Kind({"storage": STORAGE}),
@@ -81,12 +105,18 @@ KINDS: dict[str, Kind] = {
     "kivi": Kind({
         "bits": choice(*KIVI_BITS, required=True),
         "group_size": integer(1, divides_head_dim=True),
-        "residual": integer(0),  # recent tokens kept in full precision
+        "residual": integer(1),  # recent tokens kept in full precision (the reference's R)
         "storage": STORAGE,
-    }),
-    "turboquant": Kind({"bits": choice(*TURBOQUANT_BITS, required=True)}),
+    }, rules=(kivi_residual,)),
+    "turboquant": Kind({"bits": choice(*TURBOQUANT_BITS, required=True), "variant": choice("prod", "mse")},
+                       rules=(turboquant_prod_bits,)),
     "snapkv": Kind(dict(EVICTION), exclusive=(("keep_ratio", "capacity"),)),
-    "cam": Kind({**EVICTION, "merge_budget": integer(0)}, exclusive=(("keep_ratio", "capacity"),)),
+    "cam": Kind({**EVICTION, "merge_budget": integer(0),
+                 "interval": integer(1),  # decoding: compress every `interval` new tokens ...
+                 "target": integer(1),  # ... down to `target` tokens per head
+                 "buffer": integer(1),  # decode queries kept for scoring
+                 "selection": choice("shared", "per_head")},
+                exclusive=(("keep_ratio", "capacity"),), rules=(cam_compresses,)),
     "streamingllm": Kind({"sinks": integer(0), "window": integer(1, required=True), "storage": STORAGE}),
     "h2o": Kind({"heavy": integer(0), "recent": integer(1), "keep_ratio": ratio(), "storage": STORAGE},
                 exclusive=(("keep_ratio", "heavy"),), together=(("heavy", "recent"),)),
@@ -118,6 +148,8 @@ def spec_problems(spec: Mapping[str, Any], head_dim: int | None = None) -> list[
         if given and len(given) < len(group):
             missing = [name for name in group if name not in spec]
             found.append(f"{missing[0]}: required together with {', '.join(given)}")
+    for rule in kind.rules:
+        found += rule(spec)
     return found
 
 

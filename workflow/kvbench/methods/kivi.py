@@ -1,9 +1,15 @@
 """`kivi`: asymmetric low-bit KV quantization (Liu et al. 2024, jy-yuan/KIVI).
 
 Keys are quantized per channel (each channel's scale and zero point over a group of G tokens),
-values per token (each token's scale and zero point over a group of G channels). The most recent
-tokens stay in full precision: the residual holds R to R+G-1 tokens, and each time it reaches R+G
-its oldest G tokens are quantized. Codes are packed; scales and zero points are fp16.
+values per token (each token's scale and zero point over a group of G channels). The residual
+policy is the reference's (`models/llama_kivi.py`), with R a multiple of G:
+- keys: the newest `T mod R` tokens stay at full precision; when they reach R, all R are quantized
+  at once (so at T = 1024, R = 128 no key is held at full precision);
+- values: exactly the R newest tokens stay at full precision (all of them while T <= R); each new
+  token pushes the oldest one into the quantized block, token by token.
+A decode step attends to the new token at full precision and the cache flushes after it, as the
+reference does. Codes are packed in byte planes; scales and zero points are fp16; "full
+precision" is the `storage` dtype (fp16, the reference's model dtype).
 """
 
 from __future__ import annotations
@@ -12,14 +18,13 @@ from typing import Any
 
 import torch
 
-from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, register, tensor_bytes
-from kvbench.methods.packing import PLANE_BITS, pack_planes, unpack_planes_into
+from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, owned, register, tensor_bytes
+from kvbench.methods.packing import pack_planes, unpack_planes_into
 
 
 def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric uniform quantization with min/max statistics reduced over `dim`."""
-    lo = x.amin(dim=dim, keepdim=True)
-    hi = x.amax(dim=dim, keepdim=True)
+    lo, hi = torch.aminmax(x, dim=dim, keepdim=True)
     scale = ((hi - lo) / (2**bits - 1)).to(torch.float16)
     zero = lo.to(torch.float16)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
@@ -28,34 +33,38 @@ def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
 
 
 class QuantizedBlock:
-    """Whole groups of G tokens of K or V: codes packed in planes along head_dim, fp16 scale and
-    zero point per group. Later groups are appended to the same block, so a decode step unpacks
-    one block whatever the generation length."""
+    """Whole groups of K or V: codes packed in planes along head_dim, fp16 scale and zero point per
+    group. Per channel (keys): statistics over groups of G tokens, so tokens come in multiples of G;
+    per token (values): over groups of G channels, any number of tokens. Later tokens are appended
+    to the same block, so a decode step unpacks one block whatever the generation length.
+
+    Block-level codec: `QuantizedBlock(x, bits, group, per_channel)` encodes x [..., tokens, head_dim]
+    (batch, heads leading), `.dequantize()` decodes to fp32, `.nbytes()` is what it holds."""
 
     def __init__(self, x: torch.Tensor, bits: int, group: int, per_channel: bool) -> None:
-        # x: [batch, heads, n * G tokens, head_dim]
         self.shape, self.bits, self.group, self.per_channel = x.shape, bits, group, per_channel
         codes, self.scale, self.zero = quantize(x.reshape(self.grouped), bits, dim=-2 if per_channel else -1)
-        self.packed = pack_planes(codes.reshape(x.shape), bits)
+        self.packed = pack_planes(codes.reshape(x.shape), bits, check=False)  # clamped above
 
     @property
     def grouped(self) -> tuple[int, ...]:
         """Per channel: statistics over each group of G tokens; per token: over G channels."""
-        b, h, t, d = self.shape
-        return (b, h, t // self.group, self.group, d) if self.per_channel else (b, h, t, d // self.group, self.group)
+        *lead, t, d = self.shape
+        return (*lead, t // self.group, self.group, d) if self.per_channel else (*lead, t, d // self.group, self.group)
 
     def tokens(self) -> int:
         return self.shape[-2]
 
     def append(self, later: "QuantizedBlock") -> None:
         """Take the tokens of `later` after this block's (both keep their own group statistics)."""
+        axis = len(self.shape) - 2  # the token axis (of groups, for per-channel statistics)
         self.packed = torch.cat([self.packed, later.packed], dim=-2)
-        self.scale = torch.cat([self.scale, later.scale], dim=2)
-        self.zero = torch.cat([self.zero, later.zero], dim=2)
-        self.shape = torch.Size((*self.shape[:2], self.shape[2] + later.shape[2], self.shape[3]))
+        self.scale = torch.cat([self.scale, later.scale], dim=axis)
+        self.zero = torch.cat([self.zero, later.zero], dim=axis)
+        self.shape = torch.Size((*self.shape[:-2], self.shape[-2] + later.shape[-2], self.shape[-1]))
 
     def dequantize_into(self, out: torch.Tensor) -> None:
-        """Write codes * scale + zero into `out`, a [batch, heads, tokens, head_dim] view."""
+        """Write codes * scale + zero into `out`, a [..., tokens, head_dim] view."""
         unpack_planes_into(self.packed, self.bits, out)
         grouped = out.view(self.grouped)
         if self.per_channel:
@@ -72,7 +81,17 @@ class QuantizedBlock:
         return tensor_bytes(self.packed, self.scale, self.zero)
 
 
+def _extend(block: QuantizedBlock | None, later: QuantizedBlock) -> QuantizedBlock:
+    if block is None:
+        return later
+    block.append(later)
+    return block
+
+
 class KiviLayer(MethodLayer):
+    """`keys`/`values` (the DynamicLayer fields) hold the full-precision residuals; the quantized
+    tokens are in `key_block`/`value_block`."""
+
     def __init__(self, bits: int, group: int, residual: int, storage: torch.dtype) -> None:
         super().__init__()
         self.bits, self.group, self.residual, self.storage = bits, group, residual, storage
@@ -80,27 +99,43 @@ class KiviLayer(MethodLayer):
         self.value_block: QuantizedBlock | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        compute = key_states.dtype
-        prefill = not self.is_initialized
-        keys, values = super().update(key_states.to(self.storage), value_states.to(self.storage))
-        flush = max(0, (keys.shape[-2] - self.residual) // self.group) * self.group
-        if flush:  # every whole group beyond the residual, quantized in one vectorized step
-            new_keys = QuantizedBlock(keys[..., :flush, :].float(), self.bits, self.group, True)
-            new_values = QuantizedBlock(values[..., :flush, :].float(), self.bits, self.group, False)
-            if self.key_block is None:
-                self.key_block, self.value_block = new_keys, new_values
-            else:
-                self.key_block.append(new_keys)
-                self.value_block.append(new_values)
-            self.keys, self.values = keys[..., flush:, :], values[..., flush:, :]
-        if prefill:  # as KIVI does: the prompt attends in full precision, the cache is quantized
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys = self.keys.to(self.storage)
+            self.values = self.values.to(self.storage)
+            self._append(key_states.to(self.storage), value_states.to(self.storage))
+            # As KIVI does: the prompt attends in full precision, the cache is quantized.
             return key_states, value_states
-        # Decode attends to the dequantized block, rebuilt each step into one buffer: no
-        # full-precision shadow copy is kept, so the cache holds only what nbytes() counts.
-        return self._rebuild(self.key_block, self.keys, compute), self._rebuild(self.value_block, self.values, compute)
+        self.keys = torch.cat([self.keys, key_states.to(self.storage)], dim=-2)
+        self.values = torch.cat([self.values, value_states.to(self.storage)], dim=-2)
+        # This step attends to the quantized blocks plus the residuals with the new token in full
+        # precision, rebuilt into one buffer (no shadow copy is kept); then the residuals flush.
+        compute = key_states.dtype
+        out = self._rebuild(self.key_block, self.keys, compute), self._rebuild(self.value_block, self.values, compute)
+        self._flush()
+        return out
 
-    def quantized_tokens(self) -> int:
-        return self.key_block.tokens() if self.key_block is not None else 0
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys = torch.cat([self.keys, keys], dim=-2)
+        self.values = torch.cat([self.values, values], dim=-2)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Keys: every whole R tokens of the residual to the block. Values: all but the R newest."""
+        keys = self.keys.shape[-2] // self.residual * self.residual
+        if keys:
+            self.key_block = _extend(self.key_block, QuantizedBlock(self.keys[..., :keys, :].float(), self.bits,
+                                                                    self.group, True))
+            self.keys = owned(self.keys[..., keys:, :])
+        values = max(0, self.values.shape[-2] - self.residual)
+        if values:
+            self.value_block = _extend(self.value_block, QuantizedBlock(self.values[..., :values, :].float(), self.bits,
+                                                                        self.group, False))
+            self.values = owned(self.values[..., values:, :])
+
+    def quantized_tokens(self) -> tuple[int, int]:
+        """(keys, values) held quantized."""
+        return tuple(b.tokens() if b is not None else 0 for b in (self.key_block, self.value_block))
 
     @staticmethod
     def _rebuild(block: QuantizedBlock | None, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,7 +148,7 @@ class KiviLayer(MethodLayer):
         return out
 
     def get_seq_length(self) -> int:
-        return self.quantized_tokens() + super().get_seq_length()
+        return self.quantized_tokens()[0] + super().get_seq_length()
 
     def nbytes(self) -> int:
         blocks = sum(b.nbytes() for b in (self.key_block, self.value_block) if b is not None)
@@ -125,7 +160,5 @@ def kivi(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
     bits, group, residual = int(settings["bits"]), int(settings.get("group_size", 32)), int(settings.get("residual", 128))
     if shape.head_dim % group:
         raise ValueError(f"kivi: group_size {group} must divide head_dim {shape.head_dim}")
-    if bits not in PLANE_BITS:  # refused here, not at the first flush in the middle of a run
-        raise ValueError(f"kivi: bits must be 1, 2, 4 or 8 (codes are packed in byte planes), not {bits}")
     storage = STORAGE[settings.get("storage", "fp16")]
     return MethodCache([KiviLayer(bits, group, residual, storage) for _ in range(shape.layers)])

@@ -1,7 +1,9 @@
 """`snapkv`: at prefill, score prompt positions by the attention of the last `window` queries,
-max-pool with `kernel`, keep the top positions per KV head plus the window (Li et al. 2024,
-FasterDecoding/SnapKV). Keep `keep_ratio` of the prompt or a fixed `capacity`; GQA-aware (scores
-averaged over each group's query heads). Decode tokens are appended without eviction."""
+pool with `kernel`, keep the top positions per KV head plus the window (Li et al. 2024,
+FasterDecoding/SnapKV). Scoring follows kvpress SnapKVPress, which the seed study ran: the window's
+attention averaged over its queries, on the prefix only, `pooling: avg` (the default; `max` as the
+SnapKV paper's ablations), averaged over each GQA group. Keep `keep_ratio` of the prompt (rounded
+down, as kvpress) or a fixed `capacity`. Decode tokens are appended without eviction."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 
 from kvbench.methods.base import STORAGE, ModelShape, register
 from kvbench.methods.eviction import (
-    EvictionCache, ScoredLayer, gather, keep_count, pooled_window_scores, select_with_window,
+    EvictionCache, ScoredLayer, gather, keep_count, keep_top, snapkv_scores,
 )
 
 
@@ -20,7 +22,8 @@ class SnapKVLayer(ScoredLayer):
         super().__init__(storage, q_heads)
         self.settings = settings
         self.window, self.kernel = int(settings.get("window", 32)), int(settings.get("kernel", 7))
-        self.query_window = self.window
+        self.pooling = settings.get("pooling", "avg")
+        self.prefill_queries = self.window
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if self.is_initialized:  # decode: append at the storage dtype, attend at the compute dtype
@@ -28,16 +31,24 @@ class SnapKVLayer(ScoredLayer):
                        torch.cat([self.values, value_states.to(self.storage)], dim=-2))
             return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         self.lazy_initialization(key_states, value_states)
-        tokens = key_states.shape[-2]
-        keep = keep_count(tokens, self.settings)
-        if keep >= tokens or self.queries is None:
+        queries = self.take_queries()
+        index = self.select(queries, key_states)
+        if index is None:
             self.store(key_states, value_states)
         else:
-            groups = self.q_heads // key_states.shape[1]
-            scores = pooled_window_scores(self.queries, key_states, groups, min(self.window, tokens), self.kernel)
-            index = select_with_window(scores, keep, self.window)
             self.store(gather(key_states, index), gather(value_states, index))
         return key_states, value_states  # the prefill itself attends to the whole prompt
+
+    def select(self, queries: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor | None:
+        """Kept positions [Hkv, keep] in position order, or None to keep the whole prompt."""
+        tokens = keys.shape[-2]
+        keep = keep_count(tokens, self.settings)
+        if keep >= tokens:
+            return None
+        if queries is None:
+            raise RuntimeError("snapkv: no queries reached the layer; run the model with the cache attached")
+        window = min(self.window, keep)  # a budget below the window keeps the newest `keep` tokens
+        return keep_top(snapkv_scores(queries, keys, window, self.kernel, self.pooling), keep)
 
 
 @register("snapkv")

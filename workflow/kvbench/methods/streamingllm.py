@@ -17,10 +17,11 @@ class SinkWindowLayer(MethodLayer):
         self.sinks, self.window, self.storage = sinks, window, storage
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        compute = key_states.dtype
+        prefill = not self.is_initialized
         keys, values = super().update(key_states.to(self.storage), value_states.to(self.storage))
-        # Attention this step sees everything it was given; eviction applies to what is kept.
-        out = keys.to(compute), values.to(compute)
+        # Attention this step sees everything it was given (the prefill at compute precision, as
+        # every method's prefill); eviction applies to what is kept.
+        out = (key_states, value_states) if prefill else (keys.to(key_states.dtype), values.to(value_states.dtype))
         if keys.shape[-2] > self.sinks + self.window:
             self.keys = torch.cat([keys[..., : self.sinks, :], keys[..., -self.window:, :]], dim=-2)
             self.values = torch.cat([values[..., : self.sinks, :], values[..., -self.window:, :]], dim=-2)

@@ -1,13 +1,20 @@
-"""`turboquant`: random rotation + Lloyd-Max scalar codebook, plus a 1-bit QJL residual stage
-for unbiased inner products (Zandieh et al. 2025, arXiv 2504.19874).
+"""`turboquant`: random rotation + Lloyd-Max scalar codebook, optionally plus a 1-bit QJL residual
+stage for unbiased inner products (Zandieh et al. 2025, arXiv 2504.19874).
 
 Per vector x: norm n = |x|, rotated unit vector y = R x / n, whose coordinates are close to
 N(0, 1/d); each coordinate is quantized with the Lloyd-Max codebook of N(0, 1) scaled by 1/sqrt(d).
-Keys (b bits total) use b-1 bits for that MSE stage and 1 bit for QJL on the residual
-r = x - x_mse: signs s = sign(S r) with S Gaussian, and |r|. Since
-E[sqrt(pi/2)/d * |r| * <S q, s>] = <q, r>, the key attention sees,
-x_mse + sqrt(pi/2)/d * |r| * S^T s, gives unbiased scores q.k. Values use all b bits for MSE.
-R and S are shared per layer and counted once.
+`variant: prod` (TurboQuant_prod, the default): keys (b bits total) use b-1 bits for that MSE stage
+and 1 bit for QJL on the residual r = x - x_mse: signs s = sign(S r) with S Gaussian, and |r|. Since
+E[sqrt(pi/2)/d * |r| * <S q, s>] = <q, r>, scores q.k against x_mse + sqrt(pi/2)/d * |r| * S^T s are
+unbiased. `variant: mse` (TurboQuant_mse): keys use all b bits for the MSE stage, no QJL (biased
+inner products, lower variance). Values always use b bits for the MSE stage.
+
+Decode attends in the rotated domain (the method's own attention, installed by `attach`): the query
+is rotated once per step, R q and S q, and scored against the stored codes as they are:
+<q, k_hat> = n <R q, c> + sqrt(pi/2)/d |r| <S q, s>, with c the codebook values read from the packed
+bytes and norms applied per token; the output sum_t p_t n_t c_t is rotated back once (R^T). No key
+or value is rebuilt: O(T d) per step, not O(T d^2). R and S are per-layer fp32 constants held by the
+cache and counted once, like the codebooks.
 """
 
 from __future__ import annotations
@@ -18,8 +25,12 @@ from typing import Any
 
 import torch
 
+from kvbench.methods.attention import RoutedLayer, attach_routed
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register, tensor_bytes
-from kvbench.methods.packing import pack, unpack, unpack_as
+from kvbench.methods.packing import (
+    pack, pack_sign_magnitude, unpack, unpack_as, unpack_sign_magnitude, unpack_sign_magnitude_as,
+)
+
 
 
 def _pdf(x: float) -> float:
@@ -51,7 +62,9 @@ def lloyd_max(bits: int, iterations: int = 500) -> tuple[tuple[float, ...], floa
 
 
 class MseQuantizer:
-    """Rotation + Lloyd-Max codebook on unit vectors; norms kept in fp16."""
+    """Rotation + Lloyd-Max codebook on unit vectors; norms kept in fp16. With `TurboBlock`, the
+    block-level codec: `TurboBlock(x, mse, sketch)` encodes x [..., tokens, head_dim],
+    `.decode(mse, sketch)` decodes to fp32 in the original domain, `.nbytes()` is what it holds."""
 
     def __init__(self, rotation: torch.Tensor, bits: int) -> None:
         self.rotation, self.bits = rotation, bits
@@ -65,8 +78,11 @@ class MseQuantizer:
         norms = x.norm(dim=-1, keepdim=True)
         unit = x / norms.clamp_min(1e-12)
         rotated = unit @ self.rotation.T
-        # The code is the number of edges below: a few vectorized comparisons beat bucketize's
-        # per-element binary search several times over.
+        # The code is the number of edges below: for a prompt, a few vectorized comparisons beat
+        # bucketize's per-element binary search several times over; a decode step's few vectors
+        # take one op.
+        if rotated.numel() < 1 << 14:
+            return torch.bucketize(rotated, self.edges).to(torch.uint8), norms.to(torch.float16)
         codes = torch.zeros(rotated.shape, dtype=torch.uint8, device=rotated.device)
         for edge in self.edges.tolist():
             codes += rotated > edge
@@ -75,91 +91,151 @@ class MseQuantizer:
     def decode(self, codes: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         return (self.codebook[codes.long()] @ self.rotation) * norms.float()
 
-
-MERGE_AFTER = 16  # decode blocks (one token each) merged into one packed block
+    def nbytes(self) -> int:
+        """The codebook and its edges (the rotation is the layer's, counted there)."""
+        return tensor_bytes(self.codebook, self.edges)
 
 
 def qjl_scale(d: int) -> float:
     return math.sqrt(math.pi / 2) / d
 
 
+def _rows(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Packed codes as one row of bytes per token, so later tokens append along the token axis
+    (head_dim * bits is a multiple of 8 for head_dim a multiple of 8)."""
+    return packed.view(*shape[:-1], -1)
+
+
 class TurboBlock:
-    """Tokens of K or V, packed: codes, fp16 norms, and for keys QJL signs + fp16 residual norms."""
+    """Tokens of K or V, packed: codes, fp16 norms, and for keys QJL signs + fp16 residual norms.
+    Each token's codes are one row of bytes; 1/2/4-bit codes are packed whole, 3-bit codes as a
+    2-bit magnitude and a 1-bit sign plane (same bytes), so every code is read by byte-table lookups."""
 
     def __init__(self, x: torch.Tensor, mse: MseQuantizer, sketch: torch.Tensor | None) -> None:
+        if x.shape[-1] % 8:
+            raise ValueError(f"turboquant: head_dim {x.shape[-1]} must be a multiple of 8")
         codes, norms = mse.encode(x.float())
         signs = residual_norms = None
         if sketch is not None:
             residual = x.float() - mse.decode(codes, norms)
             signs = (residual @ sketch.T > 0).to(torch.uint8)
             residual_norms = residual.norm(dim=-1, keepdim=True).to(torch.float16)
-        self._store(codes, norms, signs, residual_norms, mse.bits)
+        self.shape, self.bits, self.norms, self.residual_norms = codes.shape, mse.bits, norms, residual_norms
+        if self.bits == 3:
+            magnitude, code_signs = pack_sign_magnitude(codes)
+            self.packed, self.code_signs = _rows(magnitude, self.shape), _rows(code_signs, self.shape)
+        else:
+            self.packed, self.code_signs = _rows(pack(codes, self.bits, check=False), self.shape), None
+        self.signs = _rows(pack(signs, 1, check=False), self.shape) if signs is not None else None
 
-    def _store(self, codes: torch.Tensor, norms: torch.Tensor, signs: torch.Tensor | None,
-               residual_norms: torch.Tensor | None, bits: int) -> None:
-        self.shape, self.bits, self.norms, self.residual_norms = codes.shape, bits, norms, residual_norms
-        self.packed = pack(codes, bits)
-        self.signs = pack(signs, 1) if signs is not None else None
+    def append(self, later: "TurboBlock") -> None:
+        """Take the tokens of `later` after this block's (one decode step's, usually)."""
+        for name in ("packed", "code_signs", "norms", "signs", "residual_norms"):
+            mine = getattr(self, name)
+            if mine is not None:
+                setattr(self, name, torch.cat([mine, getattr(later, name)], dim=-2))
+        self.shape = torch.Size((*self.shape[:-2], self.shape[-2] + later.shape[-2], self.shape[-1]))
 
-    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        codes = unpack(self.packed, self.bits, self.shape.numel()).reshape(self.shape)
-        signs = unpack(self.signs, 1, self.shape.numel()).reshape(self.shape) if self.signs is not None else None
-        return codes, self.norms, signs, self.residual_norms
+    def codes(self) -> torch.Tensor:
+        n = self.shape.numel()
+        if self.code_signs is not None:
+            return unpack_sign_magnitude(self.packed, self.code_signs, n).reshape(self.shape)
+        return unpack(self.packed, self.bits, n).reshape(self.shape)
 
-    @classmethod
-    def merged(cls, blocks: list["TurboBlock"]) -> "TurboBlock":
-        """One block holding the tokens of `blocks` (decode appends one token per block)."""
-        parts = [b.parts() for b in blocks]
-        out = cls.__new__(cls)
-        cat = [torch.cat(items, dim=-2) if items[0] is not None else None for items in zip(*parts)]
-        out._store(*cat, blocks[0].bits)
-        return out
+    def levels(self, mse: MseQuantizer) -> torch.Tensor:
+        """Each coordinate's codebook value (rotated domain, unit norm), by table lookup straight
+        from the packed bytes: [..., tokens, d] fp32."""
+        n = self.shape.numel()
+        if self.code_signs is not None:
+            return unpack_sign_magnitude_as(self.packed, self.code_signs, n, mse.levels).view(self.shape)
+        return unpack_as(self.packed, self.bits, n, mse.levels).view(self.shape)
+
+    def qjl_signs(self) -> torch.Tensor:
+        """The QJL signs as +-1: [..., tokens, d] fp32."""
+        return unpack_as(self.signs, 1, self.shape.numel(), (-1.0, 1.0)).view(self.shape)
+
+    def qjl_weights(self) -> torch.Tensor:
+        """sqrt(pi/2)/d |r| per token: [..., tokens]."""
+        return self.residual_norms.float()[..., 0] * qjl_scale(self.shape[-1])
 
     def decode(self, mse: MseQuantizer, sketch: torch.Tensor | None) -> torch.Tensor:
-        """Every token of the block at fp32; runs each decode step, so codes become codebook values
-        (and signs +-1) by table lookup straight from the packed bytes."""
-        n = self.shape.numel()
-        out = (unpack_as(self.packed, self.bits, n, mse.levels).view(self.shape) @ mse.rotation).mul_(self.norms.float())
+        """Every token of the block at fp32 in the original domain (rotated back, QJL term added)."""
+        out = (self.levels(mse) @ mse.rotation).mul_(self.norms.float())
         if sketch is not None and self.signs is not None:
-            signs = unpack_as(self.signs, 1, n, (-1.0, 1.0)).view(self.shape)
-            out.add_((signs @ sketch).mul_(self.residual_norms.float() * qjl_scale(self.shape[-1])))
+            out.add_((self.qjl_signs() @ sketch).mul_(self.qjl_weights()[..., None]))
         return out
 
     def nbytes(self) -> int:
-        return tensor_bytes(self.packed, self.norms, self.signs, self.residual_norms)
+        return tensor_bytes(self.packed, self.code_signs, self.norms, self.signs, self.residual_norms)
 
 
-class TurboLayer(MethodLayer):
-    def __init__(self, rotation: torch.Tensor, sketch: torch.Tensor, bits: int) -> None:
+class TurboLayer(RoutedLayer, MethodLayer):
+    def __init__(self, rotation: torch.Tensor, sketch: torch.Tensor | None, bits: int) -> None:
         super().__init__()
-        self.key_mse, self.value_mse = MseQuantizer(rotation, bits - 1), MseQuantizer(rotation, bits)
-        self.sketch = sketch
-        self.key_blocks: list[TurboBlock] = []
-        self.value_blocks: list[TurboBlock] = []
-        self.tokens = 0
+        self.rotation, self.sketch = rotation, sketch  # sketch None: the MSE-only variant
+        self.key_mse = MseQuantizer(rotation, bits - 1 if sketch is not None else bits)
+        self.value_mse = MseQuantizer(rotation, bits)
+        self.key_block: TurboBlock | None = None
+        self.value_block: TurboBlock | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        prefill = not self.is_initialized
-        if prefill:
+        keys, values = TurboBlock(key_states, self.key_mse, self.sketch), TurboBlock(value_states, self.value_mse, None)
+        if not self.is_initialized:  # the prompt attends in full precision; the cache holds the quantized form
             self.lazy_initialization(key_states, value_states)
-        self.key_blocks.append(TurboBlock(key_states, self.key_mse, self.sketch))
-        self.value_blocks.append(TurboBlock(value_states, self.value_mse, None))
-        self.tokens += key_states.shape[-2]
-        if prefill:  # the prompt attends in full precision; the cache holds the quantized form
+            self.key_block, self.value_block = keys, values
             return key_states, value_states
-        if len(self.key_blocks) > MERGE_AFTER:  # keep per-step work vectorized over few blocks
-            self.key_blocks = [TurboBlock.merged(self.key_blocks)]
-            self.value_blocks = [TurboBlock.merged(self.value_blocks)]
-        dtype = key_states.dtype
-        keys = torch.cat([b.decode(self.key_mse, self.sketch) for b in self.key_blocks], dim=-2)
-        values = torch.cat([b.decode(self.value_mse, None) for b in self.value_blocks], dim=-2)
+        self.require_attached("turboquant")
+        self.key_block.append(keys)
+        self.value_block.append(values)
+        self.pending = True
+        return key_states, value_states  # unused: `attend` reads the blocks
+
+    def rotate_query(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(R q, S q): scores against the codebook values and the QJL signs."""
+        q = query.float()
+        return q @ self.rotation.T, (q @ self.sketch.T if self.sketch is not None else None)
+
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        """<q, k_hat> for every cached key, computed in the rotated domain: query [b, Hq, n, d]
+        (GQA: consecutive query heads share a KV head) -> [b, Hq, n, T]."""
+        b, hq, n, d = query.shape
+        block = self.key_block
+        hkv, t = block.shape[1], block.shape[-2]
+        rotated, sketched = (x.reshape(b, hkv, hq // hkv * n, d) if x is not None else None
+                             for x in self.rotate_query(query))
+        scores = (rotated @ block.levels(self.key_mse).transpose(-1, -2)).mul_(block.norms.float()[..., 0][:, :, None])
+        if sketched is not None:
+            scores.add_((sketched @ block.qjl_signs().transpose(-1, -2)).mul_(block.qjl_weights()[:, :, None]))
+        return scores.view(b, hq, n, t)
+
+    def weighted_values(self, probs: torch.Tensor) -> torch.Tensor:
+        """sum_t p_t v_hat_t for probs [b, Hq, n, T] -> [b, n, Hq, d]: summed in the rotated domain
+        (norms folded into the weights), rotated back once."""
+        b, hq, n, t = probs.shape
+        block = self.value_block
+        hkv = block.shape[1]
+        p = probs.reshape(b, hkv, hq // hkv * n, t) * block.norms.float()[..., 0][:, :, None]
+        out = p @ block.levels(self.value_mse)
+        return (out @ self.rotation).view(b, hq, n, -1).transpose(1, 2)
+
+    def decoded(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key and value in the original domain (rebuilt through R and S): a reference for
+        tests and the block-level codec, not what decode attends through."""
+        keys = self.key_block.decode(self.key_mse, self.sketch)
+        values = self.value_block.decode(self.value_mse, None)
         return keys.to(dtype), values.to(dtype)
 
     def get_seq_length(self) -> int:
-        return self.tokens
+        return self.key_block.shape[-2] if self.key_block is not None else 0
 
     def nbytes(self) -> int:
-        return sum(b.nbytes() for b in self.key_blocks + self.value_blocks)
+        blocks = sum(b.nbytes() for b in (self.key_block, self.value_block) if b is not None)
+        return blocks + self.key_mse.nbytes() + self.value_mse.nbytes()
+
+
+class TurboCache(MethodCache):
+    def attach(self, model: torch.nn.Module) -> list[Any]:
+        return attach_routed(model, self.layers)
 
 
 def random_rotation(d: int, generator: torch.Generator) -> torch.Tensor:
@@ -169,13 +245,12 @@ def random_rotation(d: int, generator: torch.Generator) -> torch.Tensor:
 
 @register("turboquant")
 def turboquant(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
-    bits = int(settings["bits"])
-    if bits < 2:
-        raise ValueError("turboquant: bits must be >= 2 (b-1 MSE bits + 1 QJL bit for keys)")
+    bits, variant = int(settings["bits"]), settings.get("variant", "prod")
     gen = torch.Generator().manual_seed(seed)
     rotations = [random_rotation(shape.head_dim, gen) for _ in range(shape.layers)]
     sketches = [torch.randn(shape.head_dim, shape.head_dim, generator=gen) for _ in range(shape.layers)]
+    if variant == "mse":  # drawn anyway: both variants of one seed share their rotations
+        sketches = [None] * shape.layers
     layers = [TurboLayer(r, s, bits) for r, s in zip(rotations, sketches)]
-    # Rotations and sketches are per-layer constants: stored once at fp16.
-    shared = [t.to(torch.float16) for t in rotations + sketches]
-    return MethodCache(layers, shared=shared)
+    # Rotations and sketches are per-layer fp32 constants, held once.
+    return TurboCache(layers, shared=rotations + [s for s in sketches if s is not None])

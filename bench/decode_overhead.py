@@ -1,0 +1,93 @@
+"""Decode cost of the quantized caches against `full` at a long context, step by step interleaved.
+
+One prefill of the prompt captures every layer's K/V; each method's cache is filled from them
+(the same `update` a prefill makes), then all methods decode the same tokens (full's greedy
+answer), one step each in a shuffled order per step. Each step's time over the same step's `full`
+time is a same-round ratio: drift from other load on the machine cancels; the table gives medians.
+
+    .venv/bin/python bench/decode_overhead.py [--context 4096] [--steps 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import yaml
+
+from kvbench.harness import attached, generate
+from kvbench.kv.study import long_document
+from kvbench.methods.base import ModelShape, build_cache
+from kvbench.models import load_model, load_tokenizer
+from kvbench.provenance import provenance, write_table
+
+MODEL = "resources/models/smollm2-135m"
+CONFIG_METHODS = yaml.safe_load(Path("config/config.yaml").read_text())["methods"]
+METHODS = {"full-fp32": {"kind": "full"}} | {
+    name: spec for name, spec in CONFIG_METHODS.items() if spec["kind"] in ("full", "kivi", "turboquant", "fp8")}
+
+
+@torch.inference_mode()
+def prefilled_caches(model, ids: list[int]) -> dict:
+    """Every method's cache after the prompt, from one prefill's K/V."""
+    shape = ModelShape.of(model.config)
+    capture = build_cache({"kind": "full"}, shape)
+    model(input_ids=torch.tensor([ids]), past_key_values=capture, use_cache=True, logits_to_keep=1)
+    caches = {}
+    for name, spec in METHODS.items():
+        cache = build_cache(spec, shape)
+        for layer, source in zip(cache.layers, capture.layers):
+            layer.update(source.keys, source.values)
+        caches[name] = cache
+    return caches
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer, model = load_tokenizer(MODEL), load_model(MODEL)
+    docs = pd.read_parquet("results/corpus/realistic/docs.parquet")
+    text = long_document(docs, lambda text: tokenizer(text).input_ids, args.context).text.iloc[0]
+    ids = tokenizer(text).input_ids[: args.context]
+    answer = generate(model, {"kind": "full"}, ids, args.steps + 1)["tokens"]
+    caches = prefilled_caches(model, ids)
+    rng, rows = random.Random(args.seed), []
+    for step, token in enumerate(answer[:-1]):
+        for name in rng.sample(list(caches), len(caches)):
+            cache = caches[name]
+            with attached(cache, model):
+                start, cpu = time.perf_counter(), time.process_time()
+                model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                      position_ids=torch.tensor([[len(ids) + step]]))
+                rows.append({"step": step, "method": name, "seconds": time.perf_counter() - start,
+                             "cpu_seconds": time.process_time() - cpu, "kv_bytes": cache.nbytes()})
+        print(f"step {step}: " + ", ".join(f"{r['method']} {r['cpu_seconds']:.3f}" for r in rows[-len(caches):]),
+              flush=True)
+    table = pd.DataFrame(rows)
+    columns = {}
+    for clock in ("seconds", "cpu_seconds"):
+        per_step = table.pivot(index="step", columns="method", values=clock)
+        columns |= {f"tpot_{clock}": per_step.median(), f"{clock}_vs_full": per_step.div(per_step["full"], axis=0).median(),
+                    f"{clock}_vs_full_fp32": per_step.div(per_step["full-fp32"], axis=0).median()}
+    summary = pd.DataFrame(columns | {"kv_bytes": table.groupby("method").kv_bytes.last()}).sort_values("cpu_seconds_vs_full")
+    pd.set_option("display.width", 200)
+    print(f"{len(ids)} context tokens, {args.steps} steps, {args.threads} threads")
+    print(summary.to_string(float_format="%.3f"))
+    config = {"seed": args.seed, "bench": "decode_overhead", "context": args.context, "steps": args.steps,
+              "threads": args.threads}
+    write_table(table.assign(context_tokens=len(ids)), "results/bench/decode_overhead.parquet",
+                provenance(config, model="smollm2-135m"))
+
+
+if __name__ == "__main__":
+    main()
