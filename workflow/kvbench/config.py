@@ -9,6 +9,8 @@ import jsonschema
 import yaml
 
 from kvbench.methods.kinds import check_spec
+from kvbench.serve.names import check_codec
+from kvbench.serve.protocol import parse_ratio
 from kvbench.sources import ModelSourceError, check_model_dir, package_file
 
 
@@ -43,7 +45,8 @@ def tokenizer_model(config: Mapping[str, Any]) -> str:
 
 
 def check_config(config: Mapping[str, Any]) -> None:
-    for section, key in (("corpus", "generator"), ("corpus", "tokenizer"), ("kv", "model"), ("system", "model")):
+    for section, key in (("corpus", "generator"), ("corpus", "tokenizer"), ("kv", "model"), ("system", "model"),
+                         ("serve", "model")):
         name = config[section].get(key)
         if name is not None and name not in config["models"]:
             raise ConfigError(f"{section}.{key}: {name!r} is not a key of models ({sorted(config['models'])})")
@@ -61,6 +64,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     for corpus in config["system"].get("prompts_per_corpus", {}):
         if corpus == "imported" and not config["corpus"]["imported"]["path"]:
             raise ConfigError("system.prompts_per_corpus: 'imported' needs corpus.imported.path to be set")
+    check_serve(config)
     if kv.get("figure_codec", "zstd-3") not in kv.get("codecs", ["zstd-3"]):
         raise ConfigError(f"kv.figure_codec: {kv['figure_codec']!r} is not in kv.codecs")
     for name, source in config["models"].items():
@@ -74,3 +78,23 @@ def check_config(config: Mapping[str, Any]) -> None:
     folder = config["corpus"]["imported"]["path"]
     if folder is not None and not Path(folder).is_dir():
         raise ConfigError(f"corpus.imported.path: folder {folder!r} does not exist")
+
+
+def check_serve(config: Mapping[str, Any]) -> None:
+    serve = config["serve"]
+    if "imported" in serve.get("corpora", []) and not config["corpus"]["imported"]["path"]:
+        raise ConfigError("serve.corpora: 'imported' needs corpus.imported.path to be set")
+    if "valkey" in serve.get("backends", []) and config.get("vllm", {}).get("device") == "cuda":
+        raise ConfigError("serve.backends: 'valkey' (our connector) reads vLLM's CPU cache layout; "
+                          "on GPU the offload backend is 'lmcache'")
+    for name in serve.get("codecs", []):
+        try:
+            check_codec(name, config["methods"])
+        except ValueError as err:
+            raise ConfigError(f"serve.codecs: {err}") from None
+    try:
+        parse_ratio(serve.get("hit_miss_ratio", "3:1"))
+    except ValueError as err:
+        raise ConfigError(f"serve.hit_miss_ratio: {err}") from None
+    if serve.get("fault_round") and (serve.get("valkey") or {}).get("url"):
+        raise ConfigError("serve.fault_round: it kills Valkey, so it needs the stage's own (serve.valkey.url: null)")

@@ -47,9 +47,10 @@ def vllm_env(settings: Mapping[str, Any]) -> dict[str, str]:
 class VLLMClient:
     """Chat completions against the served model; errors carry the server's message."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, pid: int | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.pid = pid  # of the server's process group leader
 
     def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
         body = {"model": SERVED_NAME, "messages": messages, **params}
@@ -67,12 +68,14 @@ class VLLMClient:
 
 @contextmanager
 def vllm_server(
-    model_dir: str | Path, settings: Mapping[str, Any], seed: int, log_path: str | Path
+    model_dir: str | Path, settings: Mapping[str, Any], seed: int, log_path: str | Path,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[VLLMClient]:
+    """`env` adds to the server's environment (e.g. PYTHONPATH for a connector module)."""
     port = int(settings["port"]) or free_port()
     base = f"http://{HOST}:{port}"
     with managed_server(
         "vllm", vllm_command(model_dir, port, settings, seed), port, http_ok(f"{base}/health"),
-        log_path, env=vllm_env(settings), timeout_s=float(settings["startup_timeout_s"]),
-    ):
-        yield VLLMClient(base)
+        log_path, env=vllm_env(settings) | dict(env or {}), timeout_s=float(settings["startup_timeout_s"]),
+    ) as proc:
+        yield VLLMClient(base, pid=proc.pid)

@@ -3,6 +3,7 @@ import os
 from snakemake.utils import validate
 
 from kvbench.config import check_config, check_schema, model_dir as _model_dir, tokenizer_model
+from kvbench.serve.backends import servers as serve_servers
 
 # One line per problem, naming the key; then snakemake's validate fills in the defaults.
 check_schema(config, workflow.source_path("../schemas/config.schema.yaml"))
@@ -16,6 +17,7 @@ SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # --cores locally; cluster profiles set them per rule (set-threads). Never workflow.cores: it
 # needs a global core count, which `--unlock` and the SLURM executor do not give.
 MACHINE_THREADS = os.cpu_count() or 1
+SERVE_SERVERS = serve_servers(config["serve"]["backends"])
 CORPORA = ["synthetic", "realistic"] + (["imported"] if config["corpus"]["imported"]["path"] else [])
 
 
@@ -24,6 +26,7 @@ wildcard_constraints:
     corpus="|".join(CORPORA),
     weights="real|random|dummy",
     method="|".join(SYSTEM_METHODS),
+    server="|".join(SERVE_SERVERS),
 
 
 def model_dir(name):
@@ -39,6 +42,10 @@ def kv_parts(table):
     return expand(f"results/kv/{{corpus}}/{{weights}}/{table}.parquet", corpus=kv["corpora"], weights=kv["weights"])
 
 
+def serve_parts(table):
+    return expand(f"results/serve/servers/{{server}}/{table}.parquet", server=SERVE_SERVERS)
+
+
 def all_targets():
     return [
         *corpus_docs(),
@@ -51,6 +58,10 @@ def all_targets():
         "results/kv/ratio_by_corpus_weights.png",
         "results/system/metrics.parquet",
         "results/system/methods.png",
+        "results/serve/requests.parquet",
+        "results/serve/offload.parquet",
+        "results/serve/ttft_hit_miss.png",
+        "results/serve/wire_bytes.png",
     ]
 
 
