@@ -101,7 +101,7 @@ class ValkeyConnector(KVConnectorBase_V1):
         self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
         self.spaces = {name: namespace(extra["run"], extra["model"], self.dtype, self.block_size, name)
                        for name in self.codecs}
-        self.store = valkey.Valkey.from_url(extra["url"], socket_timeout=5, socket_connect_timeout=2)
+        self.client = valkey.Valkey.from_url(extra["url"], socket_timeout=5, socket_connect_timeout=2)
         self.events = EventLog(extra["events_dir"], "scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         # scheduler side
         self._plans: dict[str, Plan] = {}
@@ -131,7 +131,7 @@ class ValkeyConnector(KVConnectorBase_V1):
             plan.keys = chunk_keys(self.spaces[plan.load], prompt, self.block_size, loadable)
             start = time.perf_counter()
             try:
-                plan.hit_chunks = exists_run(self.store, plan.keys)
+                plan.hit_chunks = exists_run(self.client, plan.keys)
             except STORE_ERRORS as err:
                 plan.error = f"lookup: {type(err).__name__}: {err}"
             plan.lookup_s = time.perf_counter() - start
@@ -212,7 +212,7 @@ class ValkeyConnector(KVConnectorBase_V1):
             self._load(load)
 
     def _load(self, load: Transfer) -> None:
-        stats = load_chunks(self.store, self._wires[load.codec], self.spec, load.keys, load.block_ids, self._layers)
+        stats = load_chunks(self.client, self._wires[load.codec], self.spec, load.keys, load.block_ids, self._layers)
         failed = stats.pop("failed_blocks")
         self._failed_blocks.update(failed)
         self.events.write(event="load", tag=load.tag, codec=load.codec, failed_chunks=len(failed), **stats,
@@ -236,7 +236,7 @@ class ValkeyConnector(KVConnectorBase_V1):
                 start = time.perf_counter()
                 gathered[blocks] = (gather(self._layers, blocks), time.perf_counter() - start)
             chunks, gather_s = gathered[blocks]
-            stats = store_chunks(self.store, self._wires[store.codec], self.spec, store.keys, chunks)
+            stats = store_chunks(self.client, self._wires[store.codec], self.spec, store.keys, chunks)
             self.events.write(event="store", tag=store.tag, codec=store.codec, gather_s=gather_s, **stats,
                               time=time.time())
 

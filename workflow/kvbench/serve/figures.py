@@ -35,7 +35,7 @@ def ttft_figure(offload: pd.DataFrame, path: str | os.PathLike) -> None:
         ax.set_ylabel("mean TTFT (s)")
         ax.set_title(f"{corpus} documents")
         ax.legend(fontsize=7)
-    fig.suptitle("Time to first token: cache hits vs misses per KV backend (client-side, query round)")
+    fig.suptitle("Time to first token per KV backend: warm-up, query-round misses and hits (client-side)")
     fig.tight_layout()
     save(fig, path)
 
@@ -51,7 +51,8 @@ def wire_figure(offload: pd.DataFrame, path: str | os.PathLike) -> None:
     for i, corpus in enumerate(corpora):
         rows = sel[sel.corpus == corpus].set_index("codec").reindex(codecs)
         x = np.arange(len(codecs)) + (i - (len(corpora) - 1) / 2) * width
-        ax.bar(x, rows.ratio, width=width, color=CORPUS_COLORS.get(corpus), label=f"{corpus}: measured on the wire")
+        bars = ax.bar(x, rows.ratio, width=width, color=CORPUS_COLORS.get(corpus), label=f"{corpus}: measured on the wire")
+        ax.bar_label(bars, labels=[f"{r:.3g}" for r in rows.ratio], fontsize=6)
         if "predicted_ratio" in rows:
             ax.scatter(x, rows.predicted_ratio, marker="D", color="black", s=22, zorder=3,
                        label="kv stage prediction" if i == 0 else None)

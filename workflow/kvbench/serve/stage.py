@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -23,7 +24,6 @@ from kvbench.serve.events import read_events
 from kvbench.serve.metrics import delta, scrape
 from kvbench.serve.protocol import Planned, parse_ratio, query_round, warmup_round
 from kvbench.serve.valkey_server import valkey_server
-from kvbench.servers import stop_process_group
 from kvbench.vllm_server import vllm_server
 
 NO_CODEC = "-"
@@ -220,13 +220,16 @@ def _main_rounds(rounds: Rounds, backends: list[str], s: ServeSettings, prompts:
             rounds.run("valkey", codec, corpus, plans[corpus][1], rounds.params("valkey", codec, [codec]))
     if s.fault_round:
         corpus, codec = s.corpora[0], s.codecs[0]
-        fault = [Planned("fault", p.index, p.doc_id, p.prompt, p.miss) for p in plans[corpus][1]]
+        # another seed: the query round of this codec already stored its misses' prompts
+        chosen = dict(list(prompts[corpus].items())[: s.docs_per_corpus])
+        fault = query_round(chosen, s.repeat_count, s.repeat_mode, s.hit_miss_ratio, seed + 1, name="fault")
 
         def kill() -> None:
             if isinstance(valkey, str):
                 raise ValueError("serve.fault_round kills Valkey: it needs the stage's own server (serve.valkey.url: null)")
-            note("fault: killing valkey in the middle of the round")
-            stop_process_group(valkey, grace_s=0)
+            note("fault: killing valkey (SIGKILL) in the middle of the round")
+            os.killpg(valkey.pid, signal.SIGKILL)
+            valkey.wait(timeout=30)
 
         rounds.run("valkey", codec, corpus, fault, rounds.params("valkey", codec, [codec]), between=kill)
 

@@ -146,7 +146,7 @@ def summary_text(offload: pd.DataFrame, metrics: pd.DataFrame) -> str:
     """Plain-text digest for the job log."""
     lines = ["serve: backend x codec x corpus (mean TTFT in s; ratio = raw / wire bytes)"]
     for row in offload.itertuples():
-        if row.status != "ok" and not isinstance(getattr(row, "requests", None), (int, float)):
+        if str(row.status).startswith("unsupported"):
             lines.append(f"  {row.backend:<9} {row.codec:<17} {row.corpus:<9} {row.status}")
             continue
         ratio = getattr(row, "ratio", float("nan"))

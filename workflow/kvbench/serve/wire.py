@@ -10,6 +10,7 @@ values per token over groups of G channels; TurboQuant: one rotated vector per t
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
@@ -49,13 +50,21 @@ class WireFormat(Protocol):
     name: str
     lossless: bool
 
-    def encode(self, chunk: torch.Tensor) -> bytes: ...
+    def encode(self, chunk: torch.Tensor) -> bytes | memoryview: ...
 
     def decode(self, data: bytes) -> torch.Tensor: ...
 
 
-def raw_bytes(chunk: torch.Tensor) -> bytes:
-    return chunk.contiguous().view(torch.uint8).numpy().tobytes()
+def raw_bytes(chunk: torch.Tensor) -> memoryview:
+    """The chunk's bytes without a copy (the store client and the codecs read buffers)."""
+    return chunk.contiguous().view(torch.uint8).reshape(-1).numpy().data
+
+
+def read_only(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over `data` without a copy; only ever read (copied into the paged cache)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=dtype)
 
 
 class Lossless:
@@ -67,12 +76,11 @@ class Lossless:
         self.name, self.spec = name, spec
         self.codec = get_codec(name, spec.dtype.itemsize)
 
-    def encode(self, chunk: torch.Tensor) -> bytes:
+    def encode(self, chunk: torch.Tensor) -> bytes | memoryview:
         return self.codec.encode(raw_bytes(chunk))
 
     def decode(self, data: bytes) -> torch.Tensor:
-        flat = torch.frombuffer(bytearray(self.codec.decode(data)), dtype=torch.uint8)
-        return flat.view(self.spec.dtype).reshape(self.spec.shape)
+        return read_only(self.codec.decode(data), torch.uint8).view(self.spec.dtype).reshape(self.spec.shape)
 
 
 class KiviWire:
@@ -152,11 +160,11 @@ class Fp8Wire:
     def __init__(self, name: str, spec: ChunkSpec) -> None:
         self.name, self.spec = name, spec
 
-    def encode(self, chunk: torch.Tensor) -> bytes:
-        return to_fp8_bytes(chunk.float()).contiguous().numpy().tobytes()
+    def encode(self, chunk: torch.Tensor) -> memoryview:
+        return raw_bytes(to_fp8_bytes(chunk.float()))
 
     def decode(self, data: bytes) -> torch.Tensor:
-        codes = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        codes = read_only(data, torch.uint8).view(torch.float8_e4m3fn)
         return codes.to(self.spec.dtype).reshape(self.spec.shape)
 
 
