@@ -1,5 +1,6 @@
-"""An async, streaming OpenAI-compatible client: per request start, TTFT (first non-empty text
-delta), end, output, prompt and cached tokens (`usage.prompt_tokens_details`), at most K in flight."""
+"""An async, streaming OpenAI-compatible chat client (long_doc_qa's default mode): per request
+start, TTFT (first non-empty content delta), end, output, prompt and cached tokens
+(`usage.prompt_tokens_details`), at most K requests in flight."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import aiohttp
 from kvbench.vllm_server import SERVED_NAME
 
 
-def completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    """Greedy, exactly `max_tokens` output tokens (EOS ignored), usage in the last chunk."""
-    return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+def chat_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """The prompt as the user's message; greedy, exactly `max_tokens` output tokens (EOS ignored),
+    usage in the last chunk."""
+    return {"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             **{k: v for k, v in extra.items() if v is not None}}
 
@@ -37,7 +40,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], g
                         chunk = json.loads(line[5:])
                         usage = chunk.get("usage") or usage
                         for choice in chunk.get("choices") or []:
-                            text = choice.get("text") or ""
+                            text = (choice.get("delta") or {}).get("content") or ""
                             if text and row["ttft_s"] is None:
                                 row["ttft_s"] = time.perf_counter() - start
                             texts.append(text)
@@ -56,7 +59,7 @@ async def _all(base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: in
     gate = asyncio.Semaphore(max_inflight)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        url = f"{base_url}/v1/completions"
+        url = f"{base_url}/v1/chat/completions"
         return list(await asyncio.gather(*(_one(session, url, body, gate) for body in bodies)))
 
 

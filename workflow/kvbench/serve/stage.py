@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Mapping
 import pandas as pd
 
 from kvbench.serve import backends as bk
-from kvbench.serve.client import completion_body, send_all
+from kvbench.serve.client import chat_body, send_all
 from kvbench.serve.connector import transfer_config
 from kvbench.serve.events import read_events
 from kvbench.serve.metrics import delta, scrape
@@ -71,7 +71,7 @@ class Rounds:
             params: Callable[[Planned, str, str], dict[str, Any]], between: Callable[[], None] | None = None) -> None:
         """One round; `between` runs after the first half of the requests (fault injection)."""
         tags = [f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.{p.index}" for p in planned]
-        bodies = [completion_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
+        bodies = [chat_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
         before = scrape(self.base_url)
         start = time.monotonic()
         if between is None:
@@ -120,7 +120,7 @@ def warm_server(base_url: str, max_tokens: int, connector: bool) -> None:
     extra: dict[str, Any] = {"cache_salt": f"warm-{uuid.uuid4().hex}"}
     if connector:
         extra["kv_transfer_params"] = {"load": None, "store": []}
-    send_all(base_url, [completion_body("Warm-up.", max_tokens, **extra)], 1)
+    send_all(base_url, [chat_body("Warm-up.", max_tokens, **extra)], 1)
 
 
 def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
