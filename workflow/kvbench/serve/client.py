@@ -16,9 +16,10 @@ from kvbench.vllm_server import SERVED_NAME
 
 def chat_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     """The prompt as the user's message; greedy, exactly `max_tokens` output tokens (EOS ignored),
-    usage in the last chunk."""
+    usage in the last chunk. Special tokens stay in the text, so that a first token such as an
+    end-of-turn (what the instruct model answers to a "hi hi hi" document) is a non-empty delta."""
     return {"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0,
+            "temperature": 0.0, "skip_special_tokens": False,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             **{k: v for k, v in extra.items() if v is not None}}
 
