@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Mapping
 
 
 BACKENDS = ("recompute", "prefix", "valkey", "example", "fp8", "lmcache")
@@ -45,6 +45,20 @@ def server_args(server: str, block_size: int, transfer: dict[str, Any] | None = 
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer)]
     return args
+
+
+def valkey_transfer(url: str, run: str, model: str, codecs: Mapping[str, Any], default_codec: str,
+                    events_dir: str, seed: int) -> dict[str, Any]:
+    """The --kv-transfer-config of a server with this connector; `codecs` maps each wire format
+    name to its method entry (None for a kv-stage codec)."""
+    return {
+        "kv_connector": "ValkeyConnector", "kv_connector_module_path": "kvbench.serve.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "url": url, "run": run, "model": model, "codecs": dict(codecs), "default_codec": default_codec,
+            "events_dir": events_dir, "seed": seed,
+        },
+    }
 
 
 def example_transfer(storage: str) -> dict[str, Any]:

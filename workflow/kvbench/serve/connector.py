@@ -4,7 +4,7 @@ Loaded by vLLM with
   --kv-transfer-config '{"kv_connector": "ValkeyConnector",
                          "kv_connector_module_path": "kvbench.serve.connector",
                          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                         "kv_connector_extra_config": {...}}'   (see `transfer_config`)
+                         "kv_connector_extra_config": {...}}'   (see backends.valkey_transfer)
 
 The scheduler half (engine-core process) looks up the leading run of stored chunks of a prompt;
 the worker half loads them into the paged cache before the forward pass and stores the chunks a
@@ -44,20 +44,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-def transfer_config(url: str, run: str, model: str, codecs: Mapping[str, Any], default_codec: str,
-                    events_dir: str, seed: int) -> dict[str, Any]:
-    """The --kv-transfer-config of a server with this connector; `codecs` maps each wire format
-    name to its method entry (None for a kv-stage codec)."""
-    return {
-        "kv_connector": "ValkeyConnector", "kv_connector_module_path": "kvbench.serve.connector",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "url": url, "run": run, "model": model, "codecs": dict(codecs), "default_codec": default_codec,
-            "events_dir": events_dir, "seed": seed,
-        },
-    }
-
 
 @dataclass
 class Transfer:

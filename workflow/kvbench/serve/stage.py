@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import pandas as pd
 
 from kvbench.serve import backends as bk
 from kvbench.serve.client import chat_body, send_all
-from kvbench.serve.connector import transfer_config
+from kvbench.serve.documents import serve_prompts
 from kvbench.serve.events import read_events
 from kvbench.serve.metrics import delta, scrape
 from kvbench.serve.protocol import Planned, parse_ratio, query_round, warmup_round
@@ -143,10 +144,13 @@ def chunk_bytes(model_dir: str | Path, block_size: int, dtype_bytes: int) -> int
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
 
 
-def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str, str]], methods: Mapping[str, Any],
-               vllm: Mapping[str, Any], model_dir: str, seed: int, workdir: Path, logs: Mapping[str, str]
-               ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """All rows of one server job; a backend this machine cannot serve gets rows with its reason."""
+Tables = tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]
+
+
+def serve_job(server: str, settings: ServeSettings, docs: Mapping[str, pd.DataFrame], methods: Mapping[str, Any],
+              vllm: Mapping[str, Any], model_dir: str, seed: int, logs: Mapping[str, str]) -> Tables:
+    """All rows of one server job: requests, metric deltas per round, connector transfers. A
+    backend this machine cannot serve gets one row per corpus with its reason, and nothing starts."""
     run_id = uuid.uuid4().hex[:10]
     backends = [b for b in settings.backends if bk.SERVER_OF[b] == server]
     reason = bk.unsupported(server, vllm["device"])
@@ -155,6 +159,20 @@ def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str
         rows = [{"run_id": run_id, "server": server, "backend": b, "codec": NO_CODEC, "corpus": c, "round": None,
                  "error": reason} for b in backends for c in settings.corpora]
         return pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame()
+    from kvbench.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    n = max(settings.docs_per_corpus, settings.reference_docs_per_corpus)
+    prompts = serve_prompts(dict(docs), n, settings.doc_tokens, settings.question,
+                            lambda text: tokenizer(text, add_special_tokens=False).input_ids, tokenizer.decode)
+    with tempfile.TemporaryDirectory(prefix="kvbench-serve-") as work:
+        return run_server(server, settings, prompts, methods, vllm, model_dir, seed, Path(work), logs, run_id)
+
+
+def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str, str]], methods: Mapping[str, Any],
+               vllm: Mapping[str, Any], model_dir: str, seed: int, workdir: Path, logs: Mapping[str, str],
+               run_id: str) -> Tables:
+    backends = [b for b in settings.backends if bk.SERVER_OF[b] == server]
     events = workdir / "events"
     with _servers(server, settings, methods, vllm, model_dir, seed, workdir, logs, run_id, events) as (base, valkey):
         connector = server == "main" and valkey is not None
@@ -186,7 +204,7 @@ def _servers(server: str, settings: ServeSettings, methods: Mapping[str, Any], v
                 valkey = url  # the user's own store: never stopped or killed by us
             if server == "main":
                 codecs = {c: methods.get(c) for c in settings.codecs}
-                transfer = transfer_config(url, run_id, settings.model, codecs, settings.codecs[0], str(events), seed)
+                transfer = bk.valkey_transfer(url, run_id, settings.model, codecs, settings.codecs[0], str(events), seed)
             else:
                 transfer, env = bk.lmcache_transfer(), env | bk.lmcache_env(url, vllm["cpu_kvcache_space_gb"])
         if server == "example":
