@@ -6,10 +6,11 @@ import torch
 from kvbench.kv.codecs import codec_names
 from kvbench.methods.fp8 import to_fp8_bytes
 from kvbench.methods.kivi import QuantizedBlock
-from kvbench.methods.turboquant import MseQuantizer, TurboBlock, layer_constants, lloyd_max
+from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.turboquant import TurboBlock, lloyd_max
 from kvbench.serve import layout
 from kvbench.serve.names import check_codec
-from kvbench.serve.wire import ChunkSpec, wire_format
+from kvbench.serve.wire import ChunkSpec, load_blocks, save_blocks, wire_format
 
 ops = pytest.importorskip("vllm._custom_ops")
 
@@ -75,17 +76,27 @@ def test_kivi_wire_is_kivis_quantizer_on_key_and_value_rows(bits):
 @pytest.mark.parametrize("bits", [3, 4])
 def test_turboquant_wire_is_the_methods_blocks_with_their_error(bits):
     chunk, keys, values = kernel_chunk()
-    wire = wire_format(f"turboquant{bits}", SPEC, METHODS[f"turboquant{bits}"], seed=5)
+    spec = METHODS[f"turboquant{bits}"]
+    wire = wire_format(f"turboquant{bits}", SPEC, spec, seed=5)
     k, v = layout.split(wire.decode(wire.encode(chunk)))
-    rotations, sketches = layer_constants(LAYERS, HEAD, 5)
-    for layer in range(LAYERS):
-        key_mse, value_mse = MseQuantizer(rotations[layer], bits - 1), MseQuantizer(rotations[layer], bits)
-        expect_k = TurboBlock(keys[layer], key_mse, sketches[layer]).decode(key_mse, sketches[layer])
-        expect_v = TurboBlock(values[layer], value_mse, None).decode(value_mse, None)
-        assert torch.allclose(k[layer], expect_k, atol=1e-5) and torch.allclose(v[layer], expect_v, atol=1e-5)
+    # exactly the blocks of the method's own cache for this seed (its quantizers and sketches)
+    layers = build_cache(spec, ModelShape(LAYERS, HEADS, HEADS, HEAD), 5).layers
+    for i, layer in enumerate(layers):
+        expect_k = TurboBlock(keys[i], layer.key_mse, layer.sketch).decode(layer.key_mse, layer.sketch)
+        expect_v = TurboBlock(values[i], layer.value_mse, None).decode(layer.value_mse, None)
+        assert torch.equal(k[i], expect_k) and torch.equal(v[i], expect_v)
     # values: relative MSE near the Lloyd-Max distortion of N(0,1) at b bits
     rel = ((v - values) ** 2).sum(-1) / (values**2).sum(-1)
     assert rel.mean() == pytest.approx(lloyd_max(bits)[1], rel=0.25)
+
+
+def test_blocks_travel_as_tensors_and_json_not_code():
+    chunk, keys, _ = kernel_chunk()
+    block = QuantizedBlock(keys.float(), 2, 32, True)
+    data = save_blocks({"k": [block]})
+    back = load_blocks(data, {"k": QuantizedBlock})["k"][0]
+    assert torch.equal(back.dequantize(), block.dequantize()) and back.shape == block.shape
+    assert b"pickle" not in data and len(data) < block.nbytes() + 1024
 
 
 def test_fp8_wire_is_the_methods_cast():

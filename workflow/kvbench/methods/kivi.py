@@ -38,15 +38,6 @@ class QuantizedBlock:
         codes, self.scale, self.zero = quantize(x.reshape(self.grouped), bits, dim=-2 if per_channel else -1)
         self.packed = pack_planes(codes.reshape(x.shape), bits)
 
-    @classmethod
-    def from_parts(cls, shape: torch.Size, bits: int, group: int, per_channel: bool, packed: torch.Tensor,
-                   scale: torch.Tensor, zero: torch.Tensor) -> "QuantizedBlock":
-        """The block whose `packed`, `scale` and `zero` were stored elsewhere (a KV store's wire)."""
-        block = cls.__new__(cls)
-        block.shape, block.bits, block.group, block.per_channel = torch.Size(shape), bits, group, per_channel
-        block.packed, block.scale, block.zero = packed, scale, zero
-        return block
-
     @property
     def grouped(self) -> tuple[int, ...]:
         """Per channel: statistics over each group of G tokens; per token: over G channels."""

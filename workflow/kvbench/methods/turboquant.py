@@ -101,15 +101,6 @@ class TurboBlock:
         self.packed = pack(codes, bits)
         self.signs = pack(signs, 1) if signs is not None else None
 
-    @classmethod
-    def from_parts(cls, shape: torch.Size, bits: int, packed: torch.Tensor, norms: torch.Tensor,
-                   signs: torch.Tensor | None, residual_norms: torch.Tensor | None) -> "TurboBlock":
-        """The block whose packed codes, norms and QJL parts were stored elsewhere (a KV store's wire)."""
-        block = cls.__new__(cls)
-        block.shape, block.bits, block.packed, block.norms = torch.Size(shape), bits, packed, norms
-        block.signs, block.residual_norms = signs, residual_norms
-        return block
-
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         codes = unpack(self.packed, self.bits, self.shape.numel()).reshape(self.shape)
         signs = unpack(self.signs, 1, self.shape.numel()).reshape(self.shape) if self.signs is not None else None
@@ -176,20 +167,14 @@ def random_rotation(d: int, generator: torch.Generator) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))  # Haar-distributed
 
 
-def layer_constants(layers: int, head_dim: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer rotations R and QJL sketches S, drawn from `seed` (equal seeds, equal constants)."""
-    gen = torch.Generator().manual_seed(seed)
-    rotations = [random_rotation(head_dim, gen) for _ in range(layers)]
-    sketches = [torch.randn(head_dim, head_dim, generator=gen) for _ in range(layers)]
-    return rotations, sketches
-
-
 @register("turboquant")
 def turboquant(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
     bits = int(settings["bits"])
     if bits < 2:
         raise ValueError("turboquant: bits must be >= 2 (b-1 MSE bits + 1 QJL bit for keys)")
-    rotations, sketches = layer_constants(shape.layers, shape.head_dim, seed)
+    gen = torch.Generator().manual_seed(seed)
+    rotations = [random_rotation(shape.head_dim, gen) for _ in range(shape.layers)]
+    sketches = [torch.randn(shape.head_dim, shape.head_dim, generator=gen) for _ in range(shape.layers)]
     layers = [TurboLayer(r, s, bits) for r, s in zip(rotations, sketches)]
     # Rotations and sketches are per-layer constants: stored once at fp16.
     shared = [t.to(torch.float16) for t in rotations + sketches]

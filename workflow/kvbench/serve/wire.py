@@ -10,6 +10,7 @@ values per token over groups of G channels; TurboQuant: one rotated vector per t
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
@@ -20,8 +21,9 @@ from safetensors.torch import save as save_tensors
 
 from kvbench.kv.codecs import get_codec
 from kvbench.methods.fp8 import to_fp8_bytes
+from kvbench.methods.base import ModelShape, build_cache
 from kvbench.methods.kivi import QuantizedBlock
-from kvbench.methods.turboquant import MseQuantizer, TurboBlock, layer_constants
+from kvbench.methods.turboquant import TurboBlock
 from kvbench.serve import layout
 from kvbench.serve.names import LOSSY_KINDS, is_lossless
 
@@ -83,10 +85,48 @@ class Lossless:
         return read_only(self.codec.decode(data), torch.uint8).view(self.spec.dtype).reshape(self.spec.shape)
 
 
+def save_blocks(groups: Mapping[str, list[Any]]) -> bytes:
+    """Blocks of a method's own classes as one safetensors object: per group, every tensor
+    attribute stacked over the group's blocks (e.g. one block per layer); the other attributes
+    (shape, bits, absent parts) once, as JSON metadata. No code travels, unlike a pickle."""
+    tensors: dict[str, torch.Tensor] = {}
+    attrs: dict[str, dict[str, Any]] = {}
+    for group, blocks in groups.items():
+        attrs[group] = {}
+        for name, value in vars(blocks[0]).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{group}.{name}"] = torch.stack([vars(b)[name] for b in blocks]).contiguous()
+            else:
+                attrs[group][name] = list(value) if isinstance(value, torch.Size) else value
+    return save_tensors(tensors, metadata={"attrs": json.dumps(attrs)})
+
+
+def load_blocks(data: bytes, classes: Mapping[str, type]) -> dict[str, list[Any]]:
+    """Inverse of `save_blocks`: the blocks of each group, rebuilt without calling the encoder."""
+    header = json.loads(bytes(data[8 : 8 + int.from_bytes(data[:8], "little")]))
+    attrs = json.loads(header["__metadata__"]["attrs"])
+    tensors = load_tensors(bytes(data))
+    out = {}
+    for group, cls in classes.items():
+        stacked = {key.split(".", 1)[1]: t for key, t in tensors.items() if key.split(".", 1)[0] == group}
+        count = len(next(iter(stacked.values())))
+        blocks = []
+        for i in range(count):
+            block = cls.__new__(cls)
+            for name, value in attrs[group].items():
+                setattr(block, name, torch.Size(value) if name == "shape" else value)
+            for name, tensor in stacked.items():
+                setattr(block, name, tensor[i])
+            blocks.append(block)
+        out[group] = blocks
+    return out
+
+
 class KiviWire:
-    """KIVI's quantizer (methods/kivi.py QuantizedBlock) on whole chunks. The residual window of
-    full-precision recent tokens is not on the wire: the tokens after the last whole chunk are
-    recomputed at full precision on every load."""
+    """KIVI's quantizer (methods/kivi.py QuantizedBlock) on whole chunks, all layers in one block:
+    keys per channel over groups of `group_size` tokens, values per token over groups of channels.
+    The residual window of full-precision recent tokens is not on the wire: the tokens after the
+    last whole chunk are recomputed at full precision on every load."""
 
     lossless = False
 
@@ -97,58 +137,37 @@ class KiviWire:
 
     def encode(self, chunk: torch.Tensor) -> bytes:
         keys, values = layout.split(chunk.float())
-        parts = {}
-        for part, x, per_channel in (("k", keys, True), ("v", values, False)):
-            block = QuantizedBlock(x, self.bits, self.group, per_channel)
-            parts |= {f"{part}.packed": block.packed, f"{part}.scale": block.scale, f"{part}.zero": block.zero}
-        return save_tensors({k: v.contiguous() for k, v in parts.items()})
+        return save_blocks({"k": [QuantizedBlock(keys, self.bits, self.group, True)],
+                            "v": [QuantizedBlock(values, self.bits, self.group, False)]})
 
     def decode(self, data: bytes) -> torch.Tensor:
-        t = load_tensors(data)
-        keys, values = (
-            QuantizedBlock.from_parts(self.spec.token_rows, self.bits, self.group, per_channel,
-                                      t[f"{part}.packed"], t[f"{part}.scale"], t[f"{part}.zero"]).dequantize()
-            for part, per_channel in (("k", True), ("v", False))
-        )
-        return layout.join(keys, values).to(self.spec.dtype)
+        blocks = load_blocks(data, {"k": QuantizedBlock, "v": QuantizedBlock})
+        return layout.join(blocks["k"][0].dequantize(), blocks["v"][0].dequantize()).to(self.spec.dtype)
 
 
 class TurboWire:
-    """TurboQuant (methods/turboquant.py TurboBlock): keys b-1 MSE bits + 1-bit QJL, values b bits,
-    with the per-layer rotations and sketches the method draws from the run's seed (not on the wire)."""
+    """TurboQuant (methods/turboquant.py TurboBlock), one block per layer, with the quantizers and
+    sketches of the method's own cache for this seed (the system stage's constants; not on the
+    wire): keys b-1 MSE bits + 1-bit QJL (variant prod), values b bits."""
 
     lossless = False
 
-    def __init__(self, name: str, spec: ChunkSpec, bits: int, seed: int) -> None:
-        if bits < 2:
-            raise ValueError(f"{name}: bits must be >= 2")
-        self.name, self.spec, self.bits = name, spec, bits
-        rotations, self.sketches = layer_constants(spec.layers, spec.head_size, seed)
-        self.key_mse = [MseQuantizer(r, bits - 1) for r in rotations]
-        self.value_mse = [MseQuantizer(r, bits) for r in rotations]
+    def __init__(self, name: str, spec: ChunkSpec, method: Mapping[str, Any], seed: int) -> None:
+        shape = ModelShape(layers=spec.layers, kv_heads=spec.kv_heads, q_heads=spec.kv_heads, head_dim=spec.head_size)
+        self.name, self.spec = name, spec
+        self.layers = build_cache(dict(method), shape, seed).layers
 
     def encode(self, chunk: torch.Tensor) -> bytes:
         keys, values = layout.split(chunk.float())
-        k = [TurboBlock(keys[i], self.key_mse[i], self.sketches[i]) for i in range(self.spec.layers)]
-        v = [TurboBlock(values[i], self.value_mse[i], None) for i in range(self.spec.layers)]
-        stack = lambda blocks, field: torch.stack([getattr(b, field) for b in blocks]).contiguous()  # noqa: E731
-        return save_tensors({
-            "k.packed": stack(k, "packed"), "k.norms": stack(k, "norms"), "k.signs": stack(k, "signs"),
-            "k.residual_norms": stack(k, "residual_norms"), "v.packed": stack(v, "packed"), "v.norms": stack(v, "norms"),
+        return save_blocks({
+            "k": [TurboBlock(keys[i], layer.key_mse, layer.sketch) for i, layer in enumerate(self.layers)],
+            "v": [TurboBlock(values[i], layer.value_mse, None) for i, layer in enumerate(self.layers)],
         })
 
     def decode(self, data: bytes) -> torch.Tensor:
-        t = load_tensors(data)
-        rows = self.spec.token_rows[1:]
-        keys = torch.stack([
-            TurboBlock.from_parts(rows, self.bits - 1, t["k.packed"][i], t["k.norms"][i], t["k.signs"][i],
-                                  t["k.residual_norms"][i]).decode(self.key_mse[i], self.sketches[i])
-            for i in range(self.spec.layers)
-        ])
-        values = torch.stack([
-            TurboBlock.from_parts(rows, self.bits, t["v.packed"][i], t["v.norms"][i], None, None).decode(self.value_mse[i], None)
-            for i in range(self.spec.layers)
-        ])
+        blocks = load_blocks(data, {"k": TurboBlock, "v": TurboBlock})
+        keys = torch.stack([b.decode(layer.key_mse, layer.sketch) for b, layer in zip(blocks["k"], self.layers)])
+        values = torch.stack([b.decode(layer.value_mse, None) for b, layer in zip(blocks["v"], self.layers)])
         return layout.join(keys, values).to(self.spec.dtype)
 
 
@@ -180,5 +199,5 @@ def wire_format(name: str, spec: ChunkSpec, method: Mapping[str, Any] | None = N
     if kind == "kivi":
         return KiviWire(name, spec, int(method["bits"]), int(method.get("group_size", 32)))
     if kind == "turboquant":
-        return TurboWire(name, spec, int(method["bits"]), seed)
+        return TurboWire(name, spec, method, seed)
     return Fp8Wire(name, spec)
