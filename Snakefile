@@ -12,6 +12,7 @@ include: "workflow/rules/models.smk"
 include: "workflow/rules/corpus.smk"
 include: "workflow/rules/kv.smk"
 include: "workflow/rules/system.smk"
+include: "workflow/rules/serve.smk"
 
 
 # Light jobs run on the submit host under a cluster executor (no queue wait, no allocation).
@@ -22,6 +23,7 @@ localrules:
     corpus_stats,
     kv_summary,
     system_summary,
+    serve_summary,
 
 
 rule all:

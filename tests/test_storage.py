@@ -5,15 +5,15 @@ import torch
 from kvbench.kv.storage import FP8_E4M3_MAX, store
 
 
-@pytest.mark.parametrize("dtype, torch_dtype, size", [("fp16", torch.float16, 2), ("bf16", torch.bfloat16, 2),
-                                                      ("fp8_e4m3", torch.float8_e4m3fn, 1)])
+@pytest.mark.parametrize("dtype, torch_dtype, size", [("fp32", torch.float32, 4), ("fp16", torch.float16, 2),
+                                                      ("bf16", torch.bfloat16, 2), ("fp8_e4m3", torch.float8_e4m3fn, 1)])
 def test_stored_bytes_are_the_cast_tensor(dtype, torch_dtype, size):
     x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(0))
     stored = store(x, dtype)
     assert stored.itemsize == size and len(stored.data) == x.numel() * size
     back = torch.frombuffer(bytearray(stored.data), dtype=torch_dtype).reshape(x.shape)
     assert torch.equal(back, x.to(torch_dtype))
-    view = np.frombuffer(stored.data, dtype=np.uint8 if size == 1 else np.uint16)
+    view = np.frombuffer(stored.data, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[size])
     assert stored.unique_values == np.unique(view).size
     assert stored.mean_abs == pytest.approx(float(x.to(torch_dtype).float().abs().mean()))
 

@@ -27,7 +27,8 @@ def default_config() -> dict[str, Any]:
 
 def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
     """The whole DAG in minutes: the real model (a local folder), 6 realistic documents of 160
-    tokens, an imported folder (a note and a LongBench line), every method on 2 short prompts."""
+    tokens, an imported folder (a note and a LongBench line), every method on 2 short prompts,
+    the serve stage on one vLLM server and one Valkey."""
     imported = workdir / "my-docs"
     imported.mkdir(exist_ok=True)
     (imported / "note.txt").write_text("A short imported note about a patient with asthma.")
@@ -43,6 +44,11 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
                         context_tokens=160, chunk_tokens=64)
     config["system"].update(models=["smol"], prompts_per_corpus={"realistic": 1, "synthetic": 1},
                             context_tokens=[160], max_new_tokens=4, repeats=2)
+    # One vLLM server (recompute, prefix and valkey told apart per request) and one Valkey; lmcache
+    # records its CPU "unsupported" row without a server; the fault round kills Valkey half-way.
+    config["serve"].update(model="smol", backends=["recompute", "prefix", "valkey", "lmcache"],
+                           codecs=["none", "zstd-3+byteplane", "kivi2"], docs_per_corpus=1, doc_tokens=288,
+                           block_size=128, repeat_count=2, hit_miss_ratio="1:1", max_tokens=4, fault_round=True)
     return config
 
 

@@ -16,6 +16,8 @@ import jsonschema
 import yaml
 
 from kvbench.methods.kinds import spec_problems
+from kvbench.serve.names import check_codec
+from kvbench.serve.protocol import parse_ratio
 from kvbench.sources import ModelSourceError, check_model_dir, package_file
 
 
@@ -105,7 +107,7 @@ def _reference_problems(config: Mapping[str, Any]) -> list[str]:
     models = sorted(config["models"])
     found = []
     refs = [("corpus.generator", config["corpus"]["generator"]), ("corpus.tokenizer", config["corpus"].get("tokenizer")),
-            ("kv.model", config["kv"]["model"])]
+            ("kv.model", config["kv"]["model"]), ("serve.model", config["serve"]["model"])]
     refs += [("system.models", name) for name in system_models(config)]
     for key, name in refs:
         if name is not None and name not in config["models"]:
@@ -207,6 +209,26 @@ def _file_problems(config: Mapping[str, Any]) -> list[str]:
         found.append(f"corpus.imported.path: folder {folder!r} does not exist")
     return found
 
+def _serve_problems(config: Mapping[str, Any]) -> list[str]:
+    serve, found = config["serve"], []
+    if "imported" in serve["corpora"] and not config["corpus"]["imported"]["path"]:
+        found.append("serve.corpora: 'imported' needs corpus.imported.path to be set")
+    if "valkey" in serve["backends"] and config["vllm"].get("device") == "cuda":
+        found.append("serve.backends: 'valkey' (our connector) reads vLLM's CPU cache layout; "
+                     "on GPU the offload backend is 'lmcache'")
+    for name in serve["codecs"]:
+        try:
+            check_codec(name, config["methods"])
+        except ValueError as err:
+            found.append(f"serve.codecs: {err}")
+    try:
+        parse_ratio(serve["hit_miss_ratio"])
+    except ValueError as err:
+        found.append(f"serve.hit_miss_ratio: {err}")
+    if serve["fault_round"] and serve["valkey"].get("url"):
+        found.append("serve.fault_round: it kills Valkey, so it needs the stage's own (serve.valkey.url: null)")
+    return found
+
 
 def config_problems(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     """Every problem of `config` (schema first; the other checks need its types and defaults)."""
@@ -215,6 +237,7 @@ def config_problems(config: dict[str, Any], schema_path: str | Path) -> list[str
         return found
     references = _reference_problems(config)
     found = references + _file_problems(config) + _method_problems(config) + _subset_problems(config)
+    found += _serve_problems(config)
     return found if references else found + _length_problems(config)
 
 

@@ -58,6 +58,11 @@ class VLLMClient:
         self.idle_timeout_s = idle_timeout_s
         self.server, self.log_path = server, log_path
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process group leader, when this client started it."""
+        return self.server.pid if self.server else None
+
     def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
         body = {"model": SERVED_NAME, "messages": messages, **params, "stream": True,
                 "stream_options": {"include_usage": True}}
@@ -109,12 +114,14 @@ def _assemble(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 @contextmanager
 def vllm_server(
-    model_dir: str | Path, settings: Mapping[str, Any], seed: int, log_path: str | Path
+    model_dir: str | Path, settings: Mapping[str, Any], seed: int, log_path: str | Path,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[VLLMClient]:
+    """`env` adds to the server's environment (e.g. PYTHONPATH for a connector module)."""
     port = int(settings["port"]) or free_port()
     base = f"http://{HOST}:{port}"
     with managed_server(
         "vllm", vllm_command(model_dir, port, settings, seed), port, http_ok(f"{base}/health"),
-        log_path, env=vllm_env(settings), timeout_s=float(settings["startup_timeout_s"]),
+        log_path, env=vllm_env(settings) | dict(env or {}), timeout_s=float(settings["startup_timeout_s"]),
     ) as proc:
         yield VLLMClient(base, float(settings["idle_timeout_s"]), proc, log_path)

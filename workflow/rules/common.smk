@@ -13,6 +13,7 @@ if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != LIBRARY:
 from kvbench.codehash import code_hash
 from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
+from kvbench.serve.backends import servers as serve_servers
 
 # Schema (types, ranges, defaults), method settings per kind, lengths against each model's context
 # and the documents, subsets, references, files: one line per problem, naming the key.
@@ -25,6 +26,7 @@ SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # --cores locally, and the SLURM profile sets them per rule. A global core count (workflow.cores)
 # would break `--unlock` and the SLURM executor, which do not give one.
 MACHINE_THREADS = os.cpu_count() or 1
+SERVE_SERVERS = serve_servers(config["serve"]["backends"])
 CORPORA = ["synthetic", "realistic"] + (["imported"] if config["corpus"]["imported"]["path"] else [])
 
 
@@ -33,6 +35,7 @@ wildcard_constraints:
     corpus="|".join(CORPORA),
     weights="real|random|dummy",
     method="|".join(map(re.escape, SYSTEM_METHODS)),
+    server="|".join(map(re.escape, SERVE_SERVERS)),
 
 
 def model_dir(name):
@@ -62,6 +65,10 @@ def system_parts():
     return expand("results/system/{model}/{method}.parquet", model=SYSTEM_MODELS, method=SYSTEM_METHODS)
 
 
+def serve_parts(table):
+    return expand(f"results/serve/servers/{{server}}/{table}.parquet", server=SERVE_SERVERS)
+
+
 def all_targets():
     return [
         *corpus_docs(),
@@ -74,6 +81,10 @@ def all_targets():
         "results/kv/ratio_by_corpus_weights.png",
         "results/system/metrics.parquet",
         "results/system/methods.png",
+        "results/serve/requests.parquet",
+        "results/serve/offload.parquet",
+        "results/serve/ttft_hit_miss.png",
+        "results/serve/wire_bytes.png",
     ]
 
 

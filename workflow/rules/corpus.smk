@@ -76,6 +76,7 @@ rule corpus_stats:
             category="Corpus",
         ),
     params:
+        tokenizer_model=tokenizer_model(config),
         code=library_code("corpus_stats.py"),
     log:
         "logs/corpus/stats.log",

@@ -1,6 +1,5 @@
 import pandas as pd
 
-from kvbench.config import tokenizer_model
 from kvbench.corpus.build import build_stats
 from kvbench.jobs import job_log
 from kvbench.models import load_tokenizer
@@ -14,7 +13,7 @@ with job_log(snakemake.log[0], snakemake.config):
         lambda text: tokenizer(text, add_special_tokens=False).input_ids,
     )
     print(summary.drop(columns="reference_note").to_string(index=False))
-    prov = provenance(snakemake.config, model=tokenizer_model(snakemake.config))
+    prov = provenance(snakemake.config, model=snakemake.params.tokenizer_model)
     write_table(per_doc, snakemake.output.stats, prov)
     write_table(summary, snakemake.output.summary, prov)
     diversity_figure(per_doc, summary, snakemake.output.figure)

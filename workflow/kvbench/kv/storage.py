@@ -14,7 +14,7 @@ FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 class Stored:
     data: bytes
     itemsize: int
-    unique_values: int  # distinct bit patterns (16-bit for fp16/bf16, 8-bit for fp8)
+    unique_values: int  # distinct bit patterns (32-bit for fp32, 16-bit for fp16/bf16, 8-bit for fp8)
     mean_abs: float  # of the stored values
     clipped: int  # values saturated to the fp8 range (0 for 16-bit dtypes)
     below_normal: int  # nonzero values below the dtype's smallest normal: stored with fewer bits
@@ -26,6 +26,7 @@ class Stored:
 
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,  # what a float32 vLLM server's cache holds (the serve stage's wire)
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
     "fp8_e4m3": torch.float8_e4m3fn,
@@ -48,7 +49,7 @@ def store(tensor: torch.Tensor, dtype_name: str) -> Stored:
         tensor = tensor.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     cast = tensor.contiguous().to(dtype)
     itemsize = cast.element_size()
-    bits = cast.view(torch.uint8 if itemsize == 1 else torch.int16).numpy()
+    bits = cast.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[itemsize]).numpy()
     return Stored(
         data=bits.tobytes(), itemsize=itemsize, unique_values=int(np.unique(bits).size),
         mean_abs=float(cast.float().abs().mean()), clipped=clipped, below_normal=below_normal,

@@ -1,0 +1,85 @@
+"""The serve tables from hand-made rows: joins by tag, outputs vs recompute, measured ratios,
+the kv stage's prediction, unsupported backends."""
+
+import pandas as pd
+import pytest
+
+from kvbench.serve.summary import client_vs_server, compare_outputs, join_transfers, offload_table
+
+
+def request(backend, codec, round_, index, miss, output, tag, corpus="realistic", ttft=1.0):
+    return {"backend": backend, "codec": codec, "corpus": corpus, "round": round_, "index": index, "doc_id": "d0",
+            "miss": miss, "tag": tag, "ttft_s": ttft, "output": output, "cached_tokens": 0, "error": None}
+
+
+REQUESTS = pd.DataFrame([
+    request("recompute", "-", "query", 0, False, "The answer", "r0", ttft=4.0),
+    request("recompute", "-", "query", 1, True, "Other", "r1", ttft=4.0),
+    request("valkey", "all", "warmup", 0, False, "The answer", "w0", ttft=5.0),
+    request("valkey", "zstd-3", "query", 0, False, "The answer", "z0", ttft=1.0),
+    request("valkey", "zstd-3", "query", 1, True, "Whatever", "z1", ttft=4.5),
+    request("valkey", "kivi2", "query", 0, False, "A different answer", "k0", ttft=1.2),
+    {"backend": "lmcache", "codec": "-", "corpus": "realistic", "round": None, "error": "unsupported: on CPU"},
+])
+TRANSFERS = pd.DataFrame([
+    {"event": "lookup", "tag": "z0", "codec": "zstd-3", "seconds": 0.01, "hit_chunks": 2, "error": None, "time": 1},
+    {"event": "load", "tag": "z0", "codec": "zstd-3", "chunks": 2, "loaded_chunks": 2, "failed_chunks": 0,
+     "raw_bytes": 200, "wire_bytes": 160, "get_s": 0.1, "decode_s": 0.05, "copy_s": 0.05, "error": None, "time": 2},
+    {"event": "store", "tag": "w0", "codec": "zstd-3", "chunks": 2, "raw_bytes": 200, "wire_bytes": 160,
+     "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 0},
+    {"event": "store", "tag": "w0", "codec": "kivi2", "chunks": 2, "raw_bytes": 200, "wire_bytes": 20,
+     "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 0},
+    {"event": "store", "tag": "z1", "codec": "zstd-3", "chunks": 2, "raw_bytes": 200, "wire_bytes": 40,
+     "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 3},
+    {"event": "lookup", "tag": "k0", "codec": "kivi2", "seconds": 0.01, "hit_chunks": 0,
+     "error": "lookup: ConnectionError: refused", "time": 4},
+])
+KV = pd.DataFrame([
+    {"weights": "real", "dtype": "fp32", "corpus": "realistic", "codec": "zstd-3", "doc_id": "a", "part": "K",
+     "raw_bytes": 100, "compressed_bytes": 90, "error": None},
+    {"weights": "real", "dtype": "fp32", "corpus": "realistic", "codec": "zstd-3", "doc_id": "a", "part": "V",
+     "raw_bytes": 100, "compressed_bytes": 70, "error": None},
+    {"weights": "dummy", "dtype": "fp32", "corpus": "realistic", "codec": "zstd-3", "doc_id": "a", "part": "K",
+     "raw_bytes": 100, "compressed_bytes": 1, "error": None},
+])
+
+
+@pytest.fixture()
+def requests():
+    return compare_outputs(join_transfers(REQUESTS, TRANSFERS))
+
+
+def test_transfers_join_their_requests_by_tag(requests):
+    row = requests.set_index("tag").loc["z0"]
+    assert row.lookup_s == 0.01 and row.loaded_chunks == 2 and row.load_get_s == 0.1
+    assert row.ttft_rest_s == pytest.approx(1.0 - 0.01 - 0.1 - 0.05 - 0.05)
+    assert requests.set_index("tag").loc["w0"].store_s == pytest.approx(2 * 0.21)
+    failed = requests.dropna(subset=["tag"]).set_index("tag").kv_failed.to_dict()
+    assert failed == {"r0": False, "r1": False, "w0": False, "z0": False, "z1": False, "k0": True}
+
+
+def test_outputs_are_compared_with_recompute_for_the_same_prompt_only(requests):
+    match = requests.set_index("tag").output_matches_recompute
+    assert match["z0"] and match["w0"] and not match["k0"]
+    assert pd.isna(match["z1"]) and pd.isna(match["r1"])  # misses have unique prompts
+
+
+def test_offload_measures_wire_bytes_and_sets_them_beside_the_prediction(requests):
+    table = offload_table(requests, TRANSFERS, pd.DataFrame(), KV, "float32").set_index(["backend", "codec"])
+    zstd = table.loc[("valkey", "zstd-3")]
+    assert zstd.raw_bytes == 400 and zstd.wire_bytes == 200 and zstd.ratio == 2.0  # warm-up + the miss
+    assert zstd.store_mb_s == pytest.approx(400 / 1e6 / 0.4) and zstd.load_mb_s == pytest.approx(200 / 1e6 / 0.2)
+    assert zstd.ttft_warmup_mean_s == 5.0 and zstd.ttft_hit_mean_s == 1.0 and zstd.ttft_miss_mean_s == 4.5
+    assert zstd.predicted_ratio == pytest.approx(200 / 160) and zstd["dtype"] == "fp32"  # real weights only
+    assert zstd.ratio_vs_prediction == pytest.approx(2.0 / 1.25) and not zstd.within_20pct
+    kivi = table.loc[("valkey", "kivi2")]
+    assert kivi.ratio == 10.0 and pd.isna(kivi.predicted_ratio) and kivi.failed_loads == 1
+    assert kivi.outputs_identical_share == 0.0
+    assert table.loc[("lmcache", "-")].status == "unsupported: on CPU"
+    assert ("valkey", "all") not in table.index
+
+
+def test_client_vs_server_is_pooled_over_requests():
+    metrics = pd.DataFrame({"requests": [1, 3], "client_ttft_mean_s": [2.0, 1.0],
+                            "server_ttft_sum_s": [1.9, 2.9], "server_ttft_count": [1, 3]})
+    assert client_vs_server(metrics) == pytest.approx(5.0 / 4.8 - 1)

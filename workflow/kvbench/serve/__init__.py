@@ -1,0 +1,1 @@
+"""Stage `serve`: long-document serving on a real vLLM server, with KV offload to Valkey."""

@@ -1,0 +1,69 @@
+"""An async, streaming OpenAI-compatible chat client (long_doc_qa's default mode): per request
+start, TTFT (first non-empty content delta), end, output, prompt and cached tokens
+(`usage.prompt_tokens_details`), at most K requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Sequence
+
+import aiohttp
+
+from kvbench.vllm_server import SERVED_NAME
+
+
+def chat_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """The prompt as the user's message; greedy, exactly `max_tokens` output tokens (EOS ignored),
+    usage in the last chunk. Special tokens stay in the text, so that a first token such as an
+    end-of-turn (what the instruct model answers to a "hi hi hi" document) is a non-empty delta."""
+    return {"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "skip_special_tokens": False,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **{k: v for k, v in extra.items() if v is not None}}
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], gate: asyncio.Semaphore) -> dict[str, Any]:
+    async with gate:
+        row: dict[str, Any] = {"start": time.time(), "ttft_s": None, "error": None}
+        start = time.perf_counter()
+        texts, usage = [], {}
+        try:
+            async with session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    row["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                else:
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data:") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[5:])
+                        usage = chunk.get("usage") or usage
+                        for choice in chunk.get("choices") or []:
+                            text = (choice.get("delta") or {}).get("content") or ""
+                            if text and row["ttft_s"] is None:
+                                row["ttft_s"] = time.perf_counter() - start
+                            texts.append(text)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            row["error"] = f"{type(err).__name__}: {err}"
+        row["e2e_s"] = time.perf_counter() - start
+        row["end"] = row["start"] + row["e2e_s"]
+        row["output"] = "".join(texts)
+        row["prompt_tokens"] = usage.get("prompt_tokens")
+        row["output_tokens"] = usage.get("completion_tokens")
+        row["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return row
+
+
+async def _all(base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float) -> list[dict[str, Any]]:
+    gate = asyncio.Semaphore(max_inflight)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        url = f"{base_url}/v1/chat/completions"
+        return list(await asyncio.gather(*(_one(session, url, body, gate) for body in bodies)))
+
+
+def send_all(base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float = 900) -> list[dict[str, Any]]:
+    """One row per body, in order; a failed request is a row with its error, never dropped."""
+    return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s))

@@ -1,0 +1,234 @@
+"""`ValkeyConnector`: vLLM V1 KV connector that offloads whole blocks to Valkey through our codecs.
+
+Loaded by vLLM with
+  --kv-transfer-config '{"kv_connector": "ValkeyConnector",
+                         "kv_connector_module_path": "kvbench.serve.connector",
+                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                         "kv_connector_extra_config": {...}}'   (see backends.valkey_transfer)
+
+The scheduler half (engine-core process) looks up the leading run of stored chunks of a prompt;
+the worker half loads them into the paged cache before the forward pass and stores the chunks a
+prefill computed after it (synchronously, so a miss pays for its store in its own TTFT). A chunk
+is one block of every layer (`--block-size` tokens, 256 as LMCache's chunks), under a key chained
+from the hash of its token prefix (keys.py). Each request picks its wire formats with
+`kv_transfer_params`: {"tag": ..., "load": <codec or null>, "store": [<codecs>]}; without them it
+loads and stores with `default_codec`. Every lookup, load and store is written to a per-process
+event file (events.py) that the stage joins to its requests by tag.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import valkey
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvbench.serve.events import EventLog
+from kvbench.serve.keys import chunk_keys, namespace
+from kvbench.serve.layout import TOKEN_ROW_ISAS
+from kvbench.serve.names import is_lossless
+from kvbench.serve.transfer import STORE_ERRORS, exists_run, gather, load_chunks, store_chunks
+from kvbench.serve.wire import ChunkSpec, WireFormat, wire_format
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+@dataclass
+class Transfer:
+    tag: str
+    codec: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class ValkeyMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    stores: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    tag: str
+    load: str | None
+    store: list[str]
+    local_chunks: int = 0
+    hit_chunks: int = 0
+    load_tokens: int = 0
+    keys: list[str] = field(default_factory=list)
+    lookup_s: float = 0.0
+    error: str | None = None
+
+
+class ValkeyConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.scheduler_config.enable_chunked_prefill:
+            raise ValueError("ValkeyConnector stores a prompt's chunks in the step that computes them: "
+                             "start vLLM with --no-enable-chunked-prefill")
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.codecs: dict[str, Any] = dict(extra["codecs"])
+        self.default_codec = str(extra["default_codec"])
+        self.seed = int(extra.get("seed", 0))
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+        self.spaces = {name: namespace(extra["run"], extra["model"], self.dtype, self.block_size, name)
+                       for name in self.codecs}
+        self.client = valkey.Valkey.from_url(extra["url"], socket_timeout=5, socket_connect_timeout=2)
+        self.events = EventLog(extra["events_dir"], "scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+        # scheduler side
+        self._plans: dict[str, Plan] = {}
+        # worker side
+        self._layers: list[torch.Tensor] = []
+        self._wires: dict[str, WireFormat] = {}
+        self._failed_blocks: set[int] = set()
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def _plan(self, request: "Request") -> Plan:
+        params = request.kv_transfer_params or {}
+        tag = str(params.get("tag", request.request_id))
+        load = params.get("load", self.default_codec)
+        store = list(params.get("store", [self.default_codec]))
+        unknown = [c for c in [load, *store] if c is not None and c not in self.codecs]
+        if unknown:
+            return Plan(tag, None, [], error=f"unknown codec(s) {unknown}; this server has {sorted(self.codecs)}")
+        return Plan(tag, load, store)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        plan = self._plan(request)
+        plan.local_chunks = num_computed_tokens // self.block_size
+        prompt = request.prompt_token_ids or []
+        loadable = (len(prompt) - 1) // self.block_size  # the last prompt token is always computed
+        if plan.load is not None and loadable > plan.local_chunks:
+            plan.keys = chunk_keys(self.spaces[plan.load], prompt, self.block_size, loadable)
+            start = time.perf_counter()
+            try:
+                plan.hit_chunks = exists_run(self.client, plan.keys)
+            except STORE_ERRORS as err:
+                plan.error = f"lookup: {type(err).__name__}: {err}"
+            plan.lookup_s = time.perf_counter() - start
+        self._plans[request.request_id] = plan
+        return max(0, plan.hit_chunks * self.block_size - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        plan.load_tokens = num_external_tokens
+        self.events.write(
+            event="lookup", tag=plan.tag, codec=plan.load, chunks=len(plan.keys), hit_chunks=plan.hit_chunks,
+            local_chunks=plan.local_chunks, load_tokens=num_external_tokens, seconds=plan.lookup_s, error=plan.error,
+            time=time.time(),
+        )
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = ValkeyMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            plan = self._plans.pop(new.req_id, None)
+            if plan is None:
+                continue
+            block_ids = list(new.block_ids[0])
+            prompt = new.prompt_token_ids or []
+            if plan.load_tokens:
+                first = plan.local_chunks
+                last = first + plan.load_tokens // self.block_size
+                meta.loads.append(Transfer(plan.tag, plan.load, plan.keys[first:last], block_ids[first:last]))
+            computed = new.num_computed_tokens  # local and loaded tokens
+            whole = len(prompt) // self.block_size
+            if computed + scheduler_output.num_scheduled_tokens.get(new.req_id, 0) < whole * self.block_size:
+                self.events.write(event="store", tag=plan.tag, codec=None, error="prefill split across steps: not stored",
+                                  time=time.time())
+                continue
+            first = computed // self.block_size
+            for codec in plan.store if whole > first else []:
+                keys = chunk_keys(self.spaces[codec], prompt, self.block_size, whole)
+                meta.stores.append(Transfer(plan.tag, codec, keys[first:], block_ids[first:whole]))
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._plans.pop(request.request_id, None)
+        return False, None
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        self._layers = [kv_caches[name] for name in names]
+        first = self._layers[0]
+        if first.device.type != "cpu" or first.dim() != 4 or first.shape[2] != self.block_size:
+            raise ValueError(
+                f"ValkeyConnector reads vLLM's CPU attention layout [blocks, kv_heads, block_size, 2*head_size]; "
+                f"got {tuple(first.shape)} on {first.device} (on GPU use the lmcache backend)")
+        spec = ChunkSpec(len(self._layers), first.shape[1], self.block_size, first.shape[3] // 2, first.dtype)
+        lossy = [name for name in self.codecs if not is_lossless(name)]
+        if lossy:
+            isa = self._attention_isa(spec)
+            if isa not in TOKEN_ROW_ISAS:
+                raise ValueError(f"lossy wire formats {lossy} unpack K and V for the CPU attention ISAs "
+                                 f"{TOKEN_ROW_ISAS}; this server uses {isa!r}")
+        self._wires = {name: wire_format(name, spec, method, self.seed) for name, method in self.codecs.items()}
+        self.spec = spec
+
+    def _attention_isa(self, spec: ChunkSpec) -> str:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        config = self._vllm_config
+        return _get_attn_isa(config.model_config.dtype, self.block_size, spec.head_size, config.cache_config.cache_dtype)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ValkeyMetadata)
+        for load in meta.loads:
+            self._load(load)
+
+    def _load(self, load: Transfer) -> None:
+        stats = load_chunks(self.client, self._wires[load.codec], self.spec, load.keys, load.block_ids, self._layers)
+        failed = stats.pop("failed_blocks")
+        self._failed_blocks.update(failed)
+        self.events.write(event="load", tag=load.tag, codec=load.codec, failed_chunks=len(failed), **stats,
+                          time=time.time())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # every layer is stored at once in wait_for_save, after the forward pass
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ValkeyMetadata)
+        gathered: dict[tuple[int, ...], tuple[list[torch.Tensor], float]] = {}
+        for store in meta.stores:
+            blocks = tuple(store.block_ids)
+            if blocks not in gathered:  # one copy out of the cache, whatever the number of codecs
+                start = time.perf_counter()
+                gathered[blocks] = (gather(self._layers, blocks), time.perf_counter() - start)
+            chunks, gather_s = gathered[blocks]
+            stats = store_chunks(self.client, self._wires[store.codec], self.spec, store.keys, chunks)
+            self.events.write(event="store", tag=store.tag, codec=store.codec, gather_s=gather_s, **stats,
+                              time=time.time())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        self.events.close()

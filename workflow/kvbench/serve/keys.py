@@ -1,0 +1,31 @@
+"""Keys of offloaded chunks: each chained from the hash of every token before it.
+
+vLLM's own block hashes are seeded per process, so two servers (or a restart) would never find
+each other's chunks; these keys depend only on the namespace and the token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+
+def namespace(run: str, model: str, dtype: str, block_size: int, codec: str) -> str:
+    """Chunks of different runs, models, cache dtypes, block sizes or codecs never share a key."""
+    return f"kvbench:{run}:{model}:{dtype}:{block_size}:{codec}"
+
+
+def chunk_keys(space: str, token_ids: Sequence[int], block_size: int, n_chunks: int) -> list[str]:
+    """Keys of the first `n_chunks` whole chunks: key i hashes key i-1 and the tokens of chunk i,
+    so equal keys mean equal namespaces and equal token prefixes."""
+    if n_chunks * block_size > len(token_ids):
+        raise ValueError(f"{n_chunks} chunks of {block_size} need more than {len(token_ids)} tokens")
+    tokens = np.asarray(token_ids[: n_chunks * block_size], dtype="<i8")
+    digest = hashlib.sha256(space.encode()).digest()
+    keys = []
+    for i in range(n_chunks):
+        digest = hashlib.sha256(digest + tokens[i * block_size : (i + 1) * block_size].tobytes()).digest()
+        keys.append(f"{space}:{digest.hex()[:32]}")
+    return keys

@@ -1,0 +1,61 @@
+"""LMCache's `long_doc_qa` protocol: a warm-up round over every document, then a query round that
+repeats them (`random` / `tile` / `interleave`, seeded) with a hit:miss ratio, where a miss gets a
+unique numeric prefix so no cache holds any of its blocks."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+REPEAT_MODES = ("random", "tile", "interleave")
+
+
+@dataclass(frozen=True)
+class Planned:
+    round: str  # warmup | query | fault
+    index: int  # position in the round
+    doc_id: str
+    prompt: str
+    miss: bool  # a query-round request with a unique prefix
+
+
+def parse_ratio(text: str) -> tuple[int, int]:
+    """'3:1' -> (3, 1): of every 4 query-round requests, the 4th misses."""
+    try:
+        hit, miss = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"hit:miss ratio {text!r} is not two integers like '3:1'") from None
+    if hit < 0 or miss < 0 or hit + miss == 0:
+        raise ValueError(f"hit:miss ratio {text!r} needs non-negative parts, not both zero")
+    return hit, miss
+
+
+def warmup_round(prompts: dict[str, str]) -> list[Planned]:
+    return [Planned("warmup", i, doc, text, False) for i, (doc, text) in enumerate(prompts.items())]
+
+
+def repeat(doc_ids: list[str], count: int, mode: str, rng: random.Random) -> list[str]:
+    if mode == "tile":
+        return doc_ids * count
+    if mode == "interleave":
+        return [d for d in doc_ids for _ in range(count)]
+    if mode == "random":
+        out = doc_ids * count
+        rng.shuffle(out)
+        return out
+    raise ValueError(f"repeat mode {mode!r}; known: {', '.join(REPEAT_MODES)}")
+
+
+def query_round(prompts: dict[str, str], count: int, mode: str, ratio: str, seed: int,
+                name: str = "query") -> list[Planned]:
+    """As long_doc_qa: repeat, then every request at position i with i % (hit+miss) >= hit misses
+    (its prompt gets a random integer and a space in front)."""
+    hit, miss = parse_ratio(ratio)
+    rng = random.Random(seed)
+    order = repeat(list(prompts), count, mode, rng)
+    planned = []
+    for i, doc in enumerate(order):
+        is_miss = i % (hit + miss) >= hit
+        prompt = f"{rng.randint(-10_000_000, 10_000_000)} {prompts[doc]}" if is_miss else prompts[doc]
+        planned.append(Planned(name, i, doc, prompt, is_miss))
+    return planned
