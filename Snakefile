@@ -12,6 +12,7 @@ include: "workflow/rules/models.smk"
 include: "workflow/rules/corpus.smk"
 include: "workflow/rules/kv.smk"
 include: "workflow/rules/system.smk"
+include: "workflow/rules/quality.smk"
 
 
 rule all:

@@ -32,6 +32,13 @@ def run(model_dir, tmp_path_factory):
                         context_tokens=200, chunk_tokens=64)
     config["system"].update(model="smol", prompts_per_corpus={"realistic": 1, "synthetic": 1},
                             context_tokens=[192], max_new_tokens=4, repeats=2)
+    config["quality"].update(models=["smol"], methods=["full", "kivi2", "snapkv", "snapkv50"], max_gen_cap=4, tasks={
+        "single_doc_qa": {"samples": 1, "context_tokens": [192]},
+        "multi_doc_qa": {"samples": 1, "context_tokens": [384], "documents": 2},
+        "few_shot": {"samples": 1, "context_tokens": [256]},  # one document per type: no labelled example fits
+        "summarization": {"samples": 1, "context_tokens": [192]},
+        "retrieval": {"samples": 1, "context_tokens": [256], "paragraph_tokens": 64},
+    })
     result = snakemake(workdir, config, "--cores", "2")
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return workdir, config
@@ -152,3 +159,25 @@ def test_rerun_is_a_no_op_and_a_target_reruns_alone(run):
     one = snakemake(workdir, config, "-n", "--forcerun", "results/kv/synthetic/dummy/compressibility.parquet")
     assert "wildcards: corpus=synthetic, weights=dummy" in one.stdout
     assert "corpus=realistic" not in one.stdout
+
+
+def test_quality_rows_for_every_method_and_built_sample(run):
+    workdir, config = run
+    methods = config["quality"]["methods"]
+    built = {t["task"]: t["samples"] for t in json.loads((workdir / "results/quality/tasks/tasks.json").read_text())}
+    assert built["kvbench_few_shot"] == 0 and built["kvbench_retrieval"] == 1 and built["kvbench_summarization"] == 1
+    scores = read(workdir, "results/quality/smol/scores.parquet")
+    # Every built sample of every method has a row; none failed.
+    assert len(scores) == len(methods) * sum(built.values()) and set(scores.method) == set(methods)
+    assert scores.score.notna().all(), scores[scores.score.isna()][["method", "task", "error"]]
+    assert (scores.new_tokens <= 4).all() and (scores.max_gen_cap == 4).all()
+    fidelity = read(workdir, "results/quality/smol/fidelity.parquet")
+    assert set(fidelity.method) == set(methods) - {"full"} and (fidelity.kl_mean >= 0).all()
+    assert fidelity.top1_agreement.between(0, 1).all()
+    summary = read(workdir, "results/quality/smol/summary.parquet")
+    assert {"all"} < set(summary.category) and (summary[summary.method == "full"].score_delta == 0).all()
+    jobs = read(workdir, "results/quality/smol/jobs.parquet")
+    assert set(jobs.method) == set(methods) and jobs.outside_forward_share.between(0, 1).all()
+    for figure in ("scores", "fidelity", "score_vs_ratio"):
+        assert (workdir / f"results/quality/smol/{figure}.png").read_bytes()[:4] == b"\x89PNG"
+    assert (workdir / "results/quality/smol/reference.safetensors").stat().st_size > 0

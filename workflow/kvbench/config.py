@@ -9,6 +9,7 @@ import jsonschema
 import yaml
 
 from kvbench.methods.kinds import check_spec
+from kvbench.quality.kinds import check_quality
 from kvbench.sources import ModelSourceError, check_model_dir, package_file
 
 
@@ -71,6 +72,10 @@ def check_config(config: Mapping[str, Any]) -> None:
                 package_file(source["gguf_package"], source["gguf_file"])
             except ModelSourceError as err:
                 raise ConfigError(f"models.{name}.gguf_package: {err}") from None
+    try:
+        check_quality(dict(config))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     folder = config["corpus"]["imported"]["path"]
     if folder is not None and not Path(folder).is_dir():
         raise ConfigError(f"corpus.imported.path: folder {folder!r} does not exist")

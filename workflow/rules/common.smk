@@ -51,6 +51,11 @@ def all_targets():
         "results/kv/ratio_by_corpus_weights.png",
         "results/system/metrics.parquet",
         "results/system/methods.png",
+        *expand(
+            "results/quality/{model}/{output}",
+            model=config["quality"]["models"],
+            output=["summary.parquet", "scores.png", "fidelity.png", "score_vs_ratio.png"],
+        ),
     ]
 
 

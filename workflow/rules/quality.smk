@@ -1,0 +1,142 @@
+import re
+
+QUALITY = config["quality"]
+QUALITY_REFERENCE = QUALITY["reference"]
+# The reference runs first (its continuations are the others' fidelity targets), whether listed or not.
+QUALITY_METHODS = [QUALITY_REFERENCE] + [m for m in QUALITY["methods"] if m != QUALITY_REFERENCE]
+
+
+def quality_tasks_inputs(wildcards):
+    inputs = {
+        "docs": "results/corpus/realistic/docs.parquet",
+        "facts": "results/corpus/realistic/facts.parquet",
+        "tokenizer": model_dir(tokenizer_model(config)),
+    }
+    if "longbench" in QUALITY["tasks"]:
+        inputs["imported"] = "results/corpus/imported/docs.parquet"
+    return inputs
+
+
+rule quality_tasks:
+    input:
+        unpack(quality_tasks_inputs),
+    output:
+        directory("results/quality/tasks"),
+    params:
+        tasks=QUALITY["tasks"],
+        seed=config["seed"],
+    log:
+        "logs/quality/tasks.log",
+    benchmark:
+        "benchmarks/quality/tasks.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/quality_tasks.py"
+
+
+rule quality_reference:
+    input:
+        tasks="results/quality/tasks",
+        model=lambda wc: model_dir(wc.model),
+    output:
+        table=f"results/quality/{{model}}/methods/{QUALITY_REFERENCE}.parquet",
+        references="results/quality/{model}/reference.safetensors",
+    params:
+        cfg=QUALITY,
+        method=QUALITY_REFERENCE,
+        spec=config["methods"][QUALITY_REFERENCE],
+        seed=config["seed"],
+    wildcard_constraints:
+        model="|".join(map(re.escape, QUALITY["models"])),
+    # The whole machine per job, as the system stage: every method timed under the same load.
+    threads: MACHINE_THREADS
+    log:
+        "logs/quality/{model}/reference.log",
+    benchmark:
+        "benchmarks/quality/{model}/reference.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/quality_method.py"
+
+
+rule quality_method:
+    input:
+        tasks="results/quality/tasks",
+        references="results/quality/{model}/reference.safetensors",
+        model=lambda wc: model_dir(wc.model),
+    output:
+        table="results/quality/{model}/methods/{method}.parquet",
+    params:
+        cfg=QUALITY,
+        method=lambda wc: wc.method,
+        spec=lambda wc: config["methods"][wc.method],
+        seed=config["seed"],
+    wildcard_constraints:
+        model="|".join(map(re.escape, QUALITY["models"])),
+        method="|".join(map(re.escape, QUALITY_METHODS[1:])) or "^$",
+    threads: MACHINE_THREADS
+    log:
+        "logs/quality/{model}/{method}.log",
+    benchmark:
+        "benchmarks/quality/{model}/{method}.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/quality_method.py"
+
+
+rule quality_summary:
+    input:
+        expand("results/quality/{{model}}/methods/{method}.parquet", method=QUALITY_METHODS),
+    output:
+        scores=report(
+            "results/quality/{model}/scores.parquet",
+            caption="../report/quality_tables.rst",
+            category="Quality",
+            subcategory="{model}",
+        ),
+        fidelity=report(
+            "results/quality/{model}/fidelity.parquet",
+            caption="../report/quality_tables.rst",
+            category="Quality",
+            subcategory="{model}",
+        ),
+        summary=report(
+            "results/quality/{model}/summary.parquet",
+            caption="../report/quality_tables.rst",
+            category="Quality",
+            subcategory="{model}",
+        ),
+        jobs="results/quality/{model}/jobs.parquet",
+        score_figure=report(
+            "results/quality/{model}/scores.png",
+            caption="../report/quality_scores.rst",
+            category="Quality",
+            subcategory="{model}",
+        ),
+        fidelity_figure=report(
+            "results/quality/{model}/fidelity.png",
+            caption="../report/quality_fidelity.rst",
+            category="Quality",
+            subcategory="{model}",
+        ),
+        ratio_figure=report(
+            "results/quality/{model}/score_vs_ratio.png",
+            caption="../report/quality_ratio.rst",
+            category="Quality",
+            subcategory="{model}",
+        ),
+    params:
+        reference=QUALITY_REFERENCE,
+    wildcard_constraints:
+        model="|".join(map(re.escape, QUALITY["models"])),
+    log:
+        "logs/quality/{model}/summary.log",
+    benchmark:
+        "benchmarks/quality/{model}/summary.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/quality_summary.py"
