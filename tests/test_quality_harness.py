@@ -7,6 +7,7 @@ import torch
 from kvbench.harness import generate, generate_scored
 from kvbench.methods.base import ModelShape, build_cache
 from kvbench.models import load_model, load_tokenizer
+from kvbench.prompts import chat_ids
 from kvbench.quality.fidelity import Reference, compare
 
 TEXT = (
@@ -20,8 +21,9 @@ TEXT = (
     "from December 8, 2020, for a fee of $412,750, governed by the law of Texas. The confidentiality clause "
     "survives termination. "
 )
-QUESTION = "\n\nQuestion: Which drug was given first, and at what dose? Answer:"
+QUESTION = "\n\nDescribe the patient's hospital stay and the contract in detail."
 KIVI2 = {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 32}
+H2O = {"kind": "h2o", "keep_ratio": 0.1}  # keeps scoring at every decode step: its hooks must follow the copy
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def model(model_dir):
 
 @pytest.fixture(scope="module")
 def ids(model_dir):
-    return load_tokenizer(model_dir)(TEXT * 2 + QUESTION).input_ids
+    return chat_ids(load_tokenizer(model_dir), TEXT + QUESTION)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,7 @@ def teacher_forced_logits(model, spec, ids, tokens):
 
 
 def test_free_run_equals_generate_and_stores_its_distributions(model, ids, reference):
+    assert len(reference["tokens"]) == 16
     assert reference["tokens"] == generate(model, {"kind": "full"}, ids, 16)["tokens"]
     assert reference["first_divergence"] is None
     assert reference["logits"].shape == (len(reference["tokens"]), model.config.vocab_size)
@@ -65,11 +68,11 @@ def test_free_run_equals_generate_and_stores_its_distributions(model, ids, refer
 
 def test_a_diverging_method_gets_its_own_output_and_teacher_forced_logits(model, ids, reference):
     ref = reference["tokens"]
-    result = generate_scored(model, KIVI2, ids, 16, reference=ref)
+    result = generate_scored(model, H2O, ids, 16, reference=ref)
     # The free branch (a copy of the cache at the divergence) is exactly the method's own greedy run ...
-    assert result["tokens"] == generate(model, KIVI2, ids, 16)["tokens"]
+    assert result["tokens"] == generate(model, H2O, ids, 16)["tokens"]
     # ... and the teacher-forced logits are what a separate teacher-forced run computes.
-    torch.testing.assert_close(result["logits"], teacher_forced_logits(model, KIVI2, ids, ref), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(result["logits"], teacher_forced_logits(model, H2O, ids, ref), rtol=1e-4, atol=1e-4)
     d = result["first_divergence"]
     assert d is not None and result["tokens"][:d] == ref[:d] and result["tokens"][d] != ref[d]
     assert result["logits"][d].argmax() != ref[d] and (result["logits"][:d].argmax(-1) == torch.tensor(ref[:d])).all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from kvbench.models import load_model
@@ -10,7 +11,7 @@ from kvbench.quality.taskfiles import build_tasks, load_sources, write_tasks
 from quality_corpus import tiny_corpus
 
 CFG = {"max_gen_cap": 6, "max_prompt_tokens": None, "lm_eval_tasks": []}
-TASKS = {"single_doc_qa": {"samples": 2, "context_tokens": [192]}, "few_shot": {"samples": 1, "context_tokens": [256]}}
+TASKS = {"single_doc_qa": {"samples": 1, "context_tokens": [192]}, "few_shot": {"samples": 1, "context_tokens": [256]}}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,8 @@ def full(model, tokenizer, tasks_dir):
 
 def test_simple_evaluate_scores_every_sample_through_the_adapter(full):
     table, lm = full
-    assert sorted(table.task) == ["kvbench_few_shot", "kvbench_single_doc_qa", "kvbench_single_doc_qa"]
-    assert table.error.isin([None, "empty output"]).all() or table.error.isna().all(), table.error
+    assert sorted(table.task) == ["kvbench_few_shot", "kvbench_single_doc_qa"]
+    assert table.error.isna().all(), table.error
     assert table.score.between(0, 1).all() and (table.new_tokens <= 6).all()
     assert (table.max_new_tokens == 6).all() and set(table.max_gen_tokens) == {64}  # LongBench's, capped
     assert (table.context_tokens <= 256 + 40).all() and not table.truncated.any() and set(table.bucket) == {"0-4k"}
@@ -55,20 +56,20 @@ def test_a_method_is_compared_with_the_references(model, tokenizer, tasks_dir, f
     assert table.top1_agreement.between(0, 1).all() and (table.fidelity_positions >= 1).all()
     for row in table.itertuples():  # identical outputs exactly where no divergence was found
         same = list(row.output_ids) == full[1].new_references[f"{row.task}/{row.lm_eval_doc_id}"].tokens
-        assert same == (row.first_divergence is None or row.first_divergence != row.first_divergence)
+        assert same == pd.isna(row.first_divergence)
 
 
 def test_a_failing_method_becomes_rows_with_its_error(model, tokenizer, tasks_dir):
     table, _ = evaluate_method(model, tokenizer, "broken", {"kind": "kivi", "bits": 2, "group_size": 7}, tasks_dir,
                                CFG, seed=3)
-    assert len(table) == 3 and table.score.isna().all()
+    assert len(table) == 2 and table.score.isna().all()
     assert set(table.error) == {"ValueError: kivi: group_size 7 must divide head_dim 64"}
 
 
 def test_a_missing_reference_is_an_error_row_not_a_silent_gap(model, tokenizer, tasks_dir, full):
     partial = dict(list(full[1].new_references.items())[1:])
     table, _ = evaluate_method(model, tokenizer, "full", {"kind": "full"}, tasks_dir, CFG, seed=3, references=partial)
-    assert table.error.str.startswith("KeyError").sum() == 1 and len(table) == 3
+    assert table.error.str.startswith("KeyError").sum() == 1 and len(table) == 2
 
 
 def test_fake_end_of_sequence_first_is_an_empty_output_row(model, tokenizer, tasks_dir, monkeypatch):

@@ -5,21 +5,16 @@ QUALITY_REFERENCE = QUALITY["reference"]
 # The reference runs first (its continuations are the others' fidelity targets), whether listed or not.
 QUALITY_METHODS = [QUALITY_REFERENCE] + [m for m in QUALITY["methods"] if m != QUALITY_REFERENCE]
 
-
-def quality_tasks_inputs(wildcards):
-    inputs = {
-        "docs": "results/corpus/realistic/docs.parquet",
-        "facts": "results/corpus/realistic/facts.parquet",
-        "tokenizer": model_dir(tokenizer_model(config)),
-    }
-    if "longbench" in QUALITY["tasks"]:
-        inputs["imported"] = "results/corpus/imported/docs.parquet"
-    return inputs
+# Imported LongBench lines are an input only when a longbench task is configured.
+QUALITY_IMPORTED = {"imported": "results/corpus/imported/docs.parquet"} if "longbench" in QUALITY["tasks"] else {}
 
 
 rule quality_tasks:
     input:
-        unpack(quality_tasks_inputs),
+        docs="results/corpus/realistic/docs.parquet",
+        facts="results/corpus/realistic/facts.parquet",
+        tokenizer=model_dir(tokenizer_model(config)),
+        **QUALITY_IMPORTED,
     output:
         directory("results/quality/tasks"),
     params:

@@ -17,14 +17,13 @@ import time
 import traceback
 from typing import Any
 
-import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from kvbench.harness import context_bucket, generate_scored
 from kvbench.prompts import chat_ids
-from kvbench.quality.fidelity import Reference, compare, prompt_hash
+from kvbench.quality.fidelity import Reference, compare, prompt_hash, reference_from_logits
 
 RECORD_KEYS = ("ttft_s", "tpot_s", "e2e_s", "forward_s", "new_tokens", "kv_bytes_prefill", "kv_bytes_end",
                "full16_bytes_prefill", "full16_bytes_end", "ratio_prefill", "ratio_end", "first_divergence")
@@ -52,12 +51,13 @@ class KvbenchLM(LM):
     def __init__(
         self, model: Any, tokenizer: Any, method: str, spec: dict[str, Any], *, seed: int, max_gen_cap: int,
         max_prompt_tokens: int, plain_tasks: frozenset[str] = frozenset(),
-        references: dict[str, Reference] | None = None, keep_references: bool = False,
+        references: dict[str, Reference] | None = None, keep_references: bool = False, top_k: int | None = None,
     ) -> None:
         super().__init__()
         self.model, self.tokenizer, self.method, self.spec = model, tokenizer, method, spec
         self.seed, self.max_gen_cap, self.max_prompt_tokens = seed, max_gen_cap, max_prompt_tokens
         self.plain_tasks, self.references, self.keep_references = plain_tasks, references, keep_references
+        self.top_k = top_k
         self.records: dict[str, dict[str, Any]] = {}
         self.new_references: dict[str, Reference] = {}
         self.max_context = int(model.config.max_position_embeddings)
@@ -114,8 +114,7 @@ class KvbenchLM(LM):
             if reference is not None:
                 record |= compare(reference, result["logits"])
             if self.keep_references:
-                logprobs = torch.log_softmax(result["logits"], dim=-1)
-                self.new_references[key] = Reference(result["tokens"], logprobs, prompt_hash(ids))
+                self.new_references[key] = reference_from_logits(result["tokens"], result["logits"], ids, self.top_k)
             if not answer.strip():
                 record["error"] = "empty output"
         except Exception as err:  # an OOM or a method failure on this sample: a row with its error

@@ -3,6 +3,7 @@ the reference method, the full cache's references). Shared by the Snakemake rule
 
 from __future__ import annotations
 
+import resource
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,6 +38,8 @@ def run_job(
     # The whole job, from process start (imports included), against its forward passes.
     table["job_wall_s"] = time.time() - psutil.Process().create_time()
     table["job_forward_s"] = float(table["forward_s"].fillna(0).sum()) if "forward_s" in table else 0.0
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # CPU seconds: what the job costs whatever else runs
+    table["job_cpu_s"] = usage.ru_utime + usage.ru_stime
     failed = table["error"].notna().sum()
     print(f"[quality] {method}: {len(table)} rows, {failed} with an error; forward passes "
           f"{table['job_forward_s'].iloc[0]:.0f} s of {table['job_wall_s'].iloc[0]:.0f} s")

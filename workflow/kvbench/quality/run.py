@@ -16,8 +16,6 @@ from kvbench.quality.kinds import dataset_of
 from kvbench.quality.longbench import spec as longbench_spec
 from kvbench.quality.taskfiles import metric_key, read_manifest
 
-FIDELITY_COLUMNS = ("kl_mean", "kl_max", "top1_agreement", "first_divergence", "fidelity_positions")
-
 
 def max_prompt_tokens(cfg: Mapping[str, Any], model: Any) -> int:
     """LongBench's model2maxlen: the prompt budget before middle truncation (a 500-token margin for
@@ -51,7 +49,7 @@ def evaluate_method(
     lm = KvbenchLM(model, tokenizer, method, spec, seed=seed, max_gen_cap=int(cfg["max_gen_cap"]),
                    max_prompt_tokens=max_prompt_tokens(cfg, model),
                    plain_tasks=frozenset(name for name, t in tasks.items() if not t["chat"]),
-                   references=references, keep_references=keep_references)
+                   references=references, keep_references=keep_references, top_k=cfg.get("reference_top_k"))
     manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
     start = time.monotonic()
     limit = cfg.get("lm_eval_limit")  # lm-eval's own tasks only: kvbench's are sized when built

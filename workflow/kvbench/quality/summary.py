@@ -8,9 +8,8 @@ import sys
 import numpy as np
 import pandas as pd
 
-from kvbench.quality.run import FIDELITY_COLUMNS
-
-JOB_COLUMNS = ("job_wall_s", "job_forward_s")
+FIDELITY_COLUMNS = ("kl_mean", "kl_max", "top1_agreement", "first_divergence", "fidelity_positions")
+JOB_COLUMNS = ("job_wall_s", "job_forward_s", "job_cpu_s")
 
 
 def _weighted(values: pd.Series, weights: pd.Series) -> float:
@@ -19,16 +18,17 @@ def _weighted(values: pd.Series, weights: pd.Series) -> float:
 
 
 def _by_category(rows: pd.DataFrame) -> dict[str, object]:
-    failed = rows["score"].isna()
+    failed = rows["score"].isna()  # an exception: no prediction to score
     ok = rows[~failed]
-    diverged = ok["first_divergence"].dropna() if "first_divergence" in ok else pd.Series(dtype=float)
+    compared = ok["kl_mean"].notna()
+    diverged = ok.loc[compared, "first_divergence"].dropna()
     return {
         "samples": len(rows), "errors": int(failed.sum()), "empty_outputs": int((rows["error"] == "empty output").sum()),
         "score_mean": ok["score"].mean(),
-        "kl_mean": _weighted(ok.get("kl_mean", pd.Series(dtype=float)), ok.get("fidelity_positions", pd.Series(dtype=float))),
-        "top1_agreement": _weighted(ok.get("top1_agreement", pd.Series(dtype=float)),
-                                    ok.get("fidelity_positions", pd.Series(dtype=float))),
-        "identical_outputs": int(ok["first_divergence"].isna().sum()) if "kl_mean" in ok and ok["kl_mean"].notna().any() else None,
+        # KL and agreement pooled over every teacher-forced position, not averaged per sample
+        "kl_mean": _weighted(ok["kl_mean"], ok["fidelity_positions"]),
+        "top1_agreement": _weighted(ok["top1_agreement"], ok["fidelity_positions"]),
+        "identical_outputs": int((compared & ok["first_divergence"].isna()).sum()),
         "first_divergence_median": float(diverged.median()) if len(diverged) else float("nan"),
         "ratio_end_mean": ok["ratio_end"].mean(), "kv_bytes_end_mean": ok["kv_bytes_end"].mean(),
         "ttft_s_median": ok["ttft_s"].median(), "tpot_s_median": ok["tpot_s"].median(),
@@ -36,8 +36,7 @@ def _by_category(rows: pd.DataFrame) -> dict[str, object]:
 
 
 def summarize(table: pd.DataFrame, reference: str) -> dict[str, pd.DataFrame]:
-    if "kl_mean" not in table:  # only the reference ran
-        table = table.assign(**{c: np.nan for c in FIDELITY_COLUMNS})
+    table = table.assign(**{c: np.nan for c in FIDELITY_COLUMNS if c not in table})  # only the reference ran
     job_columns = [c for c in JOB_COLUMNS if c in table]
     scores = table.drop(columns=[*FIDELITY_COLUMNS, *job_columns])
     fidelity = table.loc[table.method != reference, [

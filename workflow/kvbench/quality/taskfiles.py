@@ -102,8 +102,20 @@ def read_manifest(folder: str | Path) -> list[dict[str, Any]]:
     return list(json.loads(path.read_text()))
 
 
+def text_tokenizer(model_dir: str | Path) -> Any:
+    """The model's fast tokenizer alone (tokenizer.json), without importing torch or transformers."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir}: no tokenizer.json (the quality tasks count tokens with a fast tokenizer)")
+    return Tokenizer.from_file(str(path))
+
+
 def load_sources(docs: pd.DataFrame, facts: pd.DataFrame, imported: pd.DataFrame | None, tokenizer: Any) -> Sources:
-    """Builders see only facts whose location is unambiguous (kvbench.corpus.realistic.locate_facts)."""
+    """Builders see only facts whose location is unambiguous (kvbench.corpus.realistic.locate_facts).
+    `tokenizer`: a `tokenizers.Tokenizer`, or a transformers fast tokenizer (its backend is used)."""
+    tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
     if "unambiguous" not in facts:
         raise ValueError("facts.parquet has no 'unambiguous' column: rebuild the realistic corpus with this kvbench")
     usable = facts[facts["unambiguous"].astype(bool)]

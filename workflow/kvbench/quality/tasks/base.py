@@ -49,10 +49,13 @@ class Sources:
     docs: pd.DataFrame
     facts: pd.DataFrame
     imported: pd.DataFrame | None
-    tokenizer: Any
+    tokenizer: Any  # a `tokenizers.Tokenizer`: counting needs neither torch nor transformers
 
     def ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids))
 
     def count(self, text: str) -> int:
         return len(self.ids(text))
@@ -60,7 +63,7 @@ class Sources:
     def trim(self, text: str, tokens: int) -> str:
         """`text` cut in the middle to at most `tokens` tokens, as LongBench truncates prompts."""
         ids = self.ids(text)
-        return text if len(ids) <= tokens else self.tokenizer.decode(middle_truncate(ids, max(tokens, 0)))
+        return text if len(ids) <= tokens else self.decode(middle_truncate(ids, max(tokens, 0)))
 
 
 Builder = Callable[[Sources, dict[str, Any], int], list[TaskFile]]

@@ -21,7 +21,7 @@ def excerpt(sources: Sources, doc: Any, tokens: int, rng: random.Random) -> str:
     """A window of about `tokens` tokens from one of the document's section bodies, on one line."""
     ids = sources.ids(rng.choice(section_bodies(doc)))
     start = rng.randrange(max(1, len(ids) - tokens))
-    return " ".join(sources.tokenizer.decode(ids[start:start + tokens]).split())
+    return " ".join(sources.decode(ids[start:start + tokens]).split())
 
 
 def make(sources: Sources, target: int, n: int, rng: random.Random, settings: dict[str, Any]) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ def sentences(text: str, min_words: int = 8) -> list[str]:
 
 def paragraph(sources: Sources, body: str, tokens: int) -> str:
     """The head of a section body, at most `tokens` tokens, ending at a sentence end, on one line."""
-    head = " ".join(sources.tokenizer.decode(sources.ids(body)[:tokens]).split())
+    head = " ".join(sources.decode(sources.ids(body)[:tokens]).split())
     cut = max(head.rfind(". "), head.rfind("? "), head.rfind("! "))
     return head if head[-1:] in ".!?" or cut < 0 else head[:cut + 1]
 

@@ -17,10 +17,10 @@ SPEC = TaskSpec(
 
 
 def facts_in_order(sources: Sources, doc_id: str, rng: random.Random) -> list[Any]:
-    """A document's facts, those the model wrote first (answers inside the prose), each group shuffled."""
+    """A document's facts in a seeded order: header facts and facts written in the prose alike."""
     mine = [f for f in sources.facts.itertuples(index=False) if f.doc_id == doc_id]
     rng.shuffle(mine)
-    return sorted(mine, key=lambda f: f.source != "generated")
+    return mine
 
 
 def make(sources: Sources, target: int, n: int, rng: random.Random, settings: dict[str, Any]) -> list[dict[str, Any]]:
