@@ -145,3 +145,12 @@ def test_config_checks_name_the_key():
     config["quality"] |= {"methods": ["full"], "lm_eval_tasks": ["longbench_hotpotqa", "hellaswag"]}
     with pytest.raises(ValueError, match="quality.lm_eval_tasks: 'hellaswag'"):
         check_quality(config)
+
+
+def test_the_command_line_names_a_bad_method(capsys):
+    from kvbench.quality.__main__ import main
+    from workflow_helpers import REPO
+
+    with pytest.raises(SystemExit):
+        main(["--method", "kivi9", "--tasks", "results/quality/tasks", "--config", str(REPO / "config" / "config.yaml")])
+    assert "--method 'kivi9' is not a key of methods" in capsys.readouterr().err

@@ -5,6 +5,10 @@ QUALITY_REFERENCE = QUALITY["reference"]
 # The reference runs first (its continuations are the others' fidelity targets), whether listed or not.
 QUALITY_METHODS = [QUALITY_REFERENCE] + [m for m in QUALITY["methods"] if m != QUALITY_REFERENCE]
 
+# What a method job's results depend on besides its method and the task files (so that adding a
+# method or a model does not rerun the others).
+QUALITY_RUN = {key: QUALITY[key] for key in (
+    "device", "compute_dtype", "max_gen_cap", "max_prompt_tokens", "reference_top_k", "lm_eval_tasks", "lm_eval_limit")}
 # Imported LongBench lines are an input only when a longbench task is configured.
 QUALITY_IMPORTED = {"imported": "results/corpus/imported/docs.parquet"} if "longbench" in QUALITY["tasks"] else {}
 
@@ -38,7 +42,7 @@ rule quality_reference:
         table=f"results/quality/{{model}}/methods/{QUALITY_REFERENCE}.parquet",
         references="results/quality/{model}/reference.safetensors",
     params:
-        cfg=QUALITY,
+        cfg=QUALITY_RUN,
         method=QUALITY_REFERENCE,
         spec=config["methods"][QUALITY_REFERENCE],
         seed=config["seed"],
@@ -64,7 +68,7 @@ rule quality_method:
     output:
         table="results/quality/{model}/methods/{method}.parquet",
     params:
-        cfg=QUALITY,
+        cfg=QUALITY_RUN,
         method=lambda wc: wc.method,
         spec=lambda wc: config["methods"][wc.method],
         seed=config["seed"],

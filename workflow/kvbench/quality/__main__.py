@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     from kvbench.quality.job import run_job
 
-    run_job(config, args.model or config["quality"]["models"][0], args.method, args.tasks,
+    run_job(config, config["quality"], args.model or config["quality"]["models"][0], args.method, args.tasks,
             args.out or f"quality-{args.method}.parquet", args.references, args.save_references, args.threads)
 
 

@@ -19,10 +19,12 @@ from kvbench.quality.run import evaluate_method
 
 
 def run_job(
-    config: Mapping[str, Any], model_name: str, method: str, tasks_dir: str | Path, table_path: str | Path,
-    references_in: str | Path | None = None, references_out: str | Path | None = None, threads: int | None = None,
+    config: Mapping[str, Any], cfg: Mapping[str, Any], model_name: str, method: str, tasks_dir: str | Path,
+    table_path: str | Path, references_in: str | Path | None = None, references_out: str | Path | None = None,
+    threads: int | None = None,
 ) -> None:
-    cfg, seed = config["quality"], int(config["seed"])
+    """`config`: the whole config (models, methods, seed, provenance); `cfg`: the quality settings."""
+    seed = int(config["seed"])
     if threads:
         torch.set_num_threads(threads)
     folder = model_dir(config, model_name)
