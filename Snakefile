@@ -13,6 +13,7 @@ include: "workflow/rules/corpus.smk"
 include: "workflow/rules/kv.smk"
 include: "workflow/rules/system.smk"
 include: "workflow/rules/serve.smk"
+include: "workflow/rules/quality.smk"
 
 
 # Light jobs run on the submit host under a cluster executor (no queue wait, no allocation).
@@ -24,6 +25,8 @@ localrules:
     kv_summary,
     system_summary,
     serve_summary,
+    quality_tasks,
+    quality_summary,
 
 
 rule all:

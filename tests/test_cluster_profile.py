@@ -13,7 +13,7 @@ import yaml
 from workflow_helpers import REPO, snakemake
 
 # Library entry points that put work on the configured device: a model in memory or a server.
-DEVICE_CALLS = ("load_model(", "vllm_server(", "build_realistic(", "serve_job(")
+DEVICE_CALLS = ("load_model(", "vllm_server(", "build_realistic(", "serve_job(", "run_job(")
 
 
 def rule_scripts() -> dict[str, str]:
@@ -56,7 +56,8 @@ def gpu_plan(tmp_path_factory):
 
 def test_the_device_rules_are_the_ones_expected():
     # If a new stage loads a model or starts a server, it joins this set and the test below.
-    assert device_rules() == {"corpus_realistic", "kv_capture", "kv_memory_probe", "system_method", "serve_server"}
+    assert device_rules() == {"corpus_realistic", "kv_capture", "kv_memory_probe", "system_method", "serve_server",
+                              "quality_reference", "quality_method"}
 
 
 def test_every_gpu_bound_job_requests_a_gpu_on_the_gpu_partition(gpu_plan):
@@ -77,7 +78,8 @@ def test_every_gpu_bound_job_requests_a_gpu_on_the_gpu_partition(gpu_plan):
 def test_light_rules_run_locally_and_heavy_ones_never():
     block = re.search(r"^localrules:\n((?:[ \t]+\w+,?\n)+)", (REPO / "Snakefile").read_text(), flags=re.M)
     local = set(re.findall(r"\w+", block.group(1)))
-    assert local == {"all", "corpus_synthetic", "corpus_imported", "corpus_stats", "kv_summary", "system_summary", "serve_summary"}
+    assert local == {"all", "corpus_synthetic", "corpus_imported", "corpus_stats", "kv_summary", "system_summary", "serve_summary",
+                     "quality_tasks", "quality_summary"}
     assert not local & device_rules() and local - {"all"} <= set(rule_scripts())
 
 

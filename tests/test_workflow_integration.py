@@ -357,3 +357,25 @@ def test_serve_leaves_no_server_behind(run):
     assert len(pids) == 2  # valkey and vllm, each the leader of its own process group
     assert wait_gone(pids) == []
     assert [process_group(pid) for pid in pids] == [[], []]
+
+
+def test_quality_rows_for_every_method_and_built_sample(run):
+    workdir, config = run
+    methods = config["quality"]["methods"]
+    built = {t["task"]: t["samples"] for t in json.loads((workdir / "results/quality/tasks/tasks.json").read_text())}
+    assert built["kvbench_few_shot"] == 0 and built["kvbench_retrieval"] == 1 and built["kvbench_summarization"] == 1
+    scores = read(workdir, "results/quality/smol/scores.parquet")
+    # Every built sample of every method has a row; none failed.
+    assert len(scores) == len(methods) * sum(built.values()) and set(scores.method) == set(methods)
+    assert scores.score.notna().all(), scores[scores.score.isna()][["method", "task", "error"]]
+    assert (scores.new_tokens <= 4).all() and (scores.max_gen_cap == 4).all()
+    fidelity = read(workdir, "results/quality/smol/fidelity.parquet")
+    assert set(fidelity.method) == set(methods) - {"full"} and (fidelity.kl_mean >= 0).all()
+    assert fidelity.top1_agreement.between(0, 1).all()
+    summary = read(workdir, "results/quality/smol/summary.parquet")
+    assert {"all"} < set(summary.category) and (summary[summary.method == "full"].score_delta == 0).all()
+    jobs = read(workdir, "results/quality/smol/jobs.parquet")
+    assert set(jobs.method) == set(methods) and jobs.outside_forward_share.between(0, 1).all()
+    for figure in ("scores", "fidelity", "score_vs_ratio"):
+        assert (workdir / f"results/quality/smol/{figure}.png").read_bytes()[:4] == b"\x89PNG"
+    assert (workdir / "results/quality/smol/reference.safetensors").stat().st_size > 0

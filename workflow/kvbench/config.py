@@ -18,6 +18,7 @@ import yaml
 from kvbench.methods.kinds import spec_problems
 from kvbench.serve.names import check_codec
 from kvbench.serve.protocol import parse_ratio
+from kvbench.quality.kinds import quality_problems
 from kvbench.sources import ModelSourceError, check_model_dir, package_file
 
 
@@ -184,7 +185,8 @@ def _length_problems(config: Mapping[str, Any]) -> list[str]:
 def _method_problems(config: Mapping[str, Any]) -> list[str]:
     # A setting that depends on the model (KIVI's group_size vs head_dim) is checked against
     # every model the methods run on whose shape is known.
-    head_dims = {model_shape(config, name)["head_dim"] for name in system_models(config) if name in config["models"]}
+    models = set(system_models(config)) | set(config["quality"]["models"])
+    head_dims = {model_shape(config, name)["head_dim"] for name in models if name in config["models"]}
     found = []
     for name, spec in config["methods"].items():
         lines = set()
@@ -208,6 +210,7 @@ def _file_problems(config: Mapping[str, Any]) -> list[str]:
     if folder is not None and not Path(folder).is_dir():
         found.append(f"corpus.imported.path: folder {folder!r} does not exist")
     return found
+
 
 def _serve_problems(config: Mapping[str, Any]) -> list[str]:
     serve, found = config["serve"], []
@@ -237,7 +240,7 @@ def config_problems(config: dict[str, Any], schema_path: str | Path) -> list[str
         return found
     references = _reference_problems(config)
     found = references + _file_problems(config) + _method_problems(config) + _subset_problems(config)
-    found += _serve_problems(config)
+    found += _serve_problems(config) + quality_problems(config)
     return found if references else found + _length_problems(config)
 
 

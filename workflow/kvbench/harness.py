@@ -3,6 +3,7 @@ TTFT, TPOT, throughput and the bytes the cache holds. Failures become rows, neve
 
 from __future__ import annotations
 
+import copy
 import gc
 import re
 import resource
@@ -165,3 +166,104 @@ def run_row(
     row["peak_memory_mb"] = peak_memory_mb(device)
     row["memory_increase_mb"] = row["peak_memory_mb"] - baseline if baseline is not None else None
     return row
+
+
+def decode_step(model: torch.nn.Module, cache: MethodCache, token: int, position: int) -> torch.Tensor:
+    """One decode forward through `cache`: feed `token` at `position`, return the next-token logits [V]."""
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True,
+                position_ids=torch.tensor([[position]], device=device))
+    return out.logits[0, -1]
+
+
+@torch.inference_mode()
+def generate_scored(
+    model: torch.nn.Module, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int,
+    reference: list[int] | None = None, stop: Callable[[list[int]], bool] | None = None, seed: int = 0,
+    make_cache: CacheFactory = build_cache,
+) -> dict[str, Any]:
+    """Greedy generation through the method's cache that also returns next-token logits.
+
+    Without `reference`: `logits[i]` is the distribution behind `tokens[i]` (what the reference run
+    stores). With `reference` (the full cache's greedy tokens for the same prompt): `logits[i]` is
+    the method's distribution teacher-forced on `reference[:i]`, and `tokens` is the method's own
+    greedy output. One prefill serves both: up to `first_divergence` (the first position where the
+    method's greedy token differs from the reference) the two feed the same tokens; there the cache
+    is copied and the copy continues on the method's own tokens. Generation ends at an
+    end-of-sequence token, at `max_new_tokens`, or when `stop(tokens)` says so (stop strings).
+    """
+    device = next(model.parameters()).device
+    shape = ModelShape.of(model.config)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+
+    def done(tokens: list[int]) -> bool:
+        return tokens[-1] in eos_ids or len(tokens) >= max_new_tokens or (stop is not None and stop(tokens))
+
+    seconds: list[float] = []  # every decode step, teacher-forced or free
+
+    def step(cache: MethodCache, token: int, position: int) -> torch.Tensor:
+        _sync(device)
+        start = time.perf_counter()
+        logits = decode_step(model, cache, token, position)
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+        return logits
+
+    cache = make_cache(spec, shape, seed)
+    handles = cache.attach(model)
+    divergence: int | None = None
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        out = model(input_ids=torch.tensor([input_ids], device=device), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        logits = [out.logits[0, -1]]
+        first = int(logits[0].argmax())
+        _sync(device)
+        ttft = time.perf_counter() - start
+        bytes_prefill = cache.nbytes()
+        position = len(input_ids)
+        branch: MethodCache | None = None
+        if reference is None:
+            tokens = [first]
+            while not done(tokens):
+                logits.append(step(cache, tokens[-1], position + len(tokens) - 1))
+                tokens.append(int(logits[-1].argmax()))
+            shared, bytes_end = len(seconds), cache.nbytes()
+        else:
+            for i, token in enumerate(reference):
+                if divergence is None and int(logits[i].argmax()) != token:
+                    divergence, tokens = i, reference[:i] + [int(logits[i].argmax())]
+                    shared, bytes_end = len(seconds), cache.nbytes()
+                    if not done(tokens):  # the copy goes on with the method's own tokens
+                        branch = copy.deepcopy(cache)
+                if i + 1 < len(reference):
+                    logits.append(step(cache, token, position + i))
+            if divergence is None:
+                tokens, shared, bytes_end = list(reference), len(seconds), cache.nbytes()
+        free_seconds = sum(seconds[:shared])
+        if branch is not None:
+            for handle in handles:
+                handle.remove()
+            handles = branch.attach(model)
+            forced = len(seconds)
+            while not done(tokens):
+                tokens.append(int(step(branch, tokens[-1], position + len(tokens) - 1).argmax()))
+            free_seconds += sum(seconds[forced:])
+            bytes_end = branch.nbytes()
+    finally:
+        for handle in handles:
+            handle.remove()
+    decode_steps = len(tokens) - 1
+    full_prefill = shape.full_bytes(len(input_ids))
+    full_end = shape.full_bytes(len(input_ids) + decode_steps)
+    return {
+        "tokens": tokens, "logits": torch.stack(logits).float(), "first_divergence": divergence,
+        "context_tokens": len(input_ids), "new_tokens": len(tokens),
+        "ttft_s": ttft, "tpot_s": free_seconds / decode_steps if decode_steps else None,
+        "e2e_s": ttft + free_seconds, "forward_s": ttft + sum(seconds),
+        "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": bytes_end,
+        "full16_bytes_prefill": full_prefill, "full16_bytes_end": full_end,
+        "ratio_prefill": full_prefill / bytes_prefill, "ratio_end": full_end / bytes_end,
+    }

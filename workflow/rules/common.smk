@@ -85,6 +85,11 @@ def all_targets():
         "results/serve/offload.parquet",
         "results/serve/ttft_hit_miss.png",
         "results/serve/wire_bytes.png",
+        *expand(
+            "results/quality/{model}/{output}",
+            model=config["quality"]["models"],
+            output=["summary.parquet", "scores.png", "fidelity.png", "score_vs_ratio.png"],
+        ),
     ]
 
 

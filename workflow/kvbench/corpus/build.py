@@ -60,6 +60,7 @@ def build_realistic(
         print(f"[corpus] {doc.plan.doc_id}: {doc.tokens} tokens, facts kept {len(kept)}/{len(doc.plan.facts)}")
     facts = pd.DataFrame(fact_rows, columns=[
         "doc_id", "fact", "value", "question", "char_start", "char_end", "section", "source", "occurrences",
+        "unambiguous", "ambiguity",
     ])
     return pd.DataFrame(doc_rows), facts
 

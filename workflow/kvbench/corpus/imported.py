@@ -27,7 +27,7 @@ def _decode(path: Path) -> str:
 
 
 def _jsonl_docs(path: Path) -> Iterator[dict[str, Any]]:
-    """Plain {"text": ...} lines, or LongBench lines (context, input, answers, dataset)."""
+    """Plain {"text": ...} lines, or LongBench lines (context, input, answers, dataset, all_classes)."""
     for lineno, line in enumerate(_decode(path).splitlines(), start=1):
         if not line.strip():
             continue
@@ -38,13 +38,14 @@ def _jsonl_docs(path: Path) -> Iterator[dict[str, Any]]:
         text = obj.get("text", obj.get("context")) if isinstance(obj, dict) else None
         if not isinstance(text, str) or not text.strip():
             raise CorpusInputError(f"{path}:{lineno}: no non-empty 'text' or 'context' field")
-        answers = obj.get("answers")
+        answers, classes = obj.get("answers"), obj.get("all_classes")
         yield {
             "doc_id": str(obj.get("_id", obj.get("id", f"{path.stem}-{lineno:05d}"))),
             "doc_type": str(obj.get("dataset", path.stem)),
             "text": text,
             "question": obj.get("input") or None,
             "answers": json.dumps(answers) if answers is not None else None,
+            "all_classes": json.dumps(classes) if classes else None,
         }
 
 

@@ -68,6 +68,24 @@ def section_messages(plan: DocPlan, section: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
+# A chat model wraps prose in "Sure, here is the section:" and "I hope this helps!": not document text.
+CHAT_OPENER = re.compile(
+    r"^(?:(?:sure|certainly|of course|absolutely|okay|ok)\b[^\n]*|(?:here(?:'s| is| are)|below (?:is|are))\b[^\n]*:\**)"
+    r"[ \t]*(?:\n|$)", re.IGNORECASE)
+CHAT_CLOSER = re.compile(r"(?:^|\n)[ \t]*(?:i hope|let me know|please let me know|feel free|if you (?:need|have|would))\b[^\n]*$",
+                         re.IGNORECASE)
+
+
+def strip_chat_wrapping(body: str) -> str:
+    """A section reply without the model's chat openers (first lines) and sign-offs (last lines)."""
+    body = body.strip()
+    while match := CHAT_OPENER.match(body):
+        body = body[match.end():].lstrip()
+    while match := CHAT_CLOSER.search(body):
+        body = body[:match.start()].rstrip()
+    return body
+
+
 def request_seed(plan: DocPlan, index: int) -> int:
     return random.Random(f"{plan.seed}/section/{index}").randrange(2**31)
 
@@ -112,7 +130,7 @@ def write_document(
             repetition_penalty=settings.repetition_penalty, seed=request_seed(plan, index),
             **({"chat_template_kwargs": settings.chat_template_kwargs} if settings.chat_template_kwargs else {}),
         )
-        body = reply["choices"][0]["message"]["content"].strip()
+        body = strip_chat_wrapping(reply["choices"][0]["message"]["content"])
         start = len(text) + 2
         text += f"\n\n{name.upper()}\n{body}"
         sections.append(Section(name, start, len(text), int(reply["usage"]["completion_tokens"])))
@@ -133,28 +151,85 @@ def generate_corpus(
         return [f.result() for f in futures]
 
 
+# A name preceded or followed by one of these is still the same name ("Dr. Ana Ruiz", "The Smith Group").
+NAME_NEIGHBOURS = frozenset("""
+mr mrs ms mx miss dr doctor judge justice hon honorable attorney counsel esq prof professor nurse patient
+witness plaintiff defendant petitioner respondent appellant appellee party parties company client
+the a an this that these its their his her our at in on of to by for from with and or but as per under
+between against v vs
+""".split())
+
+
+def _mentions(text: str, value: str, label: str, unit: str | None) -> list[int]:
+    """Starts of the places where `value` stands for itself: whole words (age "70" is not in
+    "1970"), not a piece of a longer number ("$12,500" is not in "$12,500,000"), and for a bare
+    number with a `unit`, only where the unit follows ("24-year-old") or its label precedes
+    ("Age: 24") — "24 hours" or a header date's "24" are other numbers."""
+    pattern = re.compile(rf"(?<!\w){re.escape(value)}(?!\w)", re.IGNORECASE)
+    unit_after = re.compile(rf"\)?[- ]{re.escape(unit)}s?\b", re.IGNORECASE) if unit else None
+    label_before = re.compile(rf"{re.escape(label)}:\s*$", re.IGNORECASE)
+    starts = []
+    for match in pattern.finditer(text):
+        before, after = text[max(0, match.start() - 80):match.start()], text[match.end():match.end() + 40]
+        if (value[-1].isdigit() and re.match(r"[.,]\d", after)) or (value[0].isdigit() and re.search(r"\d[.,]$", before)):
+            continue
+        if unit_after and not (unit_after.match(after) or label_before.search(before)):
+            continue
+        starts.append(match.start())
+    return starts
+
+
+def _longer_name(text: str, start: int, end: int) -> str | None:
+    """The longer name a capitalised value sits in ("Jackson Parrish-Ayala" for "Parrish-Ayala"), if any."""
+    before = re.search(r"([A-Z][\w'.]*)[ -]$", text[max(0, start - 40):start])
+    after = re.match(r"[ -]([A-Z][\w']*)", text[end:end + 40])
+    for word in (before, after):
+        if word and word.group(1).rstrip(".").lower() not in NAME_NEIGHBOURS:
+            return (text[start - len(word.group(0)):end] if word is before else text[start:end + len(word.group(0))])
+    return None
+
+
 def locate_facts(doc: GeneratedDoc) -> tuple[list[dict[str, Any]], list[str]]:
-    """Facts the text verifiably contains (case-insensitive whole-word match), and those it lacks.
+    """Facts the text verifiably contains (case-insensitive mentions, see `_mentions`), and those it lacks.
 
     A fact the model wrote in a section is located there (source 'generated'); a header fact
-    that the model never repeated is located in the header (source 'header').
+    that the model never repeated is located in the header (source 'header'). A kept fact is
+    `unambiguous` (fit to be an answer) unless one of its mentions lies inside another fact's
+    mention (a patient's name inside the attending's) or inside a longer name ("Parrish-Ayala"
+    in "Jackson Parrish-Ayala"); `ambiguity` says why.
     """
     questions = vocabulary(doc.plan.domain)["facts"]
-    kept, dropped = [], []
+    found: dict[str, list[int]] = {}
+    dropped = []
     for key, value in doc.plan.facts.items():
-        # Whole words only: age "70" must not match inside "1970".
-        pattern = re.compile(rf"(?<!\w){re.escape(value)}(?!\w)", re.IGNORECASE)
-        hits = [m.start() for m in pattern.finditer(doc.text)]
-        if not hits:
+        starts = _mentions(doc.text, value, str(questions[key]["label"]), questions[key].get("unit"))
+        if starts:
+            found[key] = starts
+        else:
             dropped.append(key)
-            continue
-        body_at = next((h for h in hits if h >= doc.header_end), -1)
-        at = body_at if body_at >= 0 else hits[0]
+    spans = [(key, at, at + len(doc.plan.facts[key])) for key, starts in found.items() for at in starts]
+    kept = []
+    for key, starts in found.items():
+        value = doc.plan.facts[key]
+        ambiguity = None
+        for at in starts:
+            outer = next((other for other, s, e in spans if other != key and s <= at and at + len(value) <= e
+                          and e - s > len(value)), None)
+            if outer:
+                ambiguity = f"inside {outer} ({doc.plan.facts[outer]!r})"
+                break
+            if doc.text[at:at + 1].isupper() and not any(ch.isdigit() for ch in value):
+                longer = _longer_name(doc.text, at, at + len(value))
+                if longer:
+                    ambiguity = f"inside the longer name {longer!r}"
+                    break
+        body_at = next((h for h in starts if h >= doc.header_end), -1)
+        at = body_at if body_at >= 0 else starts[0]
         section = next((s.name for s in doc.sections if s.start <= at < s.end), "header")
         kept.append({
             "doc_id": doc.plan.doc_id, "fact": key, "value": value,
             "question": questions[key]["question"], "char_start": at, "char_end": at + len(value),
             "section": section, "source": "generated" if body_at >= 0 else "header",
-            "occurrences": len(hits),
+            "occurrences": len(starts), "unambiguous": ambiguity is None, "ambiguity": ambiguity,
         })
     return kept, dropped

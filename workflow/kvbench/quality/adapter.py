@@ -1,0 +1,127 @@
+"""The `kvbench` model for lm-eval: every request runs through kvbench's harness with a fresh cache
+of one KV method, as LongBench's pred.py prepares it.
+
+Per request: LongBench's middle truncation of the prompt tokens (lm-eval itself would cut from
+the left), then the chat template (not for LongBench's few-shot and code tasks), then greedy
+generation capped at `max_gen_cap` tokens, stopping at the task's stop strings after leading
+newlines (LongBench's first-line rule). The adapter records, per request, TTFT, TPOT, measured KV
+bytes and, given the full cache's references, fidelity to them. Requests never share a cache, and
+lm-eval's response cache is not used: it is keyed by the request, not by the method.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import traceback
+from typing import Any
+
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from kvbench.harness import context_bucket, generate_scored
+from kvbench.prompts import chat_ids
+from kvbench.quality.fidelity import Reference, compare, prompt_hash, reference_from_logits
+
+RECORD_KEYS = ("ttft_s", "tpot_s", "e2e_s", "forward_s", "new_tokens", "kv_bytes_prefill", "kv_bytes_end",
+               "full16_bytes_prefill", "full16_bytes_end", "ratio_prefill", "ratio_end", "first_divergence")
+
+
+def reference_key(task: str, doc_id: int) -> str:
+    return f"{task}/{doc_id}"
+
+
+def visible(text: str, until: list[str]) -> str:
+    """Leading newlines do not end an answer that stops at a newline (LongBench's first line)."""
+    return text.lstrip("\n") if "\n" in until else text
+
+
+def cut_at_stop(text: str, until: list[str]) -> str:
+    """The answer up to the first stop string."""
+    text = visible(text, until)
+    for stop in until:
+        text = text.split(stop)[0]
+    return text
+
+
+@register_model("kvbench")
+class KvbenchLM(LM):
+    def __init__(
+        self, model: Any, tokenizer: Any, method: str, spec: dict[str, Any], *, seed: int, max_gen_cap: int,
+        max_prompt_tokens: int, plain_tasks: frozenset[str] = frozenset(),
+        references: dict[str, Reference] | None = None, keep_references: bool = False, top_k: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.model, self.tokenizer, self.method, self.spec = model, tokenizer, method, spec
+        self.seed, self.max_gen_cap, self.max_prompt_tokens = seed, max_gen_cap, max_prompt_tokens
+        self.plain_tasks, self.references, self.keep_references = plain_tasks, references, keep_references
+        self.top_k = top_k
+        self.records: dict[str, dict[str, Any]] = {}
+        self.new_references: dict[str, Reference] = {}
+        self.max_context = int(model.config.max_position_embeddings)
+
+    def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
+        raise NotImplementedError("the kvbench model runs generation tasks (LongBench) only")
+
+    def loglikelihood_rolling(self, requests: list[Instance]) -> list[float]:
+        raise NotImplementedError("the kvbench model runs generation tasks (LongBench) only")
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        return [self._answer(i, len(requests), request) for i, request in enumerate(requests, start=1)]
+
+    def prompt(self, task: str, text: str) -> tuple[list[int], int, bool]:
+        """Token ids after LongBench's middle truncation and (unless a plain task) the chat template."""
+        raw = self.tokenizer(text).input_ids
+        truncated = len(raw) > self.max_prompt_tokens
+        if truncated:  # as LongBench's pred.py: decode both halves, join the text
+            half = self.max_prompt_tokens // 2
+            text = (self.tokenizer.decode(raw[:half], skip_special_tokens=True)
+                    + self.tokenizer.decode(raw[-half:], skip_special_tokens=True))
+        ids = list(self.tokenizer(text).input_ids) if task in self.plain_tasks else chat_ids(self.tokenizer, text)
+        return ids, len(raw), truncated
+
+    def _answer(self, i: int, total: int, request: Instance) -> str:
+        text, gen_kwargs = request.args
+        task, key = request.task_name, reference_key(request.task_name, request.doc_id)
+        until = [u for u in (gen_kwargs.get("until") or []) if u]
+        longbench_max = int(gen_kwargs.get("max_gen_toks", self.max_gen_cap))
+        record: dict[str, Any] = {"max_gen_tokens": longbench_max, "max_gen_cap": self.max_gen_cap,
+                                  "max_new_tokens": min(longbench_max, self.max_gen_cap), "error": None}
+        self.records[key] = record
+        start = time.monotonic()
+        answer = ""
+        try:
+            ids, raw_tokens, truncated = self.prompt(task, text)
+            record |= {"prompt_tokens": raw_tokens, "truncated": truncated, "context_tokens": len(ids),
+                       "bucket": context_bucket(len(ids), self.max_context)}
+            reference = self.references.get(key) if self.references is not None else None
+            if self.references is not None and reference is None:
+                raise KeyError(f"no full-cache reference for {key}: rerun the reference job")
+            if reference is not None and reference.prompt_hash != prompt_hash(ids):
+                raise ValueError(f"the reference for {key} answered another prompt: rerun the reference job")
+
+            def stop(tokens: list[int]) -> bool:
+                text = visible(self.tokenizer.decode(tokens, skip_special_tokens=True), until)
+                return any(u in text for u in until)
+
+            result = generate_scored(self.model, self.spec, ids, record["max_new_tokens"],
+                                     reference=reference.tokens if reference else None,
+                                     stop=stop if until else None, seed=self.seed)
+            answer = cut_at_stop(self.tokenizer.decode(result["tokens"], skip_special_tokens=True), until)
+            record |= {k: result[k] for k in RECORD_KEYS} | {"output_ids": result["tokens"]}
+            if reference is not None:
+                record |= compare(reference, result["logits"])
+            if self.keep_references:
+                self.new_references[key] = reference_from_logits(result["tokens"], result["logits"], ids, self.top_k)
+            if not answer.strip():
+                record["error"] = "empty output"
+        except Exception as err:  # an OOM or a method failure on this sample: a row with its error
+            traceback.print_exc()
+            record["error"] = f"{type(err).__name__}: {err}"
+            gc.collect()
+        status = record["error"] or f"{record.get('context_tokens')} tokens, {record.get('new_tokens')} new"
+        print(f"[quality] {self.method} {i}/{total} {key}: {status} ({time.monotonic() - start:.1f} s)",
+              file=sys.stderr, flush=True)
+        return answer

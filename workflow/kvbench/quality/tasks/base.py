@@ -1,0 +1,132 @@
+"""The task registry: a builder turns the corpus into the samples of one LongBench-style task.
+
+A task is one builder module that registers under its name (listed in kvbench/quality/kinds.py)
+and one `quality.tasks` config entry. Samples are LongBench records (`context`, `question`,
+`answers`, `all_classes`, `length`) plus kvbench's bookkeeping, so lm-eval's own LongBench
+metric functions score them unchanged.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import pandas as pd
+
+from kvbench.prompts import middle_truncate
+from kvbench.quality.kinds import TASK_SETTINGS
+
+CATEGORIES = ("single_doc_qa", "multi_doc_qa", "few_shot", "summarization", "retrieval", "code")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """How lm-eval runs a task: the prompt, metric and generation length of its LongBench dataset."""
+
+    category: str
+    template: str  # lm-eval (jinja) template over the sample's fields: {{context}}, {{question}}, ...
+    metric: str  # a process_results function of kvbench.quality.metrics
+    max_gen_tokens: int  # LongBench's maximum generation length (each run caps it: quality.max_gen_cap)
+    chat: bool  # LongBench applies the chat template, except for its few-shot and code tasks
+    longbench: str  # the LongBench dataset whose prompt, metric and length this task follows
+    until: tuple[str, ...] = ()
+
+
+@dataclass
+class TaskFile:
+    name: str  # the lm-eval task name
+    spec: TaskSpec
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    requested: int = 0  # samples asked for; fewer are built when too few answers survive the checks
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What builders draw from: realistic documents, their unambiguous facts, imported documents."""
+
+    docs: pd.DataFrame
+    facts: pd.DataFrame
+    imported: pd.DataFrame | None
+    tokenizer: Any  # a `tokenizers.Tokenizer`: counting needs neither torch nor transformers
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids))
+
+    def count(self, text: str) -> int:
+        return len(self.ids(text))
+
+    def trim(self, text: str, tokens: int) -> str:
+        """`text` cut in the middle to at most `tokens` tokens, as LongBench truncates prompts."""
+        ids = self.ids(text)
+        return text if len(ids) <= tokens else self.decode(middle_truncate(ids, max(tokens, 0)))
+
+
+Builder = Callable[[Sources, dict[str, Any], int], list[TaskFile]]
+TASKS: dict[str, Builder] = {}
+
+
+def register(name: str) -> Callable[[Builder], Builder]:
+    def wrap(builder: Builder) -> Builder:
+        if name not in TASK_SETTINGS or name in TASKS:
+            raise ValueError(f"task {name!r} is not listed in TASK_SETTINGS or registered twice")
+        TASKS[name] = builder
+        return builder
+
+    return wrap
+
+
+SampleMaker = Callable[[Sources, int, int, random.Random, dict[str, Any]], list[dict[str, Any]]]
+
+
+def simple_task(name: str, spec: TaskSpec, make: SampleMaker) -> Builder:
+    """A builder for one lm-eval task: `make(sources, target_tokens, n, rng, settings)` per context length."""
+
+    @register(name)
+    def build(sources: Sources, settings: dict[str, Any], seed: int) -> list[TaskFile]:
+        task = TaskFile(f"kvbench_{name}", replace(spec, max_gen_tokens=settings.get("max_gen_tokens", spec.max_gen_tokens)))
+        for target in settings["context_tokens"]:
+            rng = random.Random(f"{seed}/{name}/{target}")
+            made = make(sources, target, settings["samples"], rng, settings)
+            task.requested += settings["samples"]
+            for i, sample in enumerate(made):
+                task.samples.append({"_id": f"{name}-{target}-{i:03d}", "dataset": name, "category": spec.category,
+                                     "target_tokens": target, "all_classes": None, **sample,
+                                     "length": len(sample["context"].split())})
+        return [task]
+
+    return build
+
+
+def contains(text: str, answer: str) -> bool:
+    """Whole-word, case-insensitive: the presence check every extractive answer passes."""
+    return re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", text, re.IGNORECASE) is not None
+
+
+def prompt_overhead(sources: Sources, spec: TaskSpec, **fields: str) -> int:
+    """Tokens the template and the other fields take around an empty context."""
+    text = spec.template
+    for key, value in {"context": "", **fields}.items():
+        text = text.replace("{{" + key + "}}", value)
+    return sources.count(text)
+
+
+def section_bodies(doc: Any) -> list[str]:
+    """A realistic document's generated section texts, without their headings."""
+    import json
+
+    bodies = []
+    for _, start, end in json.loads(doc.sections):
+        heading_end = doc.text.find("\n", start, end)
+        body = doc.text[heading_end + 1:end].strip() if heading_end >= 0 else ""
+        if body:
+            bodies.append(body)
+    return bodies
+
+
+def doc_label(doc_type: str) -> str:
+    return doc_type.replace("_", " ")

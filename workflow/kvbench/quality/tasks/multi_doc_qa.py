@@ -1,0 +1,60 @@
+"""Multi-document QA: several documents of one domain as passages; the question names a fact of
+one document (its anchor, e.g. the patient or a party) and asks for another of the same document,
+so the model must find the right passage (LongBench's hotpotqa: its prompt verbatim, qa_f1, 32
+tokens). Neither the answer nor the anchor appears in the distractor passages."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from kvbench.quality.tasks.base import Sources, TaskSpec, contains, prompt_overhead, simple_task
+
+SPEC = TaskSpec(
+    category="multi_doc_qa", metric="qa_f1", max_gen_tokens=32, chat=True, longbench="hotpotqa",
+    template="Answer the question based on the given passages. Only give me the answer and do not output any other "
+             "words.\n\nThe following are given passages.\n{{context}}\n\nAnswer the question based on the given "
+             "passages. Only give me the answer and do not output any other words.\n\nQuestion: {{question}}\nAnswer:",
+)
+# Facts that name a document's people, parties or case: what a reader would use to pick it out.
+ANCHORS = ("patient_name", "case_number", "party_a", "party_b", "witness", "mrn", "attending", "judge")
+
+
+def question_about(anchor: str, question: str) -> str:
+    return f"In the document that mentions {anchor}, {question[0].lower()}{question[1:]}"
+
+
+def make(sources: Sources, target: int, n: int, rng: random.Random, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    k = int(settings.get("documents", 3))
+    docs = list(sources.docs.itertuples(index=False))
+    rng.shuffle(docs)
+    samples = []
+    for doc in docs:
+        facts = [f for f in sources.facts.itertuples(index=False) if f.doc_id == doc.doc_id]
+        anchors = [f for f in facts if f.fact in ANCHORS]
+        answers = [f for f in facts if f.fact not in ANCHORS]
+        others = [d for d in docs if d.domain == doc.domain and d.doc_id != doc.doc_id]
+        if not anchors or not answers or len(others) < k - 1:
+            continue
+        rng.shuffle(answers)
+        anchor = min(anchors, key=lambda f: ANCHORS.index(f.fact))
+        distractors = rng.sample(others, k - 1)
+        slot = rng.randrange(k)
+        order = distractors[:slot] + [doc] + distractors[slot:]
+        for fact in answers:
+            question = question_about(anchor.value, fact.question)
+            share = (target - prompt_overhead(sources, SPEC, question=question)) // k - 4  # "Passage i:\n"
+            passages = [sources.trim(d.text, share) for d in order]
+            mine, rest = passages[slot], passages[:slot] + passages[slot + 1:]
+            if (contains(mine, fact.value) and contains(mine, anchor.value)
+                    and not any(contains(p, v) for p in rest for v in (fact.value, anchor.value))):
+                context = "\n".join(f"Passage {i}:\n{p}" for i, p in enumerate(passages, start=1))
+                samples.append({"context": context, "question": question, "answers": [fact.value],
+                                "doc_ids": [d.doc_id for d in order], "fact": fact.fact})
+                break
+        if len(samples) == n:
+            break
+    return samples
+
+
+simple_task("multi_doc_qa", SPEC, make)
