@@ -7,11 +7,15 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/corpus.smk"
 include: "workflow/rules/kv.smk"
 include: "workflow/rules/system.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:

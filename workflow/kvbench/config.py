@@ -71,6 +71,9 @@ def check_config(config: Mapping[str, Any]) -> None:
                 package_file(source["gguf_package"], source["gguf_file"])
             except ModelSourceError as err:
                 raise ConfigError(f"models.{name}.gguf_package: {err}") from None
+    baseline = config.get("report", {}).get("baseline", "full")
+    if baseline not in config["methods"]:
+        raise ConfigError(f"report.baseline: {baseline!r} is not a key of methods ({sorted(config['methods'])})")
     folder = config["corpus"]["imported"]["path"]
     if folder is not None and not Path(folder).is_dir():
         raise ConfigError(f"corpus.imported.path: folder {folder!r} does not exist")

@@ -3,6 +3,7 @@ import os
 from snakemake.utils import validate
 
 from kvbench.config import check_config, check_schema, model_dir as _model_dir, tokenizer_model
+from kvbench.report.contracts import CONTRACTS
 
 # One line per problem, naming the key; then snakemake's validate fills in the defaults.
 check_schema(config, workflow.source_path("../schemas/config.schema.yaml"))
@@ -51,8 +52,35 @@ def all_targets():
         "results/kv/ratio_by_corpus_weights.png",
         "results/system/metrics.parquet",
         "results/system/methods.png",
+        "results/report/claims.parquet",
     ]
 
 
 # Only used with --use-conda (clusters); `make setup` builds .venv from envs/cpu.txt here.
 CONDA_ENV = "../../envs/gpu.yaml" if config["vllm"]["device"] == "cuda" else "../../envs/cpu.yaml"
+
+
+# Stage report: what it reads, and its report() entries.
+def report_inputs(wildcards):
+    """Every stage table some rule of this workflow makes; a stage without rules is reported as not run."""
+    return {name: c.path for name, c in CONTRACTS.items() if any(r.is_producer(c.path) for r in workflow.rules)}
+
+
+def benchmark_patterns(wildcards):
+    """rule -> benchmark path pattern, so the cost table can name the rule behind each TSV."""
+    return {r.name: str(r.benchmark) for r in workflow.rules if r.benchmark}
+
+
+def report_figure(name, fmt):
+    return report(
+        f"results/report/{name}.{fmt.lower()}",
+        caption=f"../report/report_{name}.rst",
+        category="Report",
+        subcategory="Figures",
+        labels={"figure": name, "format": fmt},
+    )
+
+
+def report_page(name, subcategory):
+    return report(f"results/report/{name}.html", caption=f"../report/report_{name}.rst", category="Report",
+                  subcategory=subcategory)

@@ -1,0 +1,66 @@
+"""The report's figures: rank correlation of measured ratio with outcomes, and the trade-offs."""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from kvbench.plots import save
+from kvbench.report.claims import PREDICTS_RHO
+
+OUTCOME_LABELS = {"quality": "quality", "ttft_s": "TTFT", "tpot_s": "TPOT"}
+
+
+def _empty(ax: plt.Axes, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#616e7c")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def correlation_figure(corr: pd.DataFrame, png: str | os.PathLike, svg: str | os.PathLike) -> None:
+    """Spearman's rho (point) and its bootstrap interval (bar) per category, one panel per outcome."""
+    outcomes = list(OUTCOME_LABELS)
+    fig, axes = plt.subplots(1, len(outcomes), figsize=(4.2 * len(outcomes), 1.2 + 0.45 * max(1, len(corr))),
+                             sharey=True, squeeze=False)
+    labels = sorted({f"{r.model} / {r.category}" for r in corr.itertuples()}) or [""]
+    for ax, outcome in zip(axes[0], outcomes):
+        rows = corr[(corr.outcome == outcome) & corr.rho.notna()]
+        ax.set_title(f"measured ratio vs {OUTCOME_LABELS[outcome]}")
+        if rows.empty:
+            _empty(ax, "not measured")
+            continue
+        y = [labels.index(f"{r.model} / {r.category}") for r in rows.itertuples()]
+        ax.errorbar(rows.rho, y, xerr=[rows.rho - rows.ci_low, rows.ci_high - rows.rho], fmt="o", color="#1f3b73",
+                    ecolor="#7da7d9", capsize=3)
+        ax.axvline(0, color="grey", lw=0.8)
+        for edge in (-PREDICTS_RHO, PREDICTS_RHO):
+            ax.axvline(edge, color="#d95f02", lw=0.8, ls="--")
+        ax.set_xlim(-1.05, 1.05)
+        ax.set_yticks(range(len(labels)), labels)
+        ax.set_xlabel("Spearman's rho across methods")
+    fig.suptitle("Does the measured compression ratio predict end-to-end behaviour? (95 % bootstrap intervals)")
+    save(fig, png, svg)
+
+
+def tradeoff_figure(table: pd.DataFrame, baseline: str, png: str | os.PathLike, svg: str | os.PathLike) -> None:
+    """Measured ratio (x) against quality, TTFT and TPOT relative to the baseline, per method."""
+    panels = [("quality_rel", "quality"), ("ttft_s_rel", "TTFT"), ("tpot_s_rel", "TPOT")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.6), squeeze=False)
+    for ax, (column, label) in zip(axes[0], panels):
+        rows = table[table[column].notna() & table.ratio.notna()] if column in table else table.iloc[:0]
+        ax.set_title(f"{label} relative to {baseline}")
+        if rows.empty:
+            _empty(ax, f"{label} not measured")
+            continue
+        for (category, bucket), part in rows.groupby(["category", "bucket"]):
+            ax.scatter(part.ratio, part[column], s=22, label=f"{category}, {bucket}")
+            for r in part.itertuples():
+                ax.annotate(r.method, (r.ratio, getattr(r, column)), fontsize=7, xytext=(3, 2),
+                            textcoords="offset points")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel(f"measured KV compression ratio vs {baseline}")
+        ax.legend(fontsize=7)
+    fig.suptitle("Trade-offs per method (medians over prompts / means over samples)")
+    save(fig, png, svg)
