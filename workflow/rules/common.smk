@@ -14,7 +14,7 @@ check_config(config)
 PREPARED_MODELS = [m for m, src in config["models"].items() if "path" not in src]
 SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # Jobs that want the whole machine (a server, timed runs). Snakemake scales threads down to
-# --cores locally; cluster profiles set them per rule (set-threads). Never workflow.cores: it
+# --cores locally; cluster profiles set them per rule (set-threads). Never workflow.cores, as it
 # needs a global core count, which `--unlock` and the SLURM executor do not give.
 MACHINE_THREADS = os.cpu_count() or 1
 CORPORA = ["synthetic", "realistic"] + (["imported"] if config["corpus"]["imported"]["path"] else [])

@@ -211,7 +211,7 @@ def hi_ranks_wrong(ev: Evidence) -> Finding:
         taus["backend x codec by query-round TTFT (serve)"] = _serve_tau(offload, "ttft_query_s", ["backend", "codec"])
     source = "; ".join(sources)
     if not taus:
-        return Finding(NOT_RUN, "stages kv and serve not run", source, rule)
+        return Finding(NOT_RUN, "no KV compressibility table (stage kv) and no serve stage", source, rule)
     parts = [f"{what}: tau {_fmt(t)} over {n}" for what, (t, n) in taus.items()]
     if offload is None:
         parts.append("serve: not run")

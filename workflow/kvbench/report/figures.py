@@ -21,46 +21,49 @@ def _empty(ax: plt.Axes, text: str) -> None:
 
 def correlation_figure(corr: pd.DataFrame, png: str | os.PathLike, svg: str | os.PathLike) -> None:
     """Spearman's rho (point) and its bootstrap interval (bar) per category, one panel per outcome."""
-    outcomes = list(OUTCOME_LABELS)
-    fig, axes = plt.subplots(1, len(outcomes), figsize=(4.2 * len(outcomes), 1.2 + 0.45 * max(1, len(corr))),
-                             sharey=True, squeeze=False)
-    labels = sorted({f"{r.model} / {r.category}" for r in corr.itertuples()}) or [""]
-    for ax, outcome in zip(axes[0], outcomes):
+    labels = sorted({f"{r.model} / {r.category}" for r in corr.itertuples()})
+    fig, axes = plt.subplots(1, len(OUTCOME_LABELS), figsize=(4.2 * len(OUTCOME_LABELS) + 2, 1.8 + 0.5 * len(labels)),
+                             squeeze=False, layout="constrained")
+    for ax, (outcome, label) in zip(axes[0], OUTCOME_LABELS.items()):
         rows = corr[(corr.outcome == outcome) & corr.rho.notna()]
-        ax.set_title(f"measured ratio vs {OUTCOME_LABELS[outcome]}")
+        ax.set_title(f"measured ratio vs {label}")
         if rows.empty:
             _empty(ax, "not measured")
             continue
         y = [labels.index(f"{r.model} / {r.category}") for r in rows.itertuples()]
-        ax.errorbar(rows.rho, y, xerr=[rows.rho - rows.ci_low, rows.ci_high - rows.rho], fmt="o", color="#1f3b73",
-                    ecolor="#7da7d9", capsize=3)
+        rho, low, high = (rows[c].to_numpy(float) for c in ("rho", "ci_low", "ci_high"))
+        ax.errorbar(rho, y, xerr=[rho - low, high - rho], fmt="o", color="#1f3b73", ecolor="#7da7d9", capsize=3)
         ax.axvline(0, color="grey", lw=0.8)
         for edge in (-PREDICTS_RHO, PREDICTS_RHO):
             ax.axvline(edge, color="#d95f02", lw=0.8, ls="--")
         ax.set_xlim(-1.05, 1.05)
-        ax.set_yticks(range(len(labels)), labels)
+        ax.set_ylim(-0.5, len(labels) - 0.5)
+        ax.set_yticks(range(len(labels)), labels if ax is axes[0][0] else [], fontsize=8)
         ax.set_xlabel("Spearman's rho across methods")
     fig.suptitle("Does the measured compression ratio predict end-to-end behaviour? (95 % bootstrap intervals)")
     save(fig, png, svg)
 
 
 def tradeoff_figure(table: pd.DataFrame, baseline: str, png: str | os.PathLike, svg: str | os.PathLike) -> None:
-    """Measured ratio (x) against quality, TTFT and TPOT relative to the baseline, per method."""
-    panels = [("quality_rel", "quality"), ("ttft_s_rel", "TTFT"), ("tpot_s_rel", "TPOT")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.6), squeeze=False)
-    for ax, (column, label) in zip(axes[0], panels):
-        rows = table[table[column].notna() & table.ratio.notna()] if column in table else table.iloc[:0]
+    """Measured ratio (x) against quality (per category), TTFT and TPOT (per context bucket: they do
+    not depend on the task) relative to the baseline, per method."""
+    panels = [("quality_rel", "quality", ["category", "bucket"]), ("ttft_s_rel", "TTFT", ["bucket"]),
+              ("tpot_s_rel", "TPOT", ["bucket"])]
+    several = table.model.nunique() > 1
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.6), squeeze=False, layout="constrained")
+    for ax, (column, label, by) in zip(axes[0], panels):
+        rows = table[table[column].notna() & table.ratio.notna()].drop_duplicates(["model", "method", *by])
         ax.set_title(f"{label} relative to {baseline}")
         if rows.empty:
             _empty(ax, f"{label} not measured")
             continue
-        for (category, bucket), part in rows.groupby(["category", "bucket"]):
-            ax.scatter(part.ratio, part[column], s=22, label=f"{category}, {bucket}")
-            for r in part.itertuples():
-                ax.annotate(r.method, (r.ratio, getattr(r, column)), fontsize=7, xytext=(3, 2),
-                            textcoords="offset points")
+        for key, part in rows.groupby(["model", *by]):
+            name = ", ".join(map(str, key if several else key[1:]))
+            ax.scatter(part.ratio, part[column], s=22, label=name)
+            for method, x, y in zip(part.method, part.ratio, part[column]):
+                ax.annotate(method, (x, y), fontsize=7, xytext=(3, 2), textcoords="offset points")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xlabel(f"measured KV compression ratio vs {baseline}")
         ax.legend(fontsize=7)
-    fig.suptitle("Trade-offs per method (medians over prompts / means over samples)")
+    fig.suptitle("Trade-offs per method (medians over prompts, means over samples)")
     save(fig, png, svg)
