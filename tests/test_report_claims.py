@@ -158,6 +158,8 @@ def test_cam_ratio_varies():
     row = verdict({"system": fixed}, "cam-ratio-varies", methods={"cam": {"kind": "cam", "keep_ratio": 0.25}})
     assert row.verdict == C.CONTRADICTED and "keep_ratio fixes the ratio" in row.ours
     assert verdict({}, "cam-ratio-varies").verdict == C.NOT_RUN
+    failed = system({"cam": {}}, errors={"cam": 3})
+    assert verdict({"system": failed}, "cam-ratio-varies").verdict == C.NOT_MEASURABLE
 
 
 def test_summarization_most_fragile():
@@ -182,6 +184,7 @@ def _corr(rho, low, high):
     (_corr(-0.95, -1.0, -0.8), C.CONTRADICTED),
     (_corr(-0.3, -0.9, 0.4), C.CONFIRMED),
     (_corr(math.nan, math.nan, math.nan), C.NOT_MEASURABLE),
+    (_corr(-0.95, math.nan, math.nan), C.NOT_MEASURABLE),  # a rho without an interval decides nothing
     (_corr(0, 0, 0).iloc[:0], C.NOT_RUN),
 ])
 def test_ratio_predicts_poorly(corr, expected):

@@ -14,6 +14,7 @@ from docutils.core import publish_parts
 from kvbench.report import readme
 from kvbench.report.contracts import ContractError, load_tables, read_table
 from kvbench.report.costs import pipeline_cost, read_benchmarks, rule_of
+from kvbench.report.correlations import correlation_table
 from kvbench.report.joined import method_table
 from kvbench.report.render import html_page, markdown_table
 from kvbench.report.stats import bootstrap_spearman, kendall_tau
@@ -68,6 +69,8 @@ def test_spearman_is_deterministic_under_the_seed_and_nan_below_three_items():
     assert a == bootstrap_spearman(x, y, 300, seed=5)
     assert a.rho == b.rho and (a.ci_low, a.ci_high) != (b.ci_low, b.ci_high)
     assert math.isnan(bootstrap_spearman(x.iloc[:, :2], y.iloc[:, :2], 100, seed=1).rho)
+    two = bootstrap_spearman(x.iloc[:2], y.iloc[:2], 100, seed=1)  # two samples: a rho, no interval
+    assert not math.isnan(two.rho) and math.isnan(two.ci_low) and math.isnan(two.ci_high)
 
 
 def test_kendall_tau_values():
@@ -76,6 +79,22 @@ def test_kendall_tau_values():
     assert kendall_tau(a, -a) == (-1.0, 4)
     assert kendall_tau(a, pd.Series([1, 2, 4, 3], index=list("abcd")))[0] == pytest.approx(4 / 6)
     assert math.isnan(kendall_tau(a.iloc[:2], a.iloc[:2])[0])
+
+
+def test_correlations_use_per_sample_timings_when_the_quality_stage_records_them():
+    methods = ["full", "kivi2", "kivi4", "snapkv"]
+    scores = quality({m: {"qa": 0.5 - 0.05 * i} for i, m in enumerate(methods)}, samples=6)
+    sys_rows = system({m: {"ratio_end": 1.0 + i, "ttft_s": 1.0 + i} for i, m in enumerate(methods)})
+    corr = correlation_table(tables(system=sys_rows, quality_scores=scores), n_boot=200, seed=1)
+    assert set(zip(corr.category, corr.outcome)) == {("qa", "quality"), ("system prompts", "ttft_s"),
+                                                     ("system prompts", "tpot_s")}
+    assert corr.set_index("outcome").loc["quality", "rho"] == pytest.approx(-1.0)  # more compression, less quality
+    timed = scores.assign(ttft_s=scores.method.map({m: 1.0 + i for i, m in enumerate(methods)}),
+                          tpot_s=0.1, ratio=scores.method.map({m: 1.0 + i for i, m in enumerate(methods)}))
+    corr = correlation_table(tables(system=sys_rows, quality_scores=timed), n_boot=200, seed=1).set_index("outcome")
+    assert set(corr.category) == {"qa"} and corr.loc["ttft_s", "rho"] == pytest.approx(1.0)
+    assert math.isnan(corr.loc["tpot_s", "rho"])  # equal TPOT everywhere: no ranking
+    assert corr.loc["quality", "source"] == "results/quality/scores.parquet"
 
 
 # --- joined tables -------------------------------------------------------------------------------

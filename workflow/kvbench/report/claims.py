@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import pandas as pd
 
 from kvbench.report.contracts import CATEGORY_SUMMARIZATION, Tables
@@ -105,6 +106,11 @@ def _named(ev: Evidence, kind: str, **settings: Any) -> list[str]:
 
 def _family(ev: Evidence, name: str) -> str | None:
     return ev.methods.get(name, {}).get("kind")
+
+
+def _families(ev: Evidence, names: pd.Index | pd.Series, kinds: tuple[str, ...] = SEED_KINDS) -> np.ndarray:
+    """Mask of the names whose kind is one of `kinds` (np.array: safe on empty frames)."""
+    return np.array([_family(ev, n) in kinds for n in names], dtype=bool)
 
 
 def _fmt(x: float) -> str:
@@ -250,7 +256,7 @@ def kivi4_most_stable(ev: Evidence) -> list[Finding]:
     out = []
     for model in _models(ev.method_table):
         per, column = _category_quality(ev, model)
-        per = per[[_family(ev, m) in SEED_KINDS for m in per.index]] if len(per) else per
+        per = per[_families(ev, per.index)]
         worst = per.min(axis=1).dropna() if len(per) else pd.Series(dtype=float)
         if kivi4[0] not in worst.index or len(worst) < 2:
             out.append(Finding(NOT_MEASURABLE, "the baseline scores 0 and no fidelity rows", src, rule, model))
@@ -275,7 +281,7 @@ def snapkv_throughput(ev: Evidence) -> list[Finding]:
     out = []
     for model in _models(system):
         rows = workload_prompts(system[(system.model == model) & system.error.isna()])
-        rows = rows[[_family(ev, m) in SEED_KINDS for m in rows.method]]
+        rows = rows[_families(ev, rows.method)]
         longest = int(rows.target_context.max()) if len(rows) else 0
         at = rows[rows.target_context >= min(longest, LONG_CONTEXT_TOKENS)]
         speed = at.groupby("method").decode_tok_s.median().sort_values(ascending=False)
@@ -310,11 +316,11 @@ def turboquant_ttft(ev: Evidence) -> list[Finding]:
             out.append(Finding(NOT_MEASURABLE, f"no {ev.baseline} rows", src, rule, model))
             continue
         over = ttft.div(ttft[ev.baseline], axis=0).sub(1).median()
-        over = over[[_family(ev, m) in SEED_KINDS for m in over.index]].dropna().sort_values(ascending=False)
+        over = over[_families(ev, over.index)].dropna().sort_values(ascending=False)
         spread = (rows.ttft_s_std / rows.ttft_s).median()
         noise = max(NOISE_FLOOR, float(spread) if spread == spread else 0.0)
-        tq = over[[_family(ev, m) == "turboquant" for m in over.index]]
-        rest = over[[_family(ev, m) != "turboquant" for m in over.index]]
+        tq = over[_families(ev, over.index, ("turboquant",))]
+        rest = over[~_families(ev, over.index, ("turboquant",))]
         ours = ", ".join(f"{m} {v:+.1%}" for m, v in over.items()) + f" (noise {noise:.0%})"
         if tq.empty or rest.empty:
             out.append(Finding(NOT_MEASURABLE, ours or "no TurboQuant or no other family", src, rule, model))
@@ -365,7 +371,7 @@ def summarization_fragile(ev: Evidence) -> list[Finding]:
     out = []
     for model in _models(ev.method_table):
         per, column = _category_quality(ev, model)
-        per = per[[_family(ev, m) in SEED_KINDS for m in per.index]] if len(per) else per
+        per = per[_families(ev, per.index)]
         means = per.mean().dropna().sort_values() if len(per) else pd.Series(dtype=float)
         if CATEGORY_SUMMARIZATION not in means.index or len(means) < 2:
             out.append(Finding(NOT_MEASURABLE, "no summarization scores relative to the baseline", src, rule, model))
@@ -388,9 +394,10 @@ def ratio_predicts_poorly(ev: Evidence) -> list[Finding]:
         return [Finding(NOT_RUN, "stage system not run", src, rule)]
     out = []
     for model in _models(corr):
-        rows = corr[(corr.model == model) & corr.rho.notna()]
+        rows = corr[(corr.model == model) & corr.rho.notna() & corr.ci_low.notna()]
         if rows.empty:
-            out.append(Finding(NOT_MEASURABLE, "fewer than 3 methods measured", src, rule, model))
+            out.append(Finding(NOT_MEASURABLE, "no interval: fewer than 3 methods or 3 samples per category",
+                               src, rule, model))
             continue
         predicts = (rows.rho.abs() >= PREDICTS_RHO) & ((rows.ci_low > 0) | (rows.ci_high < 0))
         ours = f"predicts {int(predicts.sum())} of {len(rows)}: " + ", ".join(

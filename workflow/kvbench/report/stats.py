@@ -12,6 +12,7 @@ import pandas as pd
 from scipy import stats
 
 MIN_METHODS = 3  # fewer items than this give no rank correlation worth a number
+MIN_SAMPLES = 3  # fewer samples than this give a degenerate bootstrap interval
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def bootstrap_spearman(
     sample index in both), with a percentile interval from resampling the samples.
 
     A sample missing for an item (NaN) is left out of that item's mean. Items whose mean is
-    undefined are dropped; with fewer than MIN_METHODS items the result is NaN.
+    undefined are dropped; with fewer than MIN_METHODS items the result is NaN, and with fewer
+    than MIN_SAMPLES samples the interval is (resampling one or two samples says nothing).
     """
     x, y = x.align(y, join="inner")
     keep = x.notna().any() & y.notna().any()
@@ -50,6 +52,8 @@ def bootstrap_spearman(
     if n_items < MIN_METHODS or n_samples == 0:
         return RankCorrelation(math.nan, math.nan, math.nan, n_items, n_samples)
     point = float(_spearman_rows(np.nanmean(x, axis=0)[None], np.nanmean(y, axis=0)[None])[0])
+    if n_samples < MIN_SAMPLES:
+        return RankCorrelation(point, math.nan, math.nan, n_items, n_samples)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, n_samples, size=(n_boot, n_samples))
     with warnings.catch_warnings():  # an all-NaN slice warns; it is handled below
