@@ -29,9 +29,9 @@ OPEN = """
 window.addEventListener("load", () => setTimeout(() => {{
   const path = Object.keys(results).find(p => p.endsWith({name}));
   const entry = results[path];
-  app.showCategory("Report");
-  app.setView({{content: entry.mime_type === "text/html" ? "html" : "img", contentPath: entry.data_uri,
-               resultPath: path}});
+  app.showCategory("Report");  // the menu, then (after React re-renders) the page itself
+  setTimeout(() => app.setView({{content: entry.mime_type === "text/html" ? "html" : "img",
+                                contentPath: entry.data_uri, resultPath: path}}), 300);
 }}, 300));
 </script>
 """
@@ -70,8 +70,8 @@ def main() -> None:
             page = args.report
             if name is not None:
                 page = Path(tmp) / f"{view}.html"
-                page.write_text(html.replace("</body>", OPEN.format(name=json.dumps(name)) + "</body>"),
-                                encoding="utf-8")
+                head, tag, tail = html.rpartition("</body>")  # the last one: the bundled scripts quote the tag
+                page.write_text(head + OPEN.format(name=json.dumps(name)) + tag + tail, encoding="utf-8")
             target = args.out / f"{view}.png"
             seconds = screenshot(browser, page, target, args.size, args.timeout)
             print(f"{view:<16} {target}  ({seconds:.1f} s)")

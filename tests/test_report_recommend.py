@@ -37,7 +37,7 @@ def test_memory_bound_picks_the_best_quality_within_the_limits():
     # kivi2 (0.25x, 0.98x) and turboquant3 (0.20x, 0.97x) qualify; snapkv fails quality, kivi4 bytes.
     assert (row["best"], row["runner_up"], row["qualifying"], row["candidates"]) == ("kivi2", "turboquant3", 2, 5)
     assert row["best_value"] == pytest.approx(0.49)
-    assert "kv_bytes 2.5e+05 (0.25x full)" in row["numbers"] and "runner-up turboquant3" in row["why"]
+    assert "kv_bytes 0.25 MB (0.25x full)" in row["numbers"] and "runner-up turboquant3" in row["why"]
 
 
 def test_changing_the_scenario_changes_the_answer():

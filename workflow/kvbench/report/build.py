@@ -112,9 +112,10 @@ def overview_page(report: ReportTables) -> str:
 def costs_page(costs: pd.DataFrame) -> str:
     if costs.empty:
         return html_page("Pipeline cost", [("No benchmark files", "benchmarks/ holds no TSV yet.", None)])
-    shown = ["stage", "rule", "job", "jobs", "wall_s", "span_s", "share", "max_rss_mb", "cpu_s", "mean_load"]
+    costs = costs.assign(share_pct=100 * costs.share)
+    shown = ["stage", "rule", "job", "jobs", "wall_s", "span_s", "share_pct", "max_rss_mb", "cpu_s", "mean_load"]
     note = ("wall_s: job-seconds (summed over the jobs), span_s: first start to last end (from file times), "
-            "share: of all job-seconds, max_rss_mb: the largest job. The report's own job is not in it: "
+            "share_pct: of all job-seconds, max_rss_mb: the largest job. The report's own job is not in it: "
             "its benchmark is written after it ends.")
     return html_page("Pipeline cost (benchmarks/*.tsv)", [
         ("Per stage", note, costs[costs.level == "stage"][shown].drop(columns=["rule", "job"])),

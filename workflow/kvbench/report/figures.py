@@ -38,7 +38,10 @@ def correlation_figure(corr: pd.DataFrame, png: str | os.PathLike, svg: str | os
             ax.axvline(edge, color="#d95f02", lw=0.8, ls="--")
         ax.set_xlim(-1.05, 1.05)
         ax.set_ylim(-0.5, len(labels) - 0.5)
-        ax.set_yticks(range(len(labels)), labels if ax is axes[0][0] else [], fontsize=8)
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        for r, yy in zip(rows.itertuples(), y):  # samples behind each point (no interval below 3)
+            ax.annotate(f"n={r.samples}", (r.rho, yy), fontsize=7, xytext=(0, 6), textcoords="offset points",
+                        ha="center", color="#52606d")
         ax.set_xlabel("Spearman's rho across methods")
     fig.suptitle("Does the measured compression ratio predict end-to-end behaviour? (95 % bootstrap intervals)")
     save(fig, png, svg)

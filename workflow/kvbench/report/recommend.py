@@ -73,7 +73,7 @@ def _value(row: Mapping[str, Any], column: str, baseline: str) -> str:
     v, rel = row.get(column), row.get(f"{column}_rel")
     if v is None or pd.isna(v):
         return f"{column} not measured"
-    text = f"{column} {v:.3g}"
+    text = f"{column} {v / 1e6:.3g} MB" if column == "kv_bytes" else f"{column} {v:.3g}"
     return text + (f" ({rel:.2f}x {baseline})" if rel is not None and not pd.isna(rel) else "")
 
 

@@ -25,7 +25,7 @@ def fmt(value: object) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
         return ""
     if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.3g}"
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
     return str(value)
 
 
