@@ -13,37 +13,41 @@ from kvbench.report.claims import PREDICTS_RHO
 OUTCOME_LABELS = {"quality": "quality", "ttft_s": "TTFT", "tpot_s": "TPOT"}
 
 
-def _empty(ax: plt.Axes, text: str) -> None:
+def _empty(ax: plt.Axes, text: str, clear_y: bool = True) -> None:
+    """A panel that says what is missing (y ticks stay when the y axis is shared)."""
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#616e7c")
     ax.set_xticks([])
-    ax.set_yticks([])
+    if clear_y:
+        ax.set_yticks([])
 
 
 def correlation_figure(corr: pd.DataFrame, png: str | os.PathLike, svg: str | os.PathLike) -> None:
     """Spearman's rho (point) and its bootstrap interval (bar) per category, one panel per outcome."""
     labels = sorted({f"{r.model} / {r.category}" for r in corr.itertuples()})
-    fig, axes = plt.subplots(1, len(OUTCOME_LABELS), figsize=(4.2 * len(OUTCOME_LABELS) + 2, 1.8 + 0.5 * len(labels)),
-                             squeeze=False, layout="constrained")
+    height = 1.8 + 0.5 * len(labels)
+    fig, axes = plt.subplots(1, len(OUTCOME_LABELS), figsize=(4.2 * len(OUTCOME_LABELS), height), sharey=True,
+                             squeeze=False)
+    axes[0][0].set_ylim(-0.5, len(labels) - 0.5)
+    axes[0][0].set_yticks(range(len(labels)), labels, fontsize=8)
     for ax, (outcome, label) in zip(axes[0], OUTCOME_LABELS.items()):
         rows = corr[(corr.outcome == outcome) & corr.rho.notna()]
         ax.set_title(f"measured ratio vs {label}")
         if rows.empty:
-            _empty(ax, "not measured")
+            _empty(ax, "not measured", clear_y=False)
             continue
         y = [labels.index(f"{r.model} / {r.category}") for r in rows.itertuples()]
         rho, low, high = (rows[c].to_numpy(float) for c in ("rho", "ci_low", "ci_high"))
         ax.errorbar(rho, y, xerr=[rho - low, high - rho], fmt="o", color="#1f3b73", ecolor="#7da7d9", capsize=3)
+        for r, yy in zip(rows.itertuples(), y):  # samples behind each point (no interval below 3)
+            ax.annotate(f"n={r.samples}", (r.rho, yy), fontsize=7, xytext=(0, 6), textcoords="offset points",
+                        ha="center", color="#52606d")
         ax.axvline(0, color="grey", lw=0.8)
         for edge in (-PREDICTS_RHO, PREDICTS_RHO):
             ax.axvline(edge, color="#d95f02", lw=0.8, ls="--")
         ax.set_xlim(-1.05, 1.05)
-        ax.set_ylim(-0.5, len(labels) - 0.5)
-        ax.set_yticks(range(len(labels)), labels, fontsize=8)
-        for r, yy in zip(rows.itertuples(), y):  # samples behind each point (no interval below 3)
-            ax.annotate(f"n={r.samples}", (r.rho, yy), fontsize=7, xytext=(0, 6), textcoords="offset points",
-                        ha="center", color="#52606d")
         ax.set_xlabel("Spearman's rho across methods")
-    fig.suptitle("Does the measured compression ratio predict end-to-end behaviour? (95 % bootstrap intervals)")
+    fig.suptitle("Does the measured compression ratio predict end-to-end behaviour? (95 % bootstrap intervals)",
+                 y=1 + 0.5 / height)  # above the panel titles, whatever the height
     save(fig, png, svg)
 
 
@@ -53,7 +57,7 @@ def tradeoff_figure(table: pd.DataFrame, baseline: str, png: str | os.PathLike, 
     panels = [("quality_rel", "quality", ["category", "bucket"]), ("ttft_s_rel", "TTFT", ["bucket"]),
               ("tpot_s_rel", "TPOT", ["bucket"])]
     several = table.model.nunique() > 1
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.6), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.6), squeeze=False)
     for ax, (column, label, by) in zip(axes[0], panels):
         rows = table[table[column].notna() & table.ratio.notna()].drop_duplicates(["model", "method", *by])
         ax.set_title(f"{label} relative to {baseline}")
