@@ -62,11 +62,12 @@ def kv_compressibility(ratios: Mapping[str, Mapping[str, float]], dtype: str = "
     ])
 
 
-def serve_offload(rows: Iterable[tuple[str, str, str, float, float]]) -> pd.DataFrame:
-    """(backend, codec, corpus, ratio, query TTFT)."""
+def serve_offload(rows: Iterable[tuple[str, str, str, float, float]], status: str = "ok") -> pd.DataFrame:
+    """(backend, codec, corpus, ratio, hit TTFT)."""
     return pd.DataFrame([
         {"backend": b, "codec": c, "corpus": corpus, "raw_bytes": 1e6, "wire_bytes": 1e6 / r, "ratio": r,
-         "ttft_warmup_s": 1.0, "ttft_query_s": t, "hits": 4, "error": None}
+         "ttft_warmup_s": 2.0, "ttft_query_s": t, "ttft_hit_s": t, "hits": 4, "status": status,
+         "store_mb_s": 100.0, "load_mb_s": 200.0, "outputs_identical": 1.0}
         for b, c, corpus, r, t in rows
     ])
 
@@ -110,6 +111,7 @@ def quality(means: Mapping[str, Mapping[str, float]], samples: int = 4, model: s
 def fidelity(top1: Mapping[str, Mapping[str, float]], samples: int = 3, model: str = "m") -> pd.DataFrame:
     return pd.DataFrame([
         {"model": model, "method": method, "category": category, "sample": s, "kl_mean": 1 - agree,
-         "top1_agreement": agree, "first_divergence": 5, "error": None, "bucket": None}
+         "top1_agreement": agree, "first_divergence": None if agree == 1 else 5, "error": None, "bucket": None,
+         "positions": 16}
         for method, cats in top1.items() for category, agree in cats.items() for s in range(samples)
     ])

@@ -86,6 +86,15 @@ def test_hi_ranks_wrong_takes_the_least_agreeing_ranking_from_serve():
     assert row.ours_value == pytest.approx(-1.0)
 
 
+def test_hi_ranks_wrong_leaves_out_unsupported_serve_rows():
+    rows = [("valkey", c, corpus, r, 1.0 + r) for c, r in zip(CODECS, [1.1, 1.2, 1.01, 1.3])
+            for corpus in ("realistic", "synthetic")]
+    flipped = serve_offload([("lmcache", "kivi", "realistic", 1.0, 9.0), ("lmcache", "kivi", "synthetic", 1.0, 0.1)],
+                            status="unsupported: degraded mode on CPU")
+    row = verdict({"serve_offload": pd.concat([serve_offload(rows), flipped])}, "hi-ranks-wrong")
+    assert row.verdict == C.CONTRADICTED and "hit TTFT (serve): tau 1 over 4" in row.ours
+
+
 def test_hi_ranks_wrong_with_two_codecs_is_not_measurable():
     kv = kv_compressibility({c: {"zstd-3": 1.2, "lz4": 1.0} for c in ("realistic", "synthetic")})
     assert verdict({"kv_compressibility": kv}, "hi-ranks-wrong").verdict == C.NOT_MEASURABLE

@@ -12,7 +12,7 @@ import pytest
 from docutils.core import publish_parts
 
 from kvbench.report import readme
-from kvbench.report.contracts import ContractError, load_tables, read_table
+from kvbench.report.contracts import CONTRACTS, ContractError, load_tables, read_table
 from kvbench.report.costs import pipeline_cost, read_benchmarks, rule_of
 from kvbench.report.correlations import correlation_table
 from kvbench.report.joined import method_table
@@ -31,6 +31,21 @@ def test_a_table_is_read_under_the_report_names_with_optional_columns_filled(tmp
     pd.DataFrame(own).to_parquet(tmp_path / "scores.parquet")
     table = read_table("quality_scores", tmp_path / "scores.parquet")
     assert table.loc[0, "sample"] == 3 and math.isnan(table.loc[0, "ttft_s"]) and table.loc[0, "config_hash"] == "abc"
+
+
+def test_per_model_tables_are_read_together_and_named_by_their_path(tmp_path):
+    own = {"method": ["full"], "task": ["t"], "category": ["c"], "metric": ["qa_f1"], "bucket": ["0-4k"],
+           "context_tokens": [10], "score": [0.5], "error": [None], "sample_id": [0]}
+    paths = []
+    for model in ("small", "large"):
+        path = tmp_path / f"results/quality/{model}/scores.parquet"
+        path.parent.mkdir(parents=True)
+        pd.DataFrame(own).to_parquet(path)
+        paths.append(path)
+    found = load_tables({"quality_scores": [*paths, tmp_path / "results/quality/absent/scores.parquet"]})
+    assert sorted(found.get("quality_scores").model) == ["large", "small"]
+    assert CONTRACTS["quality_scores"].expand(["a"]) == ["results/quality/a/scores.parquet"]
+    assert CONTRACTS["system"].expand(["a", "b"]) == ["results/system/metrics.parquet"]
 
 
 def test_a_missing_table_is_a_stage_not_run_and_a_missing_column_a_clear_error(tmp_path):
@@ -94,7 +109,7 @@ def test_correlations_use_per_sample_timings_when_the_quality_stage_records_them
     corr = correlation_table(tables(system=sys_rows, quality_scores=timed), n_boot=200, seed=1).set_index("outcome")
     assert set(corr.category) == {"qa"} and corr.loc["ttft_s", "rho"] == pytest.approx(1.0)
     assert math.isnan(corr.loc["tpot_s", "rho"])  # equal TPOT everywhere: no ranking
-    assert corr.loc["quality", "source"] == "results/quality/scores.parquet"
+    assert corr.loc["quality", "source"] == "results/quality/m/scores.parquet"
 
 
 # --- joined tables -------------------------------------------------------------------------------
@@ -109,6 +124,16 @@ def test_method_table_joins_quality_and_system_per_bucket_and_divides_by_the_bas
     assert row.ttft_s_rel == pytest.approx(1.5) and row.kv_bytes_rel == pytest.approx(0.25)
     assert row.prompts == 3 and row.samples == 4 and row.quality_errors == 0
     assert "(built in test) quality_scores" not in row.sources  # provenance, not the test's labels
+
+
+def test_identical_outputs_count_as_diverging_after_the_whole_continuation():
+    from report_frames import fidelity
+
+    table = method_table(tables(system=system({"full": {}, "kivi4": {}, "snapkv": {}}),
+                                quality_scores=quality({m: {"qa": 0.5} for m in ("full", "kivi4", "snapkv")}),
+                                quality_fidelity=fidelity({"kivi4": {"qa": 1.0}, "snapkv": {"qa": 0.8}})), "full")
+    first = table.set_index("method").first_divergence
+    assert first["kivi4"] == 16 and first["snapkv"] == 5  # 16: the continuation's length
 
 
 def test_failed_rows_are_counted_not_dropped():

@@ -10,9 +10,10 @@ naming the table and the columns.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -23,13 +24,24 @@ from kvbench.provenance import PROVENANCE_COLUMNS
 @dataclass(frozen=True)
 class Contract:
     stage: str
-    path: str
+    path: str  # may hold {model}: one table per model, read together
     columns: Mapping[str, str]
     optional: Mapping[str, str] = field(default_factory=dict)
 
     def column(self, name: str) -> str:
         """The table's own column behind a report name (for the claims' source column)."""
         return {**self.columns, **self.optional}[name]
+
+    def expand(self, models: Iterable[str]) -> list[str]:
+        return [self.path.format(model=m) for m in models] if "{model}" in self.path else [self.path]
+
+    def model_of(self, path: str | os.PathLike) -> str | None:
+        """The model a per-model path names (None for a path without {model})."""
+        if "{model}" not in self.path:
+            return None
+        head, tail = (re.escape(part) for part in self.path.split("{model}", 1))
+        found = re.search(f"{head}([^/]+){tail}$", Path(path).as_posix())
+        return found.group(1) if found else None
 
 
 def _same(*names: str) -> dict[str, str]:
@@ -60,32 +72,35 @@ CONTRACTS: dict[str, Contract] = {
               "decode_tok_s", "kv_bytes_end", "ratio_end", "peak_memory_mb", "error"),
         optional=_same("ttft_s_std", "repeats"),
     ),
-    # Issue 9 (quality): one row per method x task x sample (categories: see CATEGORY_* below).
+    # Issue 9 (quality): per model, one row per method x task x sample (categories: CATEGORY_* below).
     "quality_scores": Contract(
-        "quality", "results/quality/scores.parquet",
+        "quality", "results/quality/{model}/scores.parquet",
         {**_same("model", "method", "task", "category", "metric", "bucket", "context_tokens", "score", "error"),
          "sample": "sample_id"},
-        # Per-request timings and bytes, if the quality pass records them (issue 9, item 3).
+        # Per-sample timings and bytes of the same pass (issue 9, item 3).
         optional={"ttft_s": "ttft_s", "tpot_s": "tpot_s", "ratio": "ratio_end"},
     ),
     "quality_fidelity": Contract(
-        "quality", "results/quality/fidelity.parquet",
+        "quality", "results/quality/{model}/fidelity.parquet",
         {**_same("model", "method", "category", "kl_mean", "top1_agreement", "first_divergence", "error"),
          "sample": "sample_id"},
-        optional=_same("bucket"),
+        # first_divergence is null where the outputs are identical: the continuation's length then.
+        optional={"bucket": "bucket", "positions": "fidelity_positions"},
     ),
-    # Issue 11 (serve): one row per backend x codec x corpus x round x request, and per
-    # backend x codec x corpus.
+    # Issue 11 (serve): one row per request of every round, and per backend x codec x corpus.
     "serve_requests": Contract(
         "serve", "results/serve/requests.parquet",
-        {**_same("backend", "codec", "corpus", "round", "ttft_s", "error"), "request": "request_id"},
-        optional=_same("cached_tokens", "prompt_tokens"),
+        _same("backend", "codec", "corpus", "round", "ttft_s", "error"),
+        optional=_same("miss", "cached_tokens", "prompt_tokens"),
     ),
     "serve_offload": Contract(
         "serve", "results/serve/offload.parquet",
-        _same("backend", "codec", "corpus", "raw_bytes", "wire_bytes", "ratio", "ttft_warmup_s", "ttft_query_s",
-              "hits"),
-        optional=_same("store_mb_s", "load_mb_s", "outputs_identical", "error"),
+        {**_same("backend", "codec", "corpus", "raw_bytes", "wire_bytes", "ratio"),
+         "ttft_warmup_s": "ttft_warmup_mean_s", "ttft_query_s": "ttft_query_mean_s", "ttft_hit_s": "ttft_hit_mean_s",
+         "hits": "query_hits"},
+        # status: "ok", "N requests failed" or "unsupported: ..." (a row that is no result)
+        optional={"status": "status", "store_mb_s": "store_mb_s", "load_mb_s": "load_mb_s",
+                  "outputs_identical": "outputs_identical_share"},
     ),
 }
 
@@ -100,9 +115,12 @@ class ContractError(ValueError):
 
 
 def read_table(name: str, path: str | os.PathLike) -> pd.DataFrame:
-    """The table under its report names (+ provenance columns); optional columns absent -> NA."""
+    """The table under its report names (+ provenance columns); optional columns absent -> NaN.
+    A per-model table without a `model` column gets the model its path names."""
     contract = CONTRACTS[name]
     table = pd.read_parquet(path)
+    if "model" not in table.columns and contract.model_of(path) is not None:
+        table["model"] = contract.model_of(path)
     missing = sorted(col for col in contract.columns.values() if col not in table.columns)
     if missing:
         raise ContractError(
@@ -140,13 +158,19 @@ class Tables:
         return f"{contract.path}: {', '.join(contract.column(c) for c in columns)}"
 
 
-def load_tables(paths: Mapping[str, str | os.PathLike | None]) -> Tables:
-    """Read every contract table given a path that exists; skip the rest (stage not run)."""
+PathLike = str | os.PathLike
+
+
+def load_tables(paths: Mapping[str, PathLike | Sequence[PathLike] | None]) -> Tables:
+    """Read every contract table given a path that exists (per-model tables: several paths, read
+    together); skip the rest (stage not run)."""
     frames, found = {}, {}
-    for name, path in paths.items():
+    for name, given in paths.items():
         if name not in CONTRACTS:
             raise ContractError(f"no contract for table {name!r} (known: {sorted(CONTRACTS)})")
-        if path is not None and Path(path).is_file():
-            frames[name] = read_table(name, path)
-            found[name] = str(path)
+        listed = [] if given is None else [given] if isinstance(given, (str, os.PathLike)) else list(given)
+        present = [str(p) for p in listed if Path(p).is_file()]
+        if present:
+            frames[name] = pd.concat([read_table(name, p) for p in present], ignore_index=True)
+            found[name] = ", ".join(present)
     return Tables(frames, found)

@@ -33,15 +33,16 @@ def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
         ratio_of = sys_ok.groupby(["model", "method"]).ratio_end.median()
     for (model, category), rows in ok.groupby(["model", "category"]):
         own_ratio = rows.ratio.notna().any()
+        scores_path = CONTRACTS["quality_scores"].expand([model])[0]
         for outcome, column in (("quality", "score"), ("ttft_s", "ttft_s"), ("tpot_s", "tpot_s")):
             if rows[column].isna().all():
                 continue
             y = _matrix(rows, ["task", "sample"], column)
             if own_ratio:
-                x, src = _matrix(rows, ["task", "sample"], "ratio"), CONTRACTS["quality_scores"].path
+                x, src = _matrix(rows, ["task", "sample"], "ratio"), scores_path
             elif ratio_of is not None and model in ratio_of.index.get_level_values(0):
                 x = _broadcast(ratio_of[model], y)
-                src = f"{CONTRACTS['quality_scores'].path} + ratio from {CONTRACTS['system'].path}"
+                src = f"{scores_path} + ratio from {CONTRACTS['system'].path}"
             else:
                 continue
             yield model, category, outcome, src, x, y

@@ -64,6 +64,8 @@ def quality_cells(scores: pd.DataFrame) -> pd.DataFrame:
 def fidelity_cells(fidelity: pd.DataFrame) -> pd.DataFrame:
     keys = [k for k in KEYS if k != "bucket" or fidelity["bucket"].notna().any()]
     ok = fidelity[fidelity.error.isna()]
+    # Identical outputs never diverge (null): they count as diverging after the whole continuation.
+    ok = ok.assign(first_divergence=ok.first_divergence.fillna(ok.positions))
     return ok.groupby(keys, as_index=False).agg(
         kl_mean=("kl_mean", "mean"), top1_agreement=("top1_agreement", "mean"),
         first_divergence=("first_divergence", "median"))
