@@ -62,8 +62,8 @@ CONDA_ENV = "../../envs/gpu.yaml" if config["vllm"]["device"] == "cuda" else "..
 
 # Stage report: what it reads, and its report() entries.
 def report_inputs(wildcards):
-    """Every stage table some rule of this workflow makes (per-model tables: for each model that has
-    one); a stage without rules is reported as not run."""
+    """Every stage table this workflow makes (a per-model table once per model that has one); a stage
+    that makes none is reported as not run."""
     found = {name: [p for p in c.expand(config["models"]) if any(r.is_producer(p) for r in workflow.rules)]
              for name, c in CONTRACTS.items()}
     return {name: paths for name, paths in found.items() if paths}
