@@ -1,3 +1,8 @@
+# Cheap (seconds) and reads benchmarks/ of the submitting host: never worth a cluster job.
+localrules:
+    report_tables,
+
+
 # Reads the benchmark TSVs of every job before it (not declared as inputs: Snakemake does not
 # track benchmark files as outputs); it runs after them because it needs their tables.
 rule report_tables:
