@@ -22,7 +22,7 @@ from pathlib import Path
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
 # view name -> file name of the registered result to open (None: the landing page)
-VIEWS = {"landing": None, "claims": "claims.html", "recommendations": "recommendations.html",
+VIEWS = {"landing": None, "overview": "overview.html", "claims": "claims.html", "recommendations": "recommendations.html",
          "correlation": "correlation.png", "pipeline_cost": "pipeline_cost.html"}
 OPEN = """
 <script>
