@@ -24,8 +24,8 @@ def _broadcast(per_method: pd.Series, like: pd.DataFrame) -> pd.DataFrame:
 
 
 def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
-    """(category, outcome, source, x, y) from the quality stage: the ratio per sample if it recorded
-    one, else each method's median ratio over the system stage's workload prompts."""
+    """(model, category, outcome, source, x, y) from the quality stage: the ratio per sample if it
+    recorded one, else each method's median ratio over the system stage's workload prompts."""
     ok = scores[scores.error.isna()]
     ratio_of = None
     if system is not None:

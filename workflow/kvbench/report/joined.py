@@ -87,17 +87,14 @@ def method_table(tables: Tables, baseline: str) -> pd.DataFrame:
     """One row per model x method x category x bucket, from whichever method stages ran."""
     system = tables.get("system")
     scores = tables.get("quality_scores")
-    parts = []
-    if scores is not None:
-        cells = quality_cells(scores)
+    if scores is not None and len(scores):
+        table = quality_cells(scores)
         if system is not None:
-            cells = cells.merge(system_cells(system), on=["model", "method", "bucket"], how="left")
-        parts = [cells]
+            table = table.merge(system_cells(system), on=["model", "method", "bucket"], how="left")
     elif system is not None:
-        parts = [system_cells(system).assign(category=SYSTEM_CATEGORY)]
-    if not parts:
+        table = system_cells(system).assign(category=SYSTEM_CATEGORY)
+    else:
         return pd.DataFrame(columns=[*KEYS, *MEASURED, *(f"{c}_rel" for c in MEASURED), "sources"])
-    table = parts[0]
     fidelity = tables.get("quality_fidelity")
     if fidelity is not None:
         cells = fidelity_cells(fidelity)

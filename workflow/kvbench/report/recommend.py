@@ -97,8 +97,10 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dic
         return (math.inf if v is None or pd.isna(v) else sign * float(v), row["method"])
 
     ok = sorted((row for row, fails in judged if not fails), key=preference)
-    numbers = lambda row: ", ".join(  # noqa: E731
-        _value(row, c, baseline) for c in dict.fromkeys([*(l.column for l in scenario.limits), scenario.prefer]))
+    shown = dict.fromkeys([*(limit.column for limit in scenario.limits), scenario.prefer])
+
+    def numbers(row: Mapping[str, Any]) -> str:
+        return ", ".join(_value(row, column, baseline) for column in shown)
     out = {"qualifying": len(ok), "candidates": len(rows), "best": NONE, "runner_up": None,
            "best_value": math.nan, "runner_up_value": math.nan}
     if ok:
