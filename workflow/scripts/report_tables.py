@@ -10,8 +10,7 @@ from kvbench.report.figures import correlation_figure, tradeoff_figure
 
 
 def write(table, path, prov):
-    """Tables with their own `model` column (one row per model) keep it as the provenance one."""
-    write_table(table, path, {k: v for k, v in prov.items() if k not in table.columns})
+    write_table(table, path, rb.table_provenance(table, prov))
 
 
 def write_text(path, text):

@@ -25,6 +25,16 @@ class ReportTables:
     stages: pd.DataFrame
 
 
+def table_provenance(table: pd.DataFrame, prov: Mapping[str, Any]) -> dict[str, Any]:
+    """The provenance columns for one report table: a table with one row per model keeps its own
+    `model` column in place of the provenance one (any other clash is an error of write_table)."""
+    return {k: v for k, v in prov.items() if not (k == "model" and "model" in table.columns)}
+
+
+def _distinct(frames: list[pd.DataFrame], column: str) -> str:
+    return ", ".join(sorted({v for f in frames if column in f for v in f[column].dropna()}))
+
+
 def stage_status(tables: Tables) -> pd.DataFrame:
     rows = []
     for stage in STAGES:
@@ -35,8 +45,9 @@ def stage_status(tables: Tables) -> pd.DataFrame:
             "stage": stage, "status": "ran" if read else NOT_RUN,
             "tables": ", ".join(CONTRACTS[n].path for n in (read or names)),
             "rows": sum(len(f) for f in frames) if read else None,
-            "config_hash": ", ".join(sorted({h for f in frames for h in f.get("config_hash", pd.Series()).dropna()})),
-            "git_commit": ", ".join(sorted({h for f in frames for h in f.get("git_commit", pd.Series()).dropna()})),
+            # the provenance of what was read (the table's own provenance columns are the report's)
+            "source_config_hash": _distinct(frames, "config_hash"),
+            "source_git_commit": _distinct(frames, "git_commit"),
         })
     return pd.DataFrame(rows)
 
@@ -66,7 +77,7 @@ def claims_page(report: ReportTables) -> str:
     note = (f"Verdicts: {CONFIRMED}, {CONTRADICTED}, {NOT_MEASURABLE} (the run is too small to test it), "
             f"{NOT_RUN} (a stage or a method it needs is missing). Each verdict follows the rule in its row; "
             "'seed_number' quotes the seed, 'ours' is computed from the source table.")
-    columns = ["seed", "claim", "seed_number", "model", "ours", "verdict", "source", "rule"]
+    columns = ["origin", "claim", "seed_number", "model", "ours", "verdict", "source", "rule"]
     return html_page("Seed claims, checked against this run", [
         ("Claims", note, report.claims[columns]),
         ("Stages this report read", _not_run_note(report.stages), report.stages),

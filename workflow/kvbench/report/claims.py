@@ -85,7 +85,7 @@ def evaluate(ev: Evidence) -> pd.DataFrame:
     rows = []
     for c in CLAIMS.values():
         for f in c.check(ev):
-            rows.append({"claim_id": c.id, "seed": c.seed, "claim": c.text, "seed_number": c.seed_number,
+            rows.append({"claim_id": c.id, "origin": c.seed, "claim": c.text, "seed_number": c.seed_number,
                          "model": f.model, "ours": f.ours, "ours_value": f.value, "verdict": f.verdict,
                          "source": f.source, "rule": f.rule})
     return pd.DataFrame(rows)
@@ -203,8 +203,8 @@ def _serve_tau(offload: pd.DataFrame, value: str) -> tuple[float, int]:
        'Benchmarks on "hi hi hi" rank connectors, codecs and backends on a workload nobody runs',
        "not quantified: rankings on synthetic input do not carry over")
 def hi_ranks_wrong(ev: Evidence) -> Finding:
-    rule = (f"Kendall's tau (tau-b) of each ranking, synthetic vs realistic input; confirmed if any tau < {RANKS_AGREE_TAU:g} "
-            f"(more than 10 % of pairs swap), contradicted if all >= {RANKS_AGREE_TAU:g}")
+    rule = (f"Kendall's tau-b of each ranking, synthetic vs realistic input; confirmed if any tau < "
+            f"{RANKS_AGREE_TAU:g} (more than 10 % of pairs swap), contradicted if all >= {RANKS_AGREE_TAU:g}")
     sources, taus = [], {}
     kv, offload = ev.tables.get("kv_compressibility"), ev.tables.get("serve_offload")
     sources.append(ev.tables.source("kv_compressibility", "corpus", "weights", "dtype", "codec", "raw_bytes",
@@ -356,7 +356,8 @@ def cam_ratio_varies(ev: Evidence) -> list[Finding]:
                          for m, r in span.iterrows())
         fixed = [m for m in span.index if "keep_ratio" in ev.methods[m]]
         if fixed:
-            ours += f" ({', '.join(fixed)}: keep_ratio fixes the ratio by construction; the paper's CaM kept a token budget)"
+            ours += (f" ({', '.join(fixed)}: keep_ratio fixes the ratio by construction; "
+                     "the paper's CaM kept a token budget)")
         out.append(Finding(CONFIRMED if fold >= CAM_VARIATION else CONTRADICTED, ours, src, rule, model, fold))
     return out
 

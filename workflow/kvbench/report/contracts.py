@@ -68,8 +68,8 @@ CONTRACTS: dict[str, Contract] = {
     ),
     "system": Contract(
         "system", "results/system/metrics.parquet",
-        _same("model", "method", "prompt_id", "corpus", "target_context", "context_tokens", "bucket", "ttft_s", "tpot_s",
-              "decode_tok_s", "kv_bytes_end", "ratio_end", "peak_memory_mb", "error"),
+        _same("model", "method", "prompt_id", "corpus", "target_context", "context_tokens", "bucket", "ttft_s",
+              "tpot_s", "decode_tok_s", "kv_bytes_end", "ratio_end", "peak_memory_mb", "error"),
         optional=_same("ttft_s_std", "repeats"),
     ),
     # Issue 9 (quality): per model, one row per method x task x sample (categories: CATEGORY_* below).

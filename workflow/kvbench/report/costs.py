@@ -33,7 +33,9 @@ def rule_of(path: str, patterns: Mapping[str, str]) -> str:
     return "?"
 
 
-def read_benchmarks(workdir: str | os.PathLike, patterns: Mapping[str, str], folder: str = "benchmarks") -> pd.DataFrame:
+def read_benchmarks(
+    workdir: str | os.PathLike, patterns: Mapping[str, str], folder: str = "benchmarks",
+) -> pd.DataFrame:
     """One row per benchmark file (mean over its repeats)."""
     rows = []
     root = Path(workdir)

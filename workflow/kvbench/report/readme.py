@@ -24,7 +24,7 @@ END = "<!-- end generated:{name} -->"
 
 def _claims(d: Path) -> pd.DataFrame:
     t = pd.read_parquet(d / "claims.parquet")
-    t = t.assign(claim=t.seed + ": " + t.claim)
+    t = t.assign(claim=t.origin + ": " + t.claim)
     return t[["claim", "seed_number", "model", "ours", "verdict", "source"]].rename(
         columns={"seed_number": "seed's number"})
 
@@ -38,8 +38,9 @@ def _recommendations(d: Path) -> pd.DataFrame:
 def _costs(d: Path) -> pd.DataFrame:
     t = pd.read_parquet(d / "pipeline_cost.parquet")
     t = t[t.level == "stage"]
-    return t.assign(share=(100 * t.share).round(1))[["stage", "jobs", "wall_s", "span_s", "share", "max_rss_mb"]].rename(
-        columns={"wall_s": "job-seconds", "span_s": "span (s)", "share": "share %", "max_rss_mb": "max RSS (MB)"})
+    t = t.assign(share=(100 * t.share).round(1))[["stage", "jobs", "wall_s", "span_s", "share", "max_rss_mb"]]
+    return t.rename(columns={"wall_s": "job-seconds", "span_s": "span (s)", "share": "share %",
+                             "max_rss_mb": "max RSS (MB)"})
 
 
 BLOCKS: dict[str, tuple[str, Callable[[Path], pd.DataFrame]]] = {

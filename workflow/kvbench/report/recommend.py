@@ -107,7 +107,8 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dic
         best = ok[0]
         out |= {"best": best["method"], "best_value": best.get(scenario.prefer), "numbers": numbers(best)}
         word = "highest" if scenario.order == "max" else "lowest"
-        why = f"{best['method']}: {word} {_value(best, scenario.prefer, baseline)} of {len(ok)} method(s) within every limit"
+        why = (f"{best['method']}: {word} {_value(best, scenario.prefer, baseline)} of {len(ok)} method(s) "
+               "within every limit")
         if len(ok) > 1:
             runner = ok[1]
             out |= {"runner_up": runner["method"], "runner_up_value": runner.get(scenario.prefer)}

@@ -47,7 +47,8 @@ def html_table(df: pd.DataFrame, table_id: str) -> str:
         cells = []
         for col, value in zip(df.columns, row):
             cls = _css_class(value, col in numeric)
-            cells.append(f'<td class="{cls}">{html.escape(fmt(value))}</td>' if cls else f"<td>{html.escape(fmt(value))}</td>")
+            attr = f' class="{cls}"' if cls else ""
+            cells.append(f"<td{attr}>{html.escape(fmt(value))}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
