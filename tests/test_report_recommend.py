@@ -96,3 +96,12 @@ def test_default_scenarios_parse():
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     names = [s.name for s in scenarios_from_config(config["report"]["scenarios"])]
     assert names == ["memory-bound", "latency-bound", "long-context-throughput"]
+
+
+def test_an_unknown_baseline_is_refused_with_the_key_named():
+    from kvbench.config import ConfigError, check_config
+
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config["report"]["baseline"] = "nope"
+    with pytest.raises(ConfigError, match=r"report.baseline: 'nope' is not a key of methods"):
+        check_config(config)
