@@ -4,10 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-installed
 CORES ?= all
+REPORT_HTML := results/report.html
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run test test-unit lint dry-run-gpu bench bench-peers bench-kill clean
+.PHONY: setup run report readme test test-unit lint dry-run-gpu bench bench-peers bench-kill bench-report clean
 
 setup: $(STAMP)
 
@@ -24,8 +25,16 @@ $(STAMP): envs/cpu.txt pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
-run: setup
+run: report
+
+# Brings every stage up to date (the report stage last), then the self-contained HTML report.
+report: setup
 	$(BIN)/snakemake --cores $(CORES)
+	$(BIN)/snakemake --report $(REPORT_HTML)
+
+# Rewrites the README's generated result blocks from results/report/ (no number is typed by hand).
+readme: setup
+	$(BIN)/python -m kvbench.report.readme README.md
 
 test: setup
 	$(BIN)/python -m pytest
@@ -60,3 +69,10 @@ $(PEER_VENV)/.installed: envs/peers.txt
 
 bench-peers: setup $(PEER_VENV)/.installed
 	$(BIN)/python bench/side_by_side.py
+
+# Report stage cost (3 reruns), and the HTML report as a reader sees it: Debian's chromium,
+# headless, one screenshot per view.
+bench-report: report
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+	$(BIN)/python bench/report_cost.py --rounds 3
+	$(BIN)/python bench/report_screenshot.py --report $(REPORT_HTML) --out results/bench/report

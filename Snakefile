@@ -7,6 +7,9 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/corpus.smk"
@@ -14,9 +17,11 @@ include: "workflow/rules/kv.smk"
 include: "workflow/rules/system.smk"
 include: "workflow/rules/serve.smk"
 include: "workflow/rules/quality.smk"
+include: "workflow/rules/report.smk"
 
 
-# Light jobs run on the submit host under a cluster executor (no queue wait, no allocation).
+# Light jobs (report_tables: seconds, and it reads benchmarks/ of the submitting host) run on the
+# submit host under a cluster executor (no queue wait, no allocation).
 localrules:
     all,
     corpus_synthetic,
@@ -27,6 +32,7 @@ localrules:
     serve_summary,
     quality_tasks,
     quality_summary,
+    report_tables,
 
 
 rule all:

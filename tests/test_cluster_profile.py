@@ -79,7 +79,7 @@ def test_light_rules_run_locally_and_heavy_ones_never():
     block = re.search(r"^localrules:\n((?:[ \t]+\w+,?\n)+)", (REPO / "Snakefile").read_text(), flags=re.M)
     local = set(re.findall(r"\w+", block.group(1)))
     assert local == {"all", "corpus_synthetic", "corpus_imported", "corpus_stats", "kv_summary", "system_summary", "serve_summary",
-                     "quality_tasks", "quality_summary"}
+                     "quality_tasks", "quality_summary", "report_tables"}
     assert not local & device_rules() and local - {"all"} <= set(rule_scripts())
 
 

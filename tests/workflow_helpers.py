@@ -57,6 +57,9 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
         "summarization": {"samples": 1, "context_tokens": [192]},
         "retrieval": {"samples": 1, "context_tokens": [256], "paragraph_tokens": 64},
     })
+    # A scenario these tiny runs can meet (the default ones need quality at 1K tokens).
+    config["report"]["scenarios"]["small-cache"] = {
+        "limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
     return config
 
 

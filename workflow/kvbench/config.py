@@ -116,6 +116,9 @@ def _reference_problems(config: Mapping[str, Any]) -> list[str]:
     for name in config["system"].get("methods", []):
         if name not in config["methods"]:
             found.append(f"system.methods: {name!r} is not a key of methods ({sorted(config['methods'])})")
+    baseline = config["report"]["baseline"]
+    if baseline not in config["methods"]:
+        found.append(f"report.baseline: {baseline!r} is not a key of methods ({sorted(config['methods'])})")
     imported = config["corpus"]["imported"]["path"]
     if "imported" in config["kv"]["corpora"] and not imported:
         found.append("kv.corpora: 'imported' needs corpus.imported.path to be set")

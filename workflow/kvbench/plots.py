@@ -1,4 +1,4 @@
-"""Figures (matplotlib, headless); every figure is written atomically as PNG."""
+"""Figures (matplotlib, headless); every figure is written atomically as PNG (and SVG on request)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ from kvbench.atomic import atomic_path  # noqa: E402
 from kvbench.kv.summary import pooled_ratios  # noqa: E402
 
 
-def save(fig: plt.Figure, path: str | os.PathLike) -> None:
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+def save(fig: plt.Figure, path: str | os.PathLike, svg: str | os.PathLike | None = None) -> None:
+    """PNG at `path`, and the same figure as SVG at `svg` if given."""
+    for target, fmt in ((path, "png"), (svg, "svg")):
+        if target is not None:
+            with atomic_path(target) as tmp:
+                fig.savefig(tmp, format=fmt, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

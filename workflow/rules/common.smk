@@ -14,6 +14,7 @@ from kvbench.codehash import code_hash
 from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
 from kvbench.serve.backends import servers as serve_servers
+from kvbench.report.contracts import CONTRACTS
 
 # Schema (types, ranges, defaults), method settings per kind, lengths against each model's context
 # and the documents, subsets, references, files: one line per problem, naming the key.
@@ -90,8 +91,38 @@ def all_targets():
             model=config["quality"]["models"],
             output=["summary.parquet", "scores.png", "fidelity.png", "score_vs_ratio.png"],
         ),
+        "results/report/claims.parquet",
     ]
 
 
 # Only used with --use-conda (clusters); `make setup` builds .venv from envs/cpu.txt here.
 CONDA_ENV = "../../envs/gpu.yaml" if config["vllm"]["device"] == "cuda" else "../../envs/cpu.yaml"
+
+
+# Stage report: what it reads, and its report() entries.
+def report_inputs(wildcards):
+    """Every stage table this workflow makes (a per-model table once per model that has one); a stage
+    that makes none is reported as not run."""
+    found = {name: [p for p in c.expand(config["models"]) if any(r.is_producer(p) for r in workflow.rules)]
+             for name, c in CONTRACTS.items()}
+    return {name: paths for name, paths in found.items() if paths}
+
+
+def benchmark_patterns(wildcards):
+    """rule -> benchmark path pattern, so the cost table can name the rule behind each TSV."""
+    return {r.name: str(r.benchmark) for r in workflow.rules if r.benchmark}
+
+
+def report_figure(name, fmt):
+    return report(
+        f"results/report/{name}.{fmt.lower()}",
+        caption=f"../report/report_{name}.rst",
+        category="Report",
+        subcategory="Figures",
+        labels={"figure": name, "format": fmt},
+    )
+
+
+def report_page(name, subcategory):
+    return report(f"results/report/{name}.html", caption=f"../report/report_{name}.rst", category="Report",
+                  subcategory=subcategory)

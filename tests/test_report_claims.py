@@ -1,0 +1,209 @@
+"""Each seed claim on hand-built tables (tests/report_frames.py), once per verdict it can give."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from kvbench.report import claims as C
+from report_frames import (METHODS, corpus_stats, fidelity, kv_compressibility, kv_summary, quality, report, serve_offload,
+                           system)
+
+QUALITY_OK = {"full": 0.5, "kivi2": 0.45, "kivi4": 0.49, "turboquant3": 0.44, "snapkv": 0.40, "cam": 0.42}
+
+
+def verdict(frames, claim_id, **kw):
+    claims = report(frames, **kw).claims
+    rows = claims[claims.claim_id == claim_id]
+    assert len(rows) == 1, rows
+    return rows.iloc[0]
+
+
+def test_every_claim_has_a_row_and_names_its_source_even_with_no_stage():
+    claims = report({}).claims
+    assert list(claims.claim_id) == list(C.CLAIMS)
+    assert set(claims.verdict) == {C.NOT_RUN}
+    assert claims.source.str.contains("results/").all() and claims.rule.str.len().gt(20).all()
+
+
+@pytest.mark.parametrize("stats, expected", [
+    (corpus_stats(), C.CONFIRMED),  # the seed's own figures
+    (corpus_stats(realistic_tokens=1000, realistic_diversity={"medical": 5.0}), C.CONTRADICTED),  # 25x
+    (corpus_stats(realistic_tokens=150, realistic_diversity={"medical": 80.0}), C.NOT_MEASURABLE),  # too short
+])
+def test_token_diversity(stats, expected):
+    row = verdict({"corpus_stats": stats}, "token-diversity")
+    assert row.verdict == expected
+    assert "unique tokens" in row.ours and "results/corpus/stats.parquet" in row.source
+
+
+def test_token_diversity_fold_is_at_equal_length():
+    # 2 unique tokens of 10,000 vs 9.4 % of 10,000: 940 / 2 = 470x
+    row = verdict({"corpus_stats": corpus_stats()}, "token-diversity")
+    assert row.ours_value == pytest.approx(470)
+
+
+@pytest.mark.parametrize("claim_id, dummy, synthetic, expected", [
+    ("dummy-weights-inflate", 32.0, 1.0, C.CONFIRMED),
+    ("dummy-weights-inflate", 1.5, 1.0, C.CONTRADICTED),
+    ("repetitive-input-inflates", 32.0, 1.27, C.CONFIRMED),
+    ("repetitive-input-inflates", 32.0, 1.05, C.CONTRADICTED),
+])
+def test_inflation_claims(claim_id, dummy, synthetic, expected):
+    row = verdict({"kv_summary": kv_summary(dummy, synthetic)}, claim_id)
+    assert row.verdict == expected
+    assert row.ours_value == pytest.approx(dummy if claim_id.startswith("dummy") else synthetic)
+
+
+def test_inflation_without_the_reports_dtype_is_not_measurable():
+    assert verdict({"kv_summary": kv_summary(30, 2, dtype="fp16")}, "dummy-weights-inflate").verdict == C.NOT_MEASURABLE
+
+
+CODECS = ["zstd-1", "zstd-3", "lz4", "zstd-3+byteplane"]
+
+
+@pytest.mark.parametrize("synthetic, expected, tau", [
+    ([1.1, 1.2, 1.01, 1.3], C.CONTRADICTED, 1.0),   # same order on both corpora
+    ([3.0, 2.0, 4.0, 1.5], C.CONFIRMED, -1.0),      # reversed
+])
+def test_hi_ranks_wrong_from_the_kv_stage(synthetic, expected, tau):
+    kv = kv_compressibility({"realistic": dict(zip(CODECS, [1.1, 1.2, 1.01, 1.3])),
+                             "synthetic": dict(zip(CODECS, synthetic))})
+    row = verdict({"kv_compressibility": kv}, "hi-ranks-wrong")
+    assert row.verdict == expected and row.ours_value == pytest.approx(tau)
+    assert "serve: not run" in row.ours
+
+
+def test_hi_ranks_wrong_takes_the_least_agreeing_ranking_from_serve():
+    kv = kv_compressibility({c: dict(zip(CODECS, [1.1, 1.2, 1.01, 1.3])) for c in ("realistic", "synthetic")})
+    rows = []
+    for codec, r in zip(CODECS, [1.1, 1.2, 1.01, 1.3]):
+        rows += [("valkey", codec, "realistic", r, 1.0 + r), ("valkey", codec, "synthetic", r, 3.0 - r)]
+    row = verdict({"kv_compressibility": kv, "serve_offload": serve_offload(rows)}, "hi-ranks-wrong")
+    assert row.verdict == C.CONFIRMED  # TTFT order flips although ratios agree
+    assert row.ours_value == pytest.approx(-1.0)
+
+
+def test_hi_ranks_wrong_leaves_out_unsupported_serve_rows():
+    rows = [("valkey", c, corpus, r, 1.0 + r) for c, r in zip(CODECS, [1.1, 1.2, 1.01, 1.3])
+            for corpus in ("realistic", "synthetic")]
+    flipped = serve_offload([("lmcache", "kivi", "realistic", 1.0, 9.0), ("lmcache", "kivi", "synthetic", 1.0, 0.1)],
+                            status="unsupported: degraded mode on CPU")
+    row = verdict({"serve_offload": pd.concat([serve_offload(rows), flipped])}, "hi-ranks-wrong")
+    assert row.verdict == C.CONTRADICTED and "hit TTFT (serve): tau 1 over 4" in row.ours
+
+
+def test_hi_ranks_wrong_with_two_codecs_is_not_measurable():
+    kv = kv_compressibility({c: {"zstd-3": 1.2, "lz4": 1.0} for c in ("realistic", "synthetic")})
+    assert verdict({"kv_compressibility": kv}, "hi-ranks-wrong").verdict == C.NOT_MEASURABLE
+
+
+def _quality(means):
+    return {"quality_scores": quality({m: {"single_doc_qa": v, "summarization": v} for m, v in means.items()})}
+
+
+def test_kivi4_most_stable():
+    assert verdict(_quality(QUALITY_OK), "kivi4-most-stable").verdict == C.CONFIRMED
+    assert verdict(_quality({**QUALITY_OK, "snapkv": 0.5}), "kivi4-most-stable").verdict == C.CONTRADICTED
+
+
+def test_kivi4_falls_back_to_fidelity_when_full_scores_zero():
+    zero = {m: 0.0 for m in QUALITY_OK}
+    frames = {**_quality(zero), "quality_fidelity": fidelity(
+        {m: {"single_doc_qa": a, "summarization": a} for m, a in
+         {"full": 1.0, "kivi2": 0.8, "kivi4": 0.97, "turboquant3": 0.85, "snapkv": 0.7, "cam": 0.72}.items()})}
+    row = verdict(frames, "kivi4-most-stable")
+    assert row.verdict == C.CONFIRMED and "top1_agreement" in row.ours
+    assert verdict(_quality(zero), "kivi4-most-stable").verdict == C.NOT_MEASURABLE
+
+
+def test_kivi4_claim_needs_the_quality_stage_and_a_kivi4_method():
+    assert verdict({"system": system({"full": {}})}, "kivi4-most-stable").verdict == C.NOT_RUN
+    methods = {k: v for k, v in METHODS.items() if k != "kivi4"}
+    assert verdict(_quality(QUALITY_OK), "kivi4-most-stable", methods=methods).verdict == C.NOT_RUN
+
+
+def _speeds(snapkv, kivi, target):
+    return {"system": system({"full": {"decode_tok_s": 8}, "kivi4": {"decode_tok_s": kivi},
+                              "snapkv": {"decode_tok_s": snapkv}, "cam": {"decode_tok_s": 9}}, target=target)}
+
+
+@pytest.mark.parametrize("snapkv, kivi, target, expected", [
+    (12, 7, 8192, C.CONFIRMED),
+    (9.5, 11, 8192, C.CONTRADICTED),
+    (12, 7, 1024, C.NOT_MEASURABLE),  # below the paper's long-context regime
+])
+def test_snapkv_long_context_throughput(snapkv, kivi, target, expected):
+    row = verdict(_speeds(snapkv, kivi, target), "snapkv-long-context-throughput")
+    assert row.verdict == expected and f"at {target} tokens" in row.ours
+
+
+@pytest.mark.parametrize("tq, snapkv, expected", [
+    (1.30, 1.02, C.CONFIRMED),
+    (1.05, 1.40, C.CONTRADICTED),
+    (1.03, 1.01, C.NOT_MEASURABLE),  # within the 5 % noise floor
+])
+def test_turboquant_ttft_overhead(tq, snapkv, expected):
+    frames = {"system": system({"full": {"ttft_s": 1.0}, "kivi4": {"ttft_s": 1.0}, "turboquant3": {"ttft_s": tq},
+                                "snapkv": {"ttft_s": snapkv}})}
+    row = verdict(frames, "turboquant-ttft-overhead")
+    assert row.verdict == expected
+    assert row.ours_value == pytest.approx(tq - 1)
+
+
+def test_turboquant_noise_comes_from_the_repeats_when_larger():
+    values = {"full": {"ttft_s": 1.0, "ttft_s_std": 0.2}, "turboquant3": {"ttft_s": 1.12, "ttft_s_std": 0.2},
+              "snapkv": {"ttft_s": 1.0, "ttft_s_std": 0.2}}
+    assert verdict({"system": system(values)}, "turboquant-ttft-overhead").verdict == C.NOT_MEASURABLE
+
+
+def test_cam_ratio_varies():
+    varied = system({"cam": {}}, prompts=2)
+    varied["ratio_end"] = [1.0, 14.0]
+    assert verdict({"system": varied}, "cam-ratio-varies").verdict == C.CONFIRMED
+    fixed = system({"cam": {"ratio_end": 3.9}})
+    row = verdict({"system": fixed}, "cam-ratio-varies", methods={"cam": {"kind": "cam", "keep_ratio": 0.25}})
+    assert row.verdict == C.CONTRADICTED and "keep_ratio fixes the ratio" in row.ours
+    assert verdict({}, "cam-ratio-varies").verdict == C.NOT_RUN
+    failed = system({"cam": {}}, errors={"cam": 3})
+    assert verdict({"system": failed}, "cam-ratio-varies").verdict == C.NOT_MEASURABLE
+
+
+def test_summarization_most_fragile():
+    def frames(summ_loss, fewshot_loss):
+        means = {m: {"single_doc_qa": 0.5 * (1 - (m != "full") * 0.05),
+                     "summarization": 0.3 * (1 - (m != "full") * summ_loss),
+                     "few_shot": 0.4 * (1 - (m != "full") * fewshot_loss)} for m in QUALITY_OK}
+        return {"quality_scores": quality(means)}
+
+    assert verdict(frames(0.4, 0.1), "summarization-most-fragile").verdict == C.CONFIRMED
+    assert verdict(frames(0.1, 0.4), "summarization-most-fragile").verdict == C.CONTRADICTED
+    only_qa = {"quality_scores": quality({m: {"single_doc_qa": 0.5} for m in QUALITY_OK})}
+    assert verdict(only_qa, "summarization-most-fragile").verdict == C.NOT_MEASURABLE
+
+
+def _corr(rho, low, high):
+    return pd.DataFrame([{"model": "m", "category": c, "outcome": o, "rho": rho, "ci_low": low, "ci_high": high}
+                         for c in ("qa", "summarization") for o in ("quality", "ttft_s", "tpot_s")])
+
+
+@pytest.mark.parametrize("corr, expected", [
+    (_corr(-0.95, -1.0, -0.8), C.CONTRADICTED),
+    (_corr(-0.3, -0.9, 0.4), C.CONFIRMED),
+    (_corr(math.nan, math.nan, math.nan), C.NOT_MEASURABLE),
+    (_corr(-0.95, math.nan, math.nan), C.NOT_MEASURABLE),  # a rho without an interval decides nothing
+    (_corr(0, 0, 0).iloc[:0], C.NOT_RUN),
+])
+def test_ratio_predicts_poorly(corr, expected):
+    ev = C.Evidence(tables=None, methods={}, baseline="full", kv_dtype="bf16", kv_codec="zstd-3",
+                    method_table=pd.DataFrame(), correlations=corr)
+    (finding,) = C.CLAIMS["ratio-predicts-poorly"].check(ev)
+    assert finding.verdict == expected
+
+
+def test_model_claims_have_one_row_per_model():
+    frames = {"system": pd.concat([system({"cam": {}}, model="a"), system({"cam": {}}, model="b")])}
+    rows = report(frames).claims.query("claim_id == 'cam-ratio-varies'")
+    assert list(rows.model) == ["a", "b"]

@@ -1,0 +1,107 @@
+"""Recommendation on hand-built tables (tests/report_frames.py): limits, preference, runner-up,
+"none qualifies", failed samples, and that a different scenario gives a different answer."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import yaml
+
+from kvbench.report.joined import MEASURED
+from kvbench.report.recommend import NONE, Scenario
+from report_frames import quality, report, system
+from workflow_helpers import REPO
+
+# kv_bytes: full 1e6; quality per method in one category. Made-up numbers.
+SYSTEM = system({
+    "full": {"kv_bytes_end": 1.0e6, "ttft_s": 1.00, "tpot_s": 0.10, "ratio_end": 1.0},
+    "kivi2": {"kv_bytes_end": 0.25e6, "ttft_s": 1.02, "tpot_s": 0.14, "ratio_end": 4.0},
+    "kivi4": {"kv_bytes_end": 0.40e6, "ttft_s": 1.01, "tpot_s": 0.11, "ratio_end": 2.5},
+    "snapkv": {"kv_bytes_end": 0.26e6, "ttft_s": 1.03, "tpot_s": 0.09, "ratio_end": 3.9},
+    "turboquant3": {"kv_bytes_end": 0.20e6, "ttft_s": 1.20, "tpot_s": 0.40, "ratio_end": 5.0},
+})
+QUALITY = quality({m: {"single_doc_qa": q} for m, q in
+                   {"full": 0.50, "kivi2": 0.49, "kivi4": 0.50, "snapkv": 0.40, "turboquant3": 0.485}.items()})
+MEMORY = {"limits": {"kv_bytes": {"max": 0.30, "relative": True}, "quality": {"min": 0.95, "relative": True}},
+          "prefer": {"max": "quality"}}
+LATENCY = {"limits": {"ttft_s": {"max": 1.05, "relative": True}, "tpot_s": {"max": 1.20, "relative": True}},
+           "prefer": {"max": "ratio"}}
+
+
+def recs(scenarios, frames=None):
+    return report(frames or {"system": SYSTEM, "quality_scores": QUALITY}, scenarios=scenarios).recommendations
+
+
+def test_memory_bound_picks_the_best_quality_within_the_limits():
+    (row,) = recs({"memory-bound": MEMORY}).to_dict("records")
+    # kivi2 (0.25x, 0.98x) and turboquant3 (0.20x, 0.97x) qualify; snapkv fails quality, kivi4 bytes.
+    assert (row["best"], row["runner_up"], row["qualifying"], row["candidates"]) == ("kivi2", "turboquant3", 2, 5)
+    assert row["best_value"] == pytest.approx(0.49)
+    assert "kv_bytes 0.25 MB (0.25x full)" in row["numbers"] and "runner-up turboquant3" in row["why"]
+
+
+def test_changing_the_scenario_changes_the_answer():
+    both = recs({"memory-bound": MEMORY, "latency-bound": LATENCY}).set_index("scenario")
+    # latency: full (1x), kivi4 (2.5x) and snapkv (3.9x) meet TTFT/TPOT (kivi2's TPOT is 1.4x); highest ratio wins
+    assert both.loc["memory-bound", "best"] == "kivi2"
+    assert both.loc["latency-bound", "best"] == "snapkv" and both.loc["latency-bound", "runner_up"] == "kivi4"
+    tighter = dict(LATENCY, limits={**LATENCY["limits"], "ttft_s": {"max": 1.02, "relative": True}})
+    (row,) = recs({"latency-tight": tighter}).to_dict("records")
+    assert (row["best"], row["runner_up"]) == ("kivi4", "full")
+
+
+def test_none_qualifies_names_the_closest_method_and_its_misses():
+    strict = {"limits": {"kv_bytes": {"max": 0.1, "relative": True}}, "prefer": {"min": "kv_bytes"}}
+    (row,) = recs({"strict": strict}).to_dict("records")
+    assert row["best"] == NONE and row["qualifying"] == 0
+    assert "closest turboquant3 misses kv_bytes <= 0.1x full (0.2)" in row["why"]
+
+
+def test_an_unmeasured_column_cannot_be_met():
+    (row,) = recs({"memory-bound": MEMORY}, frames={"system": SYSTEM}).to_dict("records")
+    assert row["best"] == NONE and "quality >= 0.95x full (not measured)" in row["why"]
+    assert row["category"] == "system prompts"
+
+
+def test_a_method_that_failed_on_a_sample_does_not_qualify():
+    failing = system({"full": {"kv_bytes_end": 1e6}, "kivi2": {"kv_bytes_end": 0.25e6},
+                      "snapkv": {"kv_bytes_end": 0.26e6}}, errors={"kivi2": 1})
+    cheap = {"limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"min": "kv_bytes"}}
+    (row,) = recs({"cheap": cheap}, frames={"system": failing}).to_dict("records")
+    assert row["best"] == "snapkv"
+
+
+def test_one_answer_per_model_category_and_bucket():
+    long = system({"full": {}, "kivi2": {"kv_bytes_end": 0.2e6}}, target=6000)
+    frames = {"system": pd.concat([SYSTEM, long])}
+    rows = recs({"latency-bound": LATENCY}, frames=frames)
+    assert sorted(rows.bucket) == ["0-4k", "4-8k"]
+
+
+def test_scenario_config_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"report.scenarios.x.limits: unknown column 'ttft'"):
+        Scenario.from_config("x", {"limits": {"ttft": {"max": 1}}, "prefer": {"max": "ratio"}})
+
+
+def test_schema_columns_are_the_joined_table_columns():
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    scenario = schema["properties"]["report"]["properties"]["scenarios"]["additionalProperties"]["properties"]
+    assert scenario["limits"]["propertyNames"]["enum"] == MEASURED
+    assert scenario["prefer"]["properties"]["max"]["enum"] == MEASURED
+
+
+def test_default_scenarios_parse():
+    from kvbench.report.recommend import scenarios_from_config
+
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    names = [s.name for s in scenarios_from_config(config["report"]["scenarios"])]
+    assert names == ["memory-bound", "latency-bound", "long-context-throughput"]
+
+
+def test_an_unknown_baseline_is_refused_with_the_key_named():
+    from kvbench.config import ConfigError, check_config
+
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config["report"]["baseline"] = "nope"
+    with pytest.raises(ConfigError, match=r"report.baseline: 'nope' is not a key of methods"):
+        check_config(config, REPO / "workflow" / "schemas" / "config.schema.yaml")

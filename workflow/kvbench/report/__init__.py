@@ -1,0 +1,1 @@
+"""Stage `report`: joined tables, the seeds' claims checked, recommendation, HTML pages."""

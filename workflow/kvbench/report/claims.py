@@ -1,0 +1,410 @@
+"""The seeds' claims, checked against this run's tables.
+
+Each claim is one function registered with @claim: it reads the evidence (the stage tables, the
+joined method table, the rank correlations) and returns a Finding per model: our number, the
+verdict, the table and columns it came from, and the rule that decided the verdict. The seed's
+own number is a quotation of the seed (the blog or the paper explainer), the only typed figure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from kvbench.report.contracts import CATEGORY_SUMMARIZATION, Tables
+from kvbench.report.joined import workload_prompts
+from kvbench.report.stats import kendall_tau
+
+CONFIRMED = "confirmed"
+CONTRADICTED = "contradicted"
+NOT_MEASURABLE = "not measurable at this scale"
+NOT_RUN = "not run"
+
+# The paper's four method families: claims about "the best/most X method" compare these.
+SEED_KINDS = ("kivi", "turboquant", "snapkv", "cam")
+LONG_CONTEXT_TOKENS = 4096  # the paper's long-context regime starts around LongBench's 4K+
+NOISE_FLOOR = 0.05          # TTFT differences below 5 % are not resolved on a shared CPU
+INPUT_INFLATION = 1.10      # "repetitive input inflates": at least 10 % better ratio
+WEIGHTS_INFLATION = 2.0     # "dummy weights ... far better": at least twice the ratio
+DIVERSITY_FOLD = 100.0      # "hundreds of times more diverse": at least 100x
+CAM_VARIATION = 1.5         # "varies with the workload": max/min realized ratio at least 1.5
+PREDICTS_RHO = 0.7          # ratio "predicts" an outcome: |rho| >= 0.7 and its interval excludes 0
+RANKS_AGREE_TAU = 0.8       # rankings agree: Kendall's tau >= 0.8 (at most 10 % of pairs swap)
+
+
+@dataclass
+class Evidence:
+    tables: Tables
+    methods: dict[str, dict[str, Any]]  # the config's method specs, by name
+    baseline: str
+    kv_dtype: str
+    kv_codec: str
+    method_table: pd.DataFrame
+    correlations: pd.DataFrame
+
+
+@dataclass
+class Finding:
+    verdict: str
+    ours: str
+    source: str
+    rule: str
+    model: str = "-"
+    value: float = math.nan  # our headline number, for tables that quote it
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    seed: str
+    text: str
+    seed_number: str
+    check: Callable[[Evidence], list[Finding]]
+
+
+CLAIMS: dict[str, Claim] = {}
+
+
+def claim(id: str, seed: str, text: str, seed_number: str):
+    def register(fn: Callable[[Evidence], Finding | list[Finding]]):
+        def check(ev: Evidence) -> list[Finding]:
+            found = fn(ev)
+            return found if isinstance(found, list) else [found]
+
+        CLAIMS[id] = Claim(id, seed, text, seed_number, check)
+        return fn
+
+    return register
+
+
+def evaluate(ev: Evidence) -> pd.DataFrame:
+    rows = []
+    for c in CLAIMS.values():
+        for f in c.check(ev):
+            rows.append({"claim_id": c.id, "origin": c.seed, "claim": c.text, "seed_number": c.seed_number,
+                         "model": f.model, "ours": f.ours, "ours_value": f.value, "verdict": f.verdict,
+                         "source": f.source, "rule": f.rule})
+    return pd.DataFrame(rows)
+
+
+def _models(*frames: pd.DataFrame | None) -> list[str]:
+    found = set()
+    for frame in frames:
+        if frame is not None and len(frame):
+            found |= set(frame.model.dropna())
+    return sorted(found)
+
+
+def _named(ev: Evidence, kind: str, **settings: Any) -> list[str]:
+    return [name for name, spec in ev.methods.items()
+            if spec.get("kind") == kind and all(spec.get(k) == v for k, v in settings.items())]
+
+
+def _family(ev: Evidence, name: str) -> str | None:
+    return ev.methods.get(name, {}).get("kind")
+
+
+def _families(ev: Evidence, names: pd.Index | pd.Series, kinds: tuple[str, ...] = SEED_KINDS) -> np.ndarray:
+    """Mask of the names whose kind is one of `kinds` (np.array: safe on empty frames)."""
+    return np.array([_family(ev, n) in kinds for n in names], dtype=bool)
+
+
+def _fmt(x: float) -> str:
+    return "n/a" if x != x else f"{x:.3g}"
+
+
+# --- the blog ("hi hi hi") ------------------------------------------------------------------
+
+
+@claim("token-diversity", "blog",
+       'A "hi hi hi" document has 2 unique tokens; realistic medical and legal documents are hundreds of '
+       "times more diverse",
+       "0.02 % (2 unique tokens) vs 14.2 % medical, 9.4 % legal (~10K-token docs)")
+def token_diversity(ev: Evidence) -> Finding:
+    src = ev.tables.source("corpus_stats", "corpus", "domain", "tokens", "unique_tokens", "diversity_pct")
+    rule = (f"diversity falls with length, so at equal length: confirmed if every realistic domain's mean "
+            f"diversity is >= {DIVERSITY_FOLD:g}x that of a synthetic document of the same length "
+            f"(its unique tokens / the domain's mean length); not measurable if documents are too short to show it")
+    stats = ev.tables.get("corpus_stats")
+    if stats is None:
+        return Finding(NOT_RUN, "stage corpus not run", src, rule)
+    synthetic = stats[stats.corpus == "synthetic"]
+    domains = stats[stats.corpus == "realistic"].groupby("domain").agg(
+        diversity=("diversity_pct", "mean"), tokens=("tokens", "mean"))
+    if synthetic.empty or domains.empty:
+        return Finding(NOT_MEASURABLE, "needs both the synthetic and the realistic corpus", src, rule)
+    unique = float(synthetic.unique_tokens.median())
+    fold = (domains.diversity / (100 * unique / domains.tokens)).min()
+    ours = (f"{_fmt(synthetic.diversity_pct.mean())} % ({unique:.0f} unique tokens in "
+            f"{synthetic.tokens.mean():.0f}) vs " + ", ".join(
+                f"{_fmt(r.diversity)} % {d} ({r.tokens:.0f} tokens)" for d, r in domains.iterrows())
+            + f": {fold:.0f}x at equal length")
+    if domains.tokens.min() < DIVERSITY_FOLD * unique:
+        return Finding(NOT_MEASURABLE, ours + " (documents too short for a 100x difference)", src, rule, value=fold)
+    return Finding(CONFIRMED if fold >= DIVERSITY_FOLD else CONTRADICTED, ours, src, rule, value=fold)
+
+
+def _inflation(ev: Evidence, comparison: str, held: str, threshold: float, what: str) -> Finding:
+    src = ev.tables.source("kv_summary", "comparison", "held_fixed", "dtype", "codec", "inflation")
+    rule = f"confirmed if {what} >= {threshold:g}x at {ev.kv_dtype}, {ev.kv_codec}"
+    summary = ev.tables.get("kv_summary")
+    if summary is None:
+        return Finding(NOT_RUN, "stage kv not run", src, rule)
+    row = summary[(summary.comparison == comparison) & (summary.held_fixed == held)
+                  & (summary.dtype == ev.kv_dtype) & (summary.codec == ev.kv_codec)]
+    if row.empty:
+        return Finding(NOT_MEASURABLE, f"no {comparison} ({held}) row at {ev.kv_dtype}, {ev.kv_codec}", src, rule)
+    r = row.iloc[0]
+    ours = (f"{_fmt(r.benchmark_ratio)}x vs {_fmt(r.realistic_ratio)}x ({ev.kv_dtype}, {ev.kv_codec}, {held}): "
+            f"{what} {_fmt(r.inflation)}x")
+    return Finding(CONFIRMED if r.inflation >= threshold else CONTRADICTED, ours, src, rule, value=float(r.inflation))
+
+
+@claim("dummy-weights-inflate", "blog",
+       "Dummy weights make KV caches compress far better than trained weights do",
+       "not quantified: 'very good' ratios with dummy weights, 'changed completely' with Qwen3-8B-FP8")
+def dummy_weights_inflate(ev: Evidence) -> Finding:
+    return _inflation(ev, "dummy_vs_real", "corpus=realistic", WEIGHTS_INFLATION, "dummy / real ratio")
+
+
+@claim("repetitive-input-inflates", "blog",
+       "Repetitive input makes KV caches compress better than realistic text does",
+       "not quantified: regular activations 'look better than reality'")
+def repetitive_input_inflates(ev: Evidence) -> Finding:
+    return _inflation(ev, "synthetic_vs_realistic", "weights=real", INPUT_INFLATION, "synthetic / realistic ratio")
+
+
+def _codec_tau(kv: pd.DataFrame, dtype: str) -> tuple[float, int]:
+    from kvbench.kv.summary import pooled_ratios
+
+    ratios = pooled_ratios(kv[(kv.weights == "real") & (kv.dtype == dtype) & (kv.codec != "none")],
+                           by=["corpus", "codec"])
+    table = ratios.pivot(index="codec", columns="corpus", values="ratio")
+    if not {"synthetic", "realistic"} <= set(table.columns):
+        return math.nan, 0
+    return kendall_tau(table.synthetic, table.realistic)
+
+
+def _serve_tau(offload: pd.DataFrame, value: str) -> tuple[float, int]:
+    """Backend x codec configurations ranked by `value`, synthetic vs realistic ("unsupported" rows
+    and partial failures left out)."""
+    ok = offload[offload.status.isna() | (offload.status == "ok")]
+    table = ok.groupby(["backend", "codec", "corpus"])[value].mean().unstack("corpus")
+    if not {"synthetic", "realistic"} <= set(table.columns):
+        return math.nan, 0
+    return kendall_tau(table.synthetic, table.realistic)
+
+
+@claim("hi-ranks-wrong", "blog",
+       'Benchmarks on "hi hi hi" rank connectors, codecs and backends on a workload nobody runs',
+       "not quantified: rankings on synthetic input do not carry over")
+def hi_ranks_wrong(ev: Evidence) -> Finding:
+    rule = (f"Kendall's tau-b of each ranking, synthetic vs realistic input; confirmed if any tau < "
+            f"{RANKS_AGREE_TAU:g} (more than 10 % of pairs swap), contradicted if all >= {RANKS_AGREE_TAU:g}")
+    sources, taus = [], {}
+    kv, offload = ev.tables.get("kv_compressibility"), ev.tables.get("serve_offload")
+    sources.append(ev.tables.source("kv_compressibility", "corpus", "weights", "dtype", "codec", "raw_bytes",
+                                    "compressed_bytes"))
+    sources.append(ev.tables.source("serve_offload", "backend", "codec", "corpus", "ratio", "wire_bytes",
+                                    "ttft_hit_s", "status"))
+    if kv is not None:
+        taus[f"codecs by KV ratio (kv stage, real weights, {ev.kv_dtype})"] = _codec_tau(kv, ev.kv_dtype)
+    if offload is not None:
+        taus["backend x codec by wire ratio (serve)"] = _serve_tau(offload, "ratio")
+        taus["backend x codec by wire bytes (serve)"] = _serve_tau(offload, "wire_bytes")
+        taus["backend x codec by hit TTFT (serve)"] = _serve_tau(offload, "ttft_hit_s")
+    source = "; ".join(sources)
+    if not taus:
+        return Finding(NOT_RUN, "no KV compressibility table (stage kv) and no serve stage", source, rule)
+    parts = [f"{what}: tau {_fmt(t)} over {n}" for what, (t, n) in taus.items()]
+    if offload is None:
+        parts.append("serve: not run")
+    measured = [t for t, n in taus.values() if t == t]
+    if not measured:
+        return Finding(NOT_MEASURABLE, "; ".join(parts) + " (fewer than 3 items ranked)", source, rule)
+    low = min(measured)
+    return Finding(CONFIRMED if low < RANKS_AGREE_TAU else CONTRADICTED, "; ".join(parts), source, rule, value=low)
+
+
+# --- the paper (KIVI / TurboQuant / SnapKV / CaM) ---------------------------------------------
+
+
+def _category_quality(ev: Evidence, model: str) -> tuple[pd.DataFrame, str]:
+    """Per method x category: mean quality relative to the baseline over buckets; where the baseline
+    scores zero everywhere, top-1 agreement with it (fidelity) instead."""
+    table = ev.method_table[(ev.method_table.model == model) & (ev.method_table.method != ev.baseline)]
+    for column in ("quality_rel", "top1_agreement"):
+        if column in table and table[column].notna().any():
+            return table.groupby(["method", "category"])[column].mean().unstack("category"), column
+    return pd.DataFrame(), ""
+
+
+@claim("kivi4-most-stable", "paper",
+       "KIVI (4-bit) has the most stable quality across tasks",
+       "not quantified: KIVI 'rarely makes mistakes' across tasks; the safest default")
+def kivi4_most_stable(ev: Evidence) -> list[Finding]:
+    src = ev.tables.source("quality_scores", "method", "category", "score") + " (relative to the baseline)"
+    rule = ("worst category's quality relative to the baseline, per method of the paper's four families; "
+            "confirmed if KIVI-4's is the highest")
+    kivi4 = _named(ev, "kivi", bits=4)
+    if not ev.tables.stage_ran("quality"):
+        return [Finding(NOT_RUN, "stage quality not run", src, rule)]
+    if not kivi4:
+        return [Finding(NOT_RUN, "no 4-bit KIVI method in the config", src, rule)]
+    out = []
+    for model in _models(ev.method_table):
+        per, column = _category_quality(ev, model)
+        per = per[_families(ev, per.index)]
+        worst = per.min(axis=1).dropna() if len(per) else pd.Series(dtype=float)
+        if kivi4[0] not in worst.index or len(worst) < 2:
+            out.append(Finding(NOT_MEASURABLE, "the baseline scores 0 and no fidelity rows", src, rule, model))
+            continue
+        ranked = worst.sort_values(ascending=False)
+        ours = f"worst-category {column}: " + ", ".join(f"{m} {_fmt(v)}" for m, v in ranked.items())
+        verdict = CONFIRMED if worst[kivi4[0]] >= ranked.iloc[0] else CONTRADICTED
+        out.append(Finding(verdict, ours, src, rule, model, float(worst[kivi4[0]])))
+    return out
+
+
+@claim("snapkv-long-context-throughput", "paper",
+       "SnapKV gives the best long-context throughput",
+       "not quantified: SnapKV is the 'champion' for speed on long documents")
+def snapkv_throughput(ev: Evidence) -> list[Finding]:
+    src = ev.tables.source("system", "method", "target_context", "decode_tok_s")
+    rule = (f"median decode tok/s over prompts of >= {LONG_CONTEXT_TOKENS} tokens, the paper's four families; "
+            "confirmed if a SnapKV method is the fastest")
+    system = ev.tables.get("system")
+    if system is None:
+        return [Finding(NOT_RUN, "stage system not run", src, rule)]
+    out = []
+    for model in _models(system):
+        rows = workload_prompts(system[(system.model == model) & system.error.isna()])
+        rows = rows[_families(ev, rows.method)]
+        longest = int(rows.target_context.max()) if len(rows) else 0
+        at = rows[rows.target_context >= min(longest, LONG_CONTEXT_TOKENS)]
+        speed = at.groupby("method").decode_tok_s.median().sort_values(ascending=False)
+        if speed.empty:
+            out.append(Finding(NOT_MEASURABLE, "no measured prompts", src, rule, model))
+            continue
+        ours = f"at {longest} tokens: " + ", ".join(f"{m} {_fmt(v)} tok/s" for m, v in speed.items())
+        if longest < LONG_CONTEXT_TOKENS:
+            out.append(Finding(NOT_MEASURABLE, ours + f" (longest prompt < {LONG_CONTEXT_TOKENS})", src, rule, model))
+            continue
+        verdict = CONFIRMED if _family(ev, speed.index[0]) == "snapkv" else CONTRADICTED
+        out.append(Finding(verdict, ours, src, rule, model, float(speed.iloc[0])))
+    return out
+
+
+@claim("turboquant-ttft-overhead", "paper",
+       "TurboQuant has the highest TTFT overhead (KIVI, SnapKV and CaM barely change TTFT)",
+       "not quantified: TurboQuant 'keeps the user waiting longer'")
+def turboquant_ttft(ev: Evidence) -> list[Finding]:
+    src = ev.tables.source("system", "method", "prompt_id", "ttft_s", "ttft_s_std")
+    rule = ("median over prompts of TTFT / the baseline's TTFT on the same prompt - 1, the paper's four families; "
+            f"confirmed if TurboQuant's is highest by more than the noise (max of {NOISE_FLOOR:.0%} and the "
+            "repeats' relative spread), contradicted if another family's is")
+    system = ev.tables.get("system")
+    if system is None:
+        return [Finding(NOT_RUN, "stage system not run", src, rule)]
+    out = []
+    for model in _models(system):
+        rows = workload_prompts(system[(system.model == model) & system.error.isna()])
+        ttft = rows.pivot_table(index="prompt_id", columns="method", values="ttft_s")
+        if ev.baseline not in ttft:
+            out.append(Finding(NOT_MEASURABLE, f"no {ev.baseline} rows", src, rule, model))
+            continue
+        over = ttft.div(ttft[ev.baseline], axis=0).sub(1).median()
+        over = over[_families(ev, over.index)].dropna().sort_values(ascending=False)
+        spread = (rows.ttft_s_std / rows.ttft_s).median()
+        noise = max(NOISE_FLOOR, float(spread) if spread == spread else 0.0)
+        tq = over[_families(ev, over.index, ("turboquant",))]
+        rest = over[~_families(ev, over.index, ("turboquant",))]
+        ours = ", ".join(f"{m} {v:+.1%}" for m, v in over.items()) + f" (noise {noise:.0%})"
+        if tq.empty or rest.empty:
+            out.append(Finding(NOT_MEASURABLE, ours or "no TurboQuant or no other family", src, rule, model))
+            continue
+        gap = tq.max() - rest.max()
+        verdict = CONFIRMED if gap > noise else CONTRADICTED if gap < -noise else NOT_MEASURABLE
+        out.append(Finding(verdict, ours, src, rule, model, float(tq.max())))
+    return out
+
+
+@claim("cam-ratio-varies", "paper",
+       "CaM's realized compression varies with the workload",
+       "1x to 14x by workload")
+def cam_ratio_varies(ev: Evidence) -> list[Finding]:
+    src = ev.tables.source("system", "method", "prompt_id", "ratio_end")
+    rule = f"max / min measured ratio of each CaM method over all prompts; confirmed if >= {CAM_VARIATION:g}"
+    system = ev.tables.get("system")
+    cams = [m for m in ev.methods if _family(ev, m) == "cam"]
+    if system is None or not cams:
+        return [Finding(NOT_RUN, "stage system not run" if system is None else "no CaM method in the config",
+                        src, rule)]
+    out = []
+    for model in _models(system):
+        rows = system[(system.model == model) & system.error.isna() & system.method.isin(cams)]
+        if rows.empty:
+            out.append(Finding(NOT_MEASURABLE, "no CaM rows without an error", src, rule, model))
+            continue
+        span = rows.groupby("method").ratio_end.agg(["min", "max", "size"])
+        fold = float((span["max"] / span["min"]).max())
+        ours = "; ".join(f"{m}: {_fmt(r['min'])}x-{_fmt(r['max'])}x over {r['size']:.0f} prompts"
+                         for m, r in span.iterrows())
+        fixed = [m for m in span.index if "keep_ratio" in ev.methods[m]]
+        if fixed:
+            ours += (f" ({', '.join(fixed)}: keep_ratio fixes the ratio by construction; "
+                     "the paper's CaM kept a token budget)")
+        out.append(Finding(CONFIRMED if fold >= CAM_VARIATION else CONTRADICTED, ours, src, rule, model, fold))
+    return out
+
+
+@claim("summarization-most-fragile", "paper",
+       "Summarization is the most fragile task category",
+       "not quantified: summaries 'become garbage' when too much is pruned or merged")
+def summarization_fragile(ev: Evidence) -> list[Finding]:
+    src = ev.tables.source("quality_scores", "method", "category", "score") + " (relative to the baseline)"
+    rule = ("mean quality relative to the baseline over the paper's four families, per category; "
+            f"confirmed if {CATEGORY_SUMMARIZATION!r} is the lowest")
+    if not ev.tables.stage_ran("quality"):
+        return [Finding(NOT_RUN, "stage quality not run", src, rule)]
+    out = []
+    for model in _models(ev.method_table):
+        per, column = _category_quality(ev, model)
+        per = per[_families(ev, per.index)]
+        means = per.mean().dropna().sort_values() if len(per) else pd.Series(dtype=float)
+        if CATEGORY_SUMMARIZATION not in means.index or len(means) < 2:
+            out.append(Finding(NOT_MEASURABLE, "no summarization scores relative to the baseline", src, rule, model))
+            continue
+        ours = f"mean {column}: " + ", ".join(f"{c} {_fmt(v)}" for c, v in means.items())
+        verdict = CONFIRMED if means.index[0] == CATEGORY_SUMMARIZATION else CONTRADICTED
+        out.append(Finding(verdict, ours, src, rule, model, float(means[CATEGORY_SUMMARIZATION])))
+    return out
+
+
+@claim("ratio-predicts-poorly", "paper",
+       "Compression ratio alone predicts end-to-end behaviour poorly",
+       "not quantified: 'the space saved does not necessarily mean better performance'")
+def ratio_predicts_poorly(ev: Evidence) -> list[Finding]:
+    src = "results/report/correlations.parquet: rho, ci_low, ci_high (measured ratio vs quality, TTFT, TPOT)"
+    rule = (f"ratio predicts an outcome in a category if |rho| >= {PREDICTS_RHO:g} and its bootstrap interval "
+            "excludes 0; confirmed if it predicts fewer than half of the outcome x category pairs")
+    corr = ev.correlations
+    if corr.empty:
+        return [Finding(NOT_RUN, "stage system not run", src, rule)]
+    out = []
+    for model in _models(corr):
+        rows = corr[(corr.model == model) & corr.rho.notna() & corr.ci_low.notna()]
+        if rows.empty:
+            out.append(Finding(NOT_MEASURABLE, "no interval: fewer than 3 methods or 3 samples per category",
+                               src, rule, model))
+            continue
+        predicts = (rows.rho.abs() >= PREDICTS_RHO) & ((rows.ci_low > 0) | (rows.ci_high < 0))
+        ours = f"predicts {int(predicts.sum())} of {len(rows)}: " + ", ".join(
+            f"{r.outcome}/{r.category} rho {r.rho:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}]" for r in rows.itertuples())
+        verdict = CONFIRMED if predicts.sum() < len(rows) / 2 else CONTRADICTED
+        out.append(Finding(verdict, ours, src, rule, model, float(predicts.mean())))
+    return out

@@ -1,0 +1,75 @@
+"""Does the measured compression ratio predict end-to-end behaviour? Spearman's rho between each
+method's measured ratio and its quality, TTFT and TPOT, across methods, per task category, with
+a paired bootstrap interval over samples (the same resampled samples for every method)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvbench.report.contracts import CONTRACTS, Tables
+from kvbench.report.joined import SYSTEM_CATEGORY, workload_prompts
+from kvbench.report.stats import bootstrap_spearman
+
+OUTCOMES = ("quality", "ttft_s", "tpot_s")
+
+
+def _matrix(rows: pd.DataFrame, sample: list[str], value: str) -> pd.DataFrame:
+    """samples x methods."""
+    return rows.pivot_table(index=sample, columns="method", values=value, aggfunc="mean")
+
+
+def _broadcast(per_method: pd.Series, like: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame([per_method.reindex(like.columns).to_numpy()] * len(like), index=like.index,
+                        columns=like.columns)
+
+
+def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
+    """(model, category, outcome, source, x, y) from the quality stage: the ratio per sample if it
+    recorded one, else each method's median ratio over the system stage's workload prompts."""
+    ok = scores[scores.error.isna()]
+    ratio_of = None
+    if system is not None:
+        sys_ok = workload_prompts(system[system.error.isna()])
+        ratio_of = sys_ok.groupby(["model", "method"]).ratio_end.median()
+    for (model, category), rows in ok.groupby(["model", "category"]):
+        own_ratio = rows.ratio.notna().any()
+        scores_path = CONTRACTS["quality_scores"].expand([model])[0]
+        for outcome, column in (("quality", "score"), ("ttft_s", "ttft_s"), ("tpot_s", "tpot_s")):
+            if rows[column].isna().all():
+                continue
+            y = _matrix(rows, ["task", "sample"], column)
+            if own_ratio:
+                x, src = _matrix(rows, ["task", "sample"], "ratio"), scores_path
+            elif ratio_of is not None and model in ratio_of.index.get_level_values(0):
+                x = _broadcast(ratio_of[model], y)
+                src = f"{scores_path} + ratio from {CONTRACTS['system'].path}"
+            else:
+                continue
+            yield model, category, outcome, src, x, y
+
+
+def _system_pairs(system: pd.DataFrame):
+    rows = workload_prompts(system[system.error.isna()])
+    for model, part in rows.groupby("model"):
+        x = _matrix(part, ["prompt_id"], "ratio_end")
+        for outcome in ("ttft_s", "tpot_s"):
+            yield model, SYSTEM_CATEGORY, outcome, CONTRACTS["system"].path, x, _matrix(part, ["prompt_id"], outcome)
+
+
+def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.95) -> pd.DataFrame:
+    scores, system = tables.get("quality_scores"), tables.get("system")
+    pairs = []
+    if scores is not None:
+        pairs += list(_quality_pairs(scores, system))
+    covered = {(m, o) for m, _, o, *_ in pairs}
+    if system is not None:  # TTFT and TPOT from the system stage where the quality pass has none
+        pairs += [p for p in _system_pairs(system) if (p[0], p[2]) not in covered]
+    rows = []
+    for model, category, outcome, source, x, y in pairs:
+        r = bootstrap_spearman(x, y, n_boot, seed, level)
+        rows.append({"model": model, "category": category, "outcome": outcome, "rho": r.rho, "ci_low": r.ci_low,
+                     "ci_high": r.ci_high, "methods": r.n_items, "samples": r.n_samples, "level": level,
+                     "bootstrap": n_boot, "bootstrap_seed": seed, "source": source})
+    columns = ["model", "category", "outcome", "rho", "ci_low", "ci_high", "methods", "samples", "level",
+               "bootstrap", "bootstrap_seed", "source"]
+    return pd.DataFrame(rows, columns=columns)

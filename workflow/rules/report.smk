@@ -1,0 +1,35 @@
+# Reads the benchmark TSVs of every job before it (not declared as inputs: Snakemake does not
+# track benchmark files as outputs); it runs after them because it needs their tables.
+rule report_tables:
+    input:
+        unpack(report_inputs),
+    output:
+        methods="results/report/methods.parquet",
+        corpora="results/report/corpora.parquet",
+        correlations="results/report/correlations.parquet",
+        claims="results/report/claims.parquet",
+        recommendations="results/report/recommendations.parquet",
+        stages="results/report/stages.parquet",
+        costs="results/report/pipeline_cost.parquet",
+        overview_html=report_page("overview", "Overview"),
+        claims_html=report_page("claims", "Seed claims"),
+        recommendations_html=report_page("recommendations", "Recommendation"),
+        correlations_html=report_page("correlations", "Ratio vs end-to-end"),
+        costs_html=report_page("pipeline_cost", "Pipeline cost"),
+        correlation_png=report_figure("correlation", "PNG"),
+        correlation_svg=report_figure("correlation", "SVG"),
+        tradeoff_png=report_figure("tradeoffs", "PNG"),
+        tradeoff_svg=report_figure("tradeoffs", "SVG"),
+    params:
+        cfg=config["report"],
+        methods=config["methods"],
+        benchmarks=benchmark_patterns,
+        code=library_code("report_tables.py"),
+    log:
+        "logs/report/tables.log",
+    benchmark:
+        "benchmarks/report/tables.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/report_tables.py"
