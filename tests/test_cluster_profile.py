@@ -4,6 +4,7 @@ from conda env files that survive snakemake's copy."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def test_every_model_of_the_gpu_config_is_used_by_a_stage(gpu_plan):
 @pytest.mark.parametrize("env", ["cpu", "gpu"])
 def test_conda_env_files_hold_no_relative_path_and_mirror_the_requirements(env):
     # snakemake --use-conda copies the env file to .snakemake/conda/ first: `-r gpu.txt` or
-    # `-e ..` would resolve there. The kvbench library comes from PYTHONPATH (common.smk).
+    # `-e ..` would resolve there. The scripts find the kvbench library themselves (_kvbench_path).
     spec = yaml.safe_load((REPO / "envs" / f"{env}.yaml").read_text())
     pip = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict))
     assert not [line for line in pip if line.startswith(("-r", "-e")) or (not line.startswith("--") and "/" in line)]
@@ -134,3 +135,37 @@ def test_hub_downloads_only_the_files_that_get_loaded():
         assert {f for f in files if f.startswith("model-")} <= kept and "config.json" in kept, repo
         assert {f for f in files if f.startswith("tokenizer") or f in ("vocab.json", "merges.txt")} <= kept, repo
         assert not kept & {"README.md", "LICENSE", "params.json"}, repo
+
+
+def test_every_script_imports_the_library_path_module_first():
+    import ast
+
+    for script in sorted((REPO / "workflow" / "scripts").glob("[a-z]*.py")):
+        first = ast.parse(script.read_text()).body[0]
+        assert isinstance(first, ast.Import) and first.names[0].name == "_kvbench_path", script.name
+
+
+def test_a_script_imports_the_library_without_pythonpath_or_an_install(tmp_path):
+    # As a --use-conda job runs it: PYTHONPATH stripped, the script copied to .snakemake/scripts/
+    # with its folder appended to sys.path, and no kvbench in site-packages (the site-packages
+    # folders are added by hand under -S, so no .pth file, e.g. an editable install, is read).
+    import ast
+    import subprocess
+    import sys
+    import sysconfig
+
+    script = REPO / "workflow" / "scripts" / "corpus_synthetic.py"
+    imports = [node for node in ast.parse(script.read_text()).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    copied = tmp_path / ".snakemake" / "scripts" / "tmp.corpus_synthetic.py"
+    copied.parent.mkdir(parents=True)
+    copied.write_text(
+        "import sys\n"
+        f"sys.path = [p for p in sys.path if p] + {[sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib']]!r}\n"
+        "try:\n    import kvbench\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('kvbench importable without the path module')\n"
+        f"sys.path.extend([{str(script.parent)!r}])\n"
+        + ast.unparse(ast.Module(body=imports, type_ignores=[])) + "\n"
+        "import kvbench\nprint(kvbench.__file__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-S", str(copied)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert Path(result.stdout.strip()) == REPO / "workflow" / "kvbench" / "__init__.py"

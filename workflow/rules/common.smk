@@ -3,12 +3,10 @@ import re
 import sys
 from pathlib import Path
 
-# The library sits next to the rules. This parse and every job (local, --use-conda, cluster
-# nodes, the SLURM jobstep) import it from this checkout, so no environment needs `pip install -e`.
-LIBRARY = str(Path(workflow.basedir) / "workflow")
-sys.path.insert(0, LIBRARY)
-if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != LIBRARY:
-    os.environ.update(PYTHONPATH=os.pathsep.join(p for p in (LIBRARY, os.environ.get("PYTHONPATH")) if p))
+# The library sits next to the rules: this parse imports it from this checkout, and so does every
+# job's script (workflow/scripts/_kvbench_path.py; --use-conda strips PYTHONPATH), so no
+# environment needs `pip install -e`.
+sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
 from kvbench.codehash import code_hash
 from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model

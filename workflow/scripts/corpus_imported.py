@@ -1,3 +1,5 @@
+import _kvbench_path  # noqa: F401 (first: puts the library on sys.path)
+
 from kvbench.corpus.build import build_imported
 from kvbench.jobs import job_log
 from kvbench.provenance import provenance, write_table

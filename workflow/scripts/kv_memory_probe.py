@@ -1,3 +1,5 @@
+import _kvbench_path  # noqa: F401 (first: puts the library on sys.path)
+
 import pandas as pd
 import torch
 

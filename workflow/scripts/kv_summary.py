@@ -1,3 +1,5 @@
+import _kvbench_path  # noqa: F401 (first: puts the library on sys.path)
+
 from kvbench.jobs import job_log
 from kvbench.kv.summary import claim_text, inflation_factors, pooled_ratios
 from kvbench.plots import kv_chunk_figure, kv_layer_figure, kv_ratio_figure

@@ -1,3 +1,5 @@
+import _kvbench_path  # noqa: F401 (first: puts the library on sys.path)
+
 from kvbench.jobs import job_log
 from kvbench.plots import quality_fidelity_figure, quality_ratio_figure, quality_score_figure
 from kvbench.provenance import provenance, read_tables, write_table

@@ -1,0 +1,12 @@
+"""Puts this checkout's library (`workflow/`) first on sys.path; every script imports it first.
+
+Snakemake runs a script with its folder on sys.path but strips PYTHONPATH from jobs that use
+`--use-conda`, and an installed kvbench may belong to another checkout: this makes the scripts
+import the library they ship with, in any environment, with no install."""
+
+import sys
+from pathlib import Path
+
+LIBRARY = str(Path(__file__).resolve().parents[1])
+if sys.path[:1] != [LIBRARY]:
+    sys.path.insert(0, LIBRARY)
