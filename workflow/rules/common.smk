@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 from kvbench.codehash import code_hash
 from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
-from kvbench.serve.backends import servers as serve_servers
+from kvbench.serve.backends import SERVER_OF, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
 
 # Schema (types, ranges, defaults), method settings per kind, lengths against each model's context
@@ -26,6 +26,9 @@ SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # would break `--unlock` and the SLURM executor, which do not give one.
 MACHINE_THREADS = os.cpu_count() or 1
 SERVE_SERVERS = serve_servers(config["serve"]["backends"])
+# The vLLM settings a server's output depends on: the port and the timeouts are read from the
+# config by the scripts, and changing them reruns nothing.
+VLLM_RUN = {k: v for k, v in config["vllm"].items() if k not in ("port", "startup_timeout_s", "idle_timeout_s")}
 CORPORA = ["synthetic", "realistic"] + (["imported"] if config["corpus"]["imported"]["path"] else [])
 
 

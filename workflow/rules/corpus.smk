@@ -22,7 +22,7 @@ rule corpus_realistic:
         facts="results/corpus/realistic/facts.parquet",
     params:
         cfg=config["corpus"]["realistic"],
-        vllm=config["vllm"],
+        vllm=VLLM_RUN,  # a rerun trigger: the script starts vLLM from config["vllm"] (port, timeouts)
         seed=config["seed"],
         code=library_code("corpus_realistic.py"),
     threads: MACHINE_THREADS

@@ -1,3 +1,7 @@
+# What a capture's tables depend on: not the corpus and weights lists (wildcards) nor the summary's figure codec.
+KV_RUN = {k: v for k, v in config["kv"].items() if k not in ("corpora", "weights", "figure_codec")}
+
+
 rule kv_capture:
     input:
         docs="results/corpus/{corpus}/docs.parquet",
@@ -7,7 +11,7 @@ rule kv_capture:
         layers="results/kv/{corpus}/{weights}/layers.parquet",
         chunks="results/kv/{corpus}/{weights}/chunks.parquet",
     params:
-        cfg=config["kv"],
+        cfg=KV_RUN,
         # Real weights ignore the seed: changing it reruns only the random and dummy variants.
         seed=lambda wc: None if wc.weights == "real" else config["seed"],
         code=library_code("kv_capture.py"),
@@ -76,7 +80,7 @@ rule kv_memory_probe:
     output:
         "results/kv/memory_probe.parquet",
     params:
-        cfg=config["kv"],
+        cfg=KV_RUN,
         tokens=8192,
         seed=config["seed"],
         code=library_code("kv_memory_probe.py"),

@@ -1,3 +1,16 @@
+def serve_run(server):
+    """The serve settings, with only this server's backends: adding or dropping another server's
+    backend does not rerun it."""
+    return {**config["serve"], "backends": [b for b in config["serve"]["backends"] if SERVER_OF[b] == server]}
+
+
+def serve_methods(server):
+    """Method settings of the lossy wire formats, for the one server whose connector uses them."""
+    if server != "main" or "valkey" not in config["serve"]["backends"]:
+        return {}
+    return {name: config["methods"][name] for name in config["serve"]["codecs"] if name in config["methods"]}
+
+
 rule serve_server:
     input:
         docs=expand("results/corpus/{corpus}/docs.parquet", corpus=config["serve"]["corpora"]),
@@ -7,9 +20,9 @@ rule serve_server:
         metrics="results/serve/servers/{server}/metrics.parquet",
         transfers="results/serve/servers/{server}/transfers.parquet",
     params:
-        cfg=config["serve"],
-        vllm=config["vllm"],
-        methods=lambda wc: {name: config["methods"][name] for name in config["serve"]["codecs"] if name in config["methods"]},
+        cfg=lambda wc: serve_run(wc.server),
+        vllm=VLLM_RUN,  # a rerun trigger: the script starts vLLM from config["vllm"] (port, timeouts)
+        methods=lambda wc: serve_methods(wc.server),
         seed=config["seed"],
         code=library_code("serve_server.py"),
     # A vLLM server (and Valkey) on the whole machine: rounds of different backends share it.

@@ -6,7 +6,8 @@ rule system_method:
     output:
         "results/system/{model}/{method}.parquet",
     params:
-        cfg=config["system"],
+        # What a method's rows depend on: not the lists of methods and models (adding one reruns no other).
+        cfg={k: v for k, v in config["system"].items() if k not in ("methods", "models")},
         spec=lambda wc: config["methods"][wc.method],
         seed=config["seed"],
         code=library_code("system_method.py"),

@@ -9,7 +9,7 @@ with job_log(snakemake.log.main, snakemake.config):
     config = snakemake.config
     tokenizer = load_tokenizer(snakemake.input.model)
     docs, facts = build_realistic(
-        snakemake.params.cfg, snakemake.input.model, snakemake.params.vllm, snakemake.params.seed,
+        snakemake.params.cfg, snakemake.input.model, config["vllm"], snakemake.params.seed,
         lambda text: len(tokenizer(text, add_special_tokens=False).input_ids), snakemake.log.vllm,
     )
     prov = provenance(config, model=config["corpus"]["generator"])

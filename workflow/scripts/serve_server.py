@@ -10,7 +10,7 @@ with job_log(snakemake.log.main, snakemake.config):
     config, cfg = snakemake.config, snakemake.params.cfg
     settings = ServeSettings.of(cfg)
     docs = {corpus: pd.read_parquet(path) for corpus, path in zip(settings.corpora, snakemake.input.docs)}
-    tables = serve_job(snakemake.wildcards.server, settings, docs, snakemake.params.methods, snakemake.params.vllm,
+    tables = serve_job(snakemake.wildcards.server, settings, docs, snakemake.params.methods, config["vllm"],
                        snakemake.input.model, snakemake.params.seed,
                        {"vllm": snakemake.log.vllm, "valkey": snakemake.log.valkey})
     prov = provenance(config, model=cfg["model"])
