@@ -20,12 +20,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from kvbench.config import system_models
 from kvbench.corpus.synthetic import synthetic_document
 from kvbench.provenance import PROVENANCE_COLUMNS
 from kvbench.report import build as report_build
 from kvbench.report.claims import CLAIMS
 from kvbench.report.contracts import CONTRACTS, load_tables
 from kvbench.report.recommend import NONE
+from kvbench.serve.backends import SERVER_OF, servers as serve_servers
 from kvbench.serve.summary import client_vs_server
 from test_servers import wait_gone
 from workflow_helpers import REPO, SNAKEMAKE, snakemake, tiny_config, write_config
@@ -47,11 +49,21 @@ def test_every_job_ran_as_a_fake_slurm_job_and_completed(run):
     jobs = [json.loads(p.read_text()) for p in (workdir / ".fake_slurm" / "jobs").glob("*.json")]
     for job in jobs:
         job["rule"] = re.match(r"rule_(\w+?)(_wildcards_|$)", job["comment"]).group(1)
-    n_kv = len(config["kv"]["corpora"]) * len(config["kv"]["weights"])
-    expected = ["corpus_realistic", *["kv_capture"] * n_kv, *["system_method"] * len(config["system"]["methods"])]
-    assert sorted(j["rule"] for j in jobs) == sorted(expected)  # light rules ran locally
+    assert sorted(j["rule"] for j in jobs) == sorted(cluster_jobs(config))  # light rules ran locally
     assert {j["state"] for j in jobs} == {"COMPLETED"}
     assert all(j["gpus"] and j["partition"] == "gpu" for j in jobs)  # every job here loads the model
+
+
+def cluster_jobs(config) -> list[str]:
+    """The rule of every job the tiny DAG submits (the others are localrules), from the config."""
+    quality = config["quality"]
+    n_quality = len(quality["models"])
+    return ["corpus_realistic",
+            *["kv_capture"] * (len(config["kv"]["corpora"]) * len(config["kv"]["weights"])),
+            *["system_method"] * (len(system_models(config)) * len(config["system"]["methods"])),
+            *["serve_server"] * len(serve_servers(config["serve"]["backends"])),
+            *["quality_reference"] * n_quality,
+            *["quality_method"] * (n_quality * len(set(quality["methods"]) - {quality["reference"]}))]
 
 
 def read(workdir, rel):
@@ -218,33 +230,78 @@ def system(method):
     return f"system_method[model=smol, method={method}]"
 
 
+def serve(server):
+    return f"serve_server[server={server}]"
+
+
+def quality(method, config):
+    rule = "quality_reference" if method == config["quality"]["reference"] else "quality_method"
+    return f"{rule}[model=smol" + ("]" if rule == "quality_reference" else f", method={method}]")
+
+
+def params_changed(reason, before, now):
+    """Snakemake 9 names no param: it prints the values that differ, before and now."""
+    head, _, values = reason.partition(": Union of exclusive params before and now across all output: ")
+    before_part, _, now_part = values.partition(" now: ")
+    return head == "Params have changed since last execution" and before in before_part and now in now_part
+
+
+UPDATED = "Input files updated by another job"
+
+
 def test_changing_the_seed_reruns_exactly_the_jobs_it_affects(run):
     workdir, config = run
     jobs = planned(snakemake(workdir, {**config, "seed": 4321}, "-n"))
-    seeded = {"corpus_realistic", *(kv(c, w) for c in ("synthetic", "realistic", "imported") for w in ("random", "dummy")),
-              *(system(m) for m in config["system"]["methods"])}
-    downstream = {"corpus_stats", kv("realistic", "real"), "kv_summary", "system_summary", "all"}
+    corpora = config["kv"]["corpora"]
+    # Seeded jobs with no upstream change report the param; the rest rerun because the realistic
+    # corpus (seeded) changes under them (Snakemake reports the first reason only).
+    seeded = {"corpus_realistic", *(kv(c, w) for c in corpora if c != "realistic" for w in ("random", "dummy"))}
+    downstream = {"corpus_stats", *(kv("realistic", w) for w in config["kv"]["weights"]), "kv_summary",
+                  *(system(m) for m in config["system"]["methods"]), "system_summary",
+                  *(serve(s) for s in serve_servers(config["serve"]["backends"])), "serve_summary",
+                  "quality_tasks", *(quality(m, config) for m in config["quality"]["methods"]),
+                  "quality_summary[model=smol]", "report_tables", "all"}
     assert set(jobs) == seeded | downstream
     for job in seeded:
-        assert "Params have changed since last execution" in jobs[job] and "seed" in jobs[job], (job, jobs[job])
+        assert params_changed(jobs[job], "1234", "4321"), (job, jobs[job])
     for job in downstream:
-        assert jobs[job].startswith("Input files updated by another job"), (job, jobs[job])
+        assert jobs[job].startswith(UPDATED), (job, jobs[job])
 
 
 def test_changing_a_method_setting_reruns_that_method_alone(run):
     workdir, config = run
     methods = {**config["methods"], "kivi2": {**config["methods"]["kivi2"], "group_size": 16}}
     jobs = planned(snakemake(workdir, {**config, "methods": methods}, "-n"))
-    assert set(jobs) == {system("kivi2"), "system_summary", "all"}
-    assert jobs[system("kivi2")] == "Params have changed since last execution: spec"
+    # kivi2 runs in the system and quality stages and as a wire format of the Valkey server.
+    changed = {system("kivi2"), quality("kivi2", config), serve(SERVER_OF["valkey"])}
+    assert set(jobs) == changed | {"system_summary", "quality_summary[model=smol]", "serve_summary", "report_tables", "all"}
+    for job in changed:
+        assert params_changed(jobs[job], "'group_size': 32", "'group_size': 16"), (job, jobs[job])
+
+
+def test_dropping_a_method_reruns_no_other_method(run):
+    workdir, config = run
+    system_cfg = {**config["system"], "methods": [m for m in config["system"]["methods"] if m != "h2o"]}
+    jobs = planned(snakemake(workdir, {**config, "system": system_cfg}, "-n"))
+    assert set(jobs) == {"system_summary", "report_tables", "all"}
+    assert jobs["system_summary"] == "Set of input files has changed since last execution"
+
+
+def test_changing_a_client_timeout_reruns_nothing(run):
+    workdir, config = run
+    vllm = {**config["vllm"], "idle_timeout_s": config["vllm"]["idle_timeout_s"] + 1,
+            "startup_timeout_s": config["vllm"]["startup_timeout_s"] + 1}
+    assert "Nothing to be done" in snakemake(workdir, {**config, "vllm": vllm}, "-n").stdout
 
 
 def test_editing_or_adding_an_imported_file_reruns_the_import_and_what_reads_it(run):
     workdir, config = run
     note = workdir / "my-docs" / "note.txt"
     old_text, old_times = note.read_text(), (note.stat().st_atime, note.stat().st_mtime)
-    affected = {"corpus_imported", "corpus_stats", *(kv("imported", w) for w in ("real", "random", "dummy")),
-                "kv_summary", "all"}
+    # The KV tables of the imported corpus feed the serve summary's predicted ratios and the report.
+    affected = {"corpus_imported", "corpus_stats", *(kv("imported", w) for w in config["kv"]["weights"]),
+                "kv_summary", "serve_summary", "report_tables", "all"}
+    assert "longbench" not in config["quality"]["tasks"]  # else the quality tasks read the import too
     try:
         note.write_text(old_text + " Edited.")
         jobs = planned(snakemake(workdir, config, "-n"))
@@ -266,8 +323,9 @@ def test_editing_or_adding_an_imported_file_reruns_the_import_and_what_reads_it(
 
 
 def test_changing_library_code_reruns_the_rules_that_import_it(run, tmp_path):
-    # A copy of the workflow whose prompt-building module differs by one comment: only the jobs
-    # whose scripts import it (the method runs) rerun, for their `code` param.
+    # A copy of the workflow whose prompt-building module differs by one comment: the jobs whose
+    # scripts import it (method runs of the system and quality stages, the quality task builder)
+    # rerun for their `code` param, and what reads their tables after them.
     workdir, config = run
     copy = tmp_path / "kvbench-copy"
     shutil.copytree(REPO / "workflow", copy / "workflow", ignore=shutil.ignore_patterns("__pycache__"))
@@ -278,9 +336,15 @@ def test_changing_library_code_reruns_the_rules_that_import_it(run, tmp_path):
                              "--configfile", str(write_config(workdir, config))], capture_output=True, text=True,
                             cwd=workdir, timeout=600)
     jobs = planned(result)
-    methods = {system(m) for m in config["system"]["methods"]}
-    assert set(jobs) == methods | {"system_summary", "all"}
-    assert all(jobs[job] == "Params have changed since last execution: code" for job in methods)
+    imports = {*(system(m) for m in config["system"]["methods"]), "quality_tasks"}
+    downstream = {*(quality(m, config) for m in config["quality"]["methods"]), "quality_summary[model=smol]",
+                  "system_summary", "report_tables", "all"}
+    assert set(jobs) == imports | downstream
+    for job in imports:
+        assert jobs[job].startswith("Params have changed since last execution"), (job, jobs[job])
+        assert params_changed(jobs[job], "", ""), (job, jobs[job])
+    for job in downstream:
+        assert jobs[job].startswith(UPDATED), (job, jobs[job])
 
 
 def test_serve_rows_for_every_backend_round_and_request(run):
@@ -449,7 +513,7 @@ def test_html_report_embeds_every_figure_and_table(run):
     assert sum(len(t) for t in recs[:-1]) == len(read(workdir, "results/report/recommendations.parquet"))
     stages = pd.read_html(io.StringIO(_data(items["overview.html"]).decode()))[0].set_index("stage").status
     assert stages["system"] == "ran" and set(stages) <= {"ran", "not run"}
-    not_run = list(stages[stages == "not run"].index)  # today quality and serve, until their stages merge
+    not_run = list(stages[stages == "not run"].index)
     if not_run:
         assert f"Stages not run: {', '.join(not_run)}" in _data(items["overview.html"]).decode()
     costs = pd.read_html(io.StringIO(_data(items["pipeline_cost.html"]).decode()))
