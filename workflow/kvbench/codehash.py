@@ -2,7 +2,8 @@
 
 Snakemake reruns a job when its script changes, not when a library module behind it does. Rules
 pass `code_hash(script)` as a param: the kvbench modules the script imports, transitively (read
-from the source, nothing is imported), plus the package's data files when one of those modules
+from the source, nothing is imported), modules named by a string another program imports by name
+(vLLM loads `"kvbench.serve.connector"`, the connector a serve job configures), plus the package's data files when one of those modules
 names the `data` folder (the fact-sheet vocabularies).
 """
 
@@ -36,8 +37,8 @@ def _package_inits(name: str) -> list[Path]:
 
 @lru_cache(maxsize=None)
 def _direct_imports(path: Path) -> tuple[tuple[str, ...], bool]:
-    """kvbench modules `path` imports (anywhere in it, lazy imports too), and whether it names
-    the package's `data` folder."""
+    """kvbench modules `path` imports (anywhere in it, lazy imports too) or names as a string (a
+    module something else imports by name), and whether it names the package's `data` folder."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: list[str] = []
     uses_data = False
@@ -49,6 +50,9 @@ def _direct_imports(path: Path) -> tuple[tuple[str, ...], bool]:
             names += [f"{node.module}.{alias.name}" for alias in node.names]  # submodules, if any
         elif isinstance(node, ast.Constant) and node.value == "data":
             uses_data = True
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(f"{PACKAGE}."):
+            if _module_file(node.value) is not None:
+                names.append(node.value)
     return tuple(n for n in names if n.split(".")[0] == PACKAGE), uses_data
 
 
