@@ -76,6 +76,16 @@ CASES = [
     (lambda c: c["system"].update(methods=["full", "kivi3"]), "system.methods: 'kivi3' is not a key of methods"),
     (lambda c: c["kv"].update(corpora=["imported"]), "kv.corpora: 'imported' needs corpus.imported.path to be set"),
     (lambda c: c["corpus"].update(generator="gpt-9"), "corpus.generator: 'gpt-9' is not a key of models"),
+    (lambda c: c["serve"].update(docs_per_corpus=13), "serve.docs_per_corpus: 13 exceeds the 12 realistic documents"),
+    (lambda c: c["serve"].update(reference_docs_per_corpus=13),
+     "serve.reference_docs_per_corpus: 13 exceeds the 12 realistic documents"),
+    (lambda c: c["serve"].update(doc_tokens=8190),
+     "serve.doc_tokens: 8190 + serve.max_tokens (8) leave no room for the question within vllm.max_model_len (8192)"),
+    (lambda c: c["kv"].update(dtypes=["fp32", "fp16"], detail_dtypes=["fp16"]), "report.kv_dtype: 'bf16' is not in kv.dtypes"),
+    (lambda c: c["report"].update(kv_codec="zstd-19"), "report.kv_codec: 'zstd-19' is not in kv.codecs"),
+    (lambda c: c["vllm"].update(port=8000), "vllm.port: 8000 is fixed, but serve_server[main], serve_server[example]"),
+    (lambda c: c["models"].update(llama={"hub": "meta-llama/Llama-3.1-8B-Instruct"}),
+     "hf_offline: true, but models.llama (hub: meta-llama/Llama-3.1-8B-Instruct) is not downloaded yet"),
     # schema: types, ranges, unknown keys
     (lambda c: c["corpus"]["synthetic"].update(n_dosc=3),
      "config key corpus.synthetic: Additional properties are not allowed ('n_dosc' was unexpected)"),
@@ -130,6 +140,18 @@ def test_lengths_and_head_dim_come_from_the_model_folder_once_it_exists(tmp_path
     config["methods"]["odd"]["group_size"] = 32
     config["vllm"]["max_model_len"] = 4096
     assert config_problems(config, SCHEMA) == ["vllm.max_model_len: 4096 tokens exceed model 'local''s context of 2048"]
+
+
+def test_vllm_max_model_len_must_fit_the_served_model_too(tmp_path):
+    folder = small_model(tmp_path)  # 2048-token context; the generator keeps its 8192
+    config = broken(lambda c: (c["models"].update(local={"path": str(folder)}), c["serve"].update(model="local", doc_tokens=1024),
+                               c["vllm"].update(max_model_len=4096)))
+    assert config_problems(config, SCHEMA) == ["vllm.max_model_len: 4096 tokens exceed model 'local''s context of 2048"]
+
+
+def test_a_fixed_port_is_accepted_for_one_vllm_server_at_a_time():
+    config = broken(lambda c: (c["vllm"].update(port=8000), c["serve"].update(backends=["recompute", "prefix", "valkey"])))
+    assert config_problems(config, SCHEMA) == []
 
 
 def test_a_declared_context_must_agree_with_the_model_folder(tmp_path):

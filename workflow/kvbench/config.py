@@ -16,6 +16,7 @@ import jsonschema
 import yaml
 
 from kvbench.methods.kinds import spec_problems
+from kvbench.serve.backends import servers, unsupported
 from kvbench.serve.names import check_codec
 from kvbench.serve.protocol import parse_ratio
 from kvbench.quality.kinds import quality_problems
@@ -144,6 +145,15 @@ def _subset_problems(config: Mapping[str, Any]) -> list[str]:
     for corpus, n in config["system"]["prompts_per_corpus"].items():
         if corpus in counts and n > counts[corpus]:
             found.append(f"system.prompts_per_corpus.{corpus}: {n} exceeds the {counts[corpus]} {corpus} documents")
+    serve = config["serve"]
+    for key in ("docs_per_corpus", "reference_docs_per_corpus"):
+        for corpus in serve["corpora"]:
+            if corpus in counts and serve[key] > counts[corpus]:
+                found.append(f"serve.{key}: {serve[key]} exceeds the {counts[corpus]} {corpus} documents")
+    report = config["report"]
+    for key, full in (("kv_dtype", "dtypes"), ("kv_codec", "codecs")):
+        if report[key] not in kv[full]:
+            found.append(f"report.{key}: {report[key]!r} is not in kv.{full} (every KV claim would be 'not measurable')")
     return found
 
 
@@ -158,6 +168,7 @@ def _length_problems(config: Mapping[str, Any]) -> list[str]:
     vllm, kv, system = config["vllm"], config["kv"], config["system"]
     generator = config["corpus"]["generator"]
     limits = [("vllm.max_model_len", vllm["max_model_len"], generator),
+              ("vllm.max_model_len", vllm["max_model_len"], config["serve"]["model"]),
               ("kv.context_tokens", kv["context_tokens"], kv["model"])]
     longest = max(system["context_tokens"]) + system["max_new_tokens"]
     limits += [("system.context_tokens", longest, name) for name in system_models(config)]
@@ -166,6 +177,10 @@ def _length_problems(config: Mapping[str, Any]) -> list[str]:
         if context is not None and tokens > context:
             extra = " (longest context + system.max_new_tokens)" if key == "system.context_tokens" else ""
             found.append(f"{key}: {tokens} tokens{extra} exceed model {name!r}'s context of {context}")
+    serve = config["serve"]
+    if serve["doc_tokens"] + serve["max_tokens"] >= vllm["max_model_len"]:
+        found.append(f"serve.doc_tokens: {serve['doc_tokens']} + serve.max_tokens ({serve['max_tokens']}) leave no room "
+                     f"for the question within vllm.max_model_len ({vllm['max_model_len']})")
     section = config["corpus"]["realistic"]["section_tokens"]
     if section >= vllm["max_model_len"]:
         found.append(f"corpus.realistic.section_tokens: {section} leaves no room for the prompt within "
@@ -233,7 +248,32 @@ def _serve_problems(config: Mapping[str, Any]) -> list[str]:
         found.append(f"serve.hit_miss_ratio: {err}")
     if serve["fault_round"] and serve["valkey"].get("url"):
         found.append("serve.fault_round: it kills Valkey, so it needs the stage's own (serve.valkey.url: null)")
-    return found
+    return found + _port_problems(config)
+
+
+def _port_problems(config: Mapping[str, Any]) -> list[str]:
+    """A fixed vllm.port is fine for one vLLM server at a time; the serve servers (and the corpus
+    generator, when no serve corpus waits for it) can run at once and would collide."""
+    port, device = config["vllm"]["port"], config["vllm"]["device"]
+    if not port:
+        return []
+    jobs = [f"serve_server[{s}]" for s in servers(config["serve"]["backends"]) if unsupported(s, device) is None]
+    if "realistic" not in config["serve"]["corpora"]:
+        jobs.append("corpus_realistic")
+    if len(jobs) < 2:
+        return []
+    return [f"vllm.port: {port} is fixed, but {', '.join(jobs)} each start a vLLM server and can run at once; "
+            f"use 0 (a free port per server)"]
+
+
+def _offline_problems(config: Mapping[str, Any]) -> list[str]:
+    """hf_offline keeps every job off the hub, so a hub model must be downloaded already."""
+    if not config["hf_offline"]:
+        return []
+    return [f"hf_offline: true, but models.{name} (hub: {source['hub']}) is not downloaded yet "
+            f"({model_dir(config, name)}); set hf_offline: false for the run that downloads it"
+            for name, source in config["models"].items()
+            if "hub" in source and not (Path(model_dir(config, name)) / "config.json").is_file()]
 
 
 def config_problems(config: dict[str, Any], schema_path: str | Path) -> list[str]:
@@ -243,7 +283,7 @@ def config_problems(config: dict[str, Any], schema_path: str | Path) -> list[str
         return found
     references = _reference_problems(config)
     found = references + _file_problems(config) + _method_problems(config) + _subset_problems(config)
-    found += _serve_problems(config) + quality_problems(config)
+    found += _serve_problems(config) + quality_problems(config) + _offline_problems(config)
     return found if references else found + _length_problems(config)
 
 
