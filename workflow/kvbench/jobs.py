@@ -18,6 +18,24 @@ EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 PARENT_POLL_S = 1.0
 
 
+def usable_cpus() -> list[int]:
+    """The CPU ids this process may run on: a SLURM job's cpuset or a taskset, not the whole node."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_list(cpus: list[int]) -> str:
+    """`[0, 1, 2, 5, 7, 8]` -> `"0-2,5,7-8"` (the cpu-list syntax of taskset and libnuma)."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 class JobTerminated(SystemExit):
     """The job got SIGTERM/SIGHUP (scheduler limit, preemption, `kill`) or lost its parent."""
 

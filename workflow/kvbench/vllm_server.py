@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.error
@@ -12,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+from kvbench.jobs import cpu_list, usable_cpus
 from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server, server_state
 
 SERVED_NAME = "kvbench-model"
@@ -38,7 +38,9 @@ def vllm_env(settings: Mapping[str, Any]) -> dict[str, str]:
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     if settings["device"] == "cpu":
         env |= {
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+            # One OpenMP thread pinned to each CPU the job may use (binding a CPU outside a
+            # SLURM cpuset fails; node-wide counts would oversubscribe the job's CPUs).
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_list(usable_cpus()),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_CPU_KVCACHE_SPACE": str(settings["cpu_kvcache_space_gb"]),
         }

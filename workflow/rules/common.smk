@@ -1,4 +1,3 @@
-import os
 import re
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 from kvbench.codehash import code_hash
 from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
+from kvbench.jobs import usable_cpus
 from kvbench.serve.backends import SERVER_OF, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
 
@@ -24,7 +24,7 @@ SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # Jobs that want the whole machine (a server, timed runs). Snakemake scales threads down to
 # --cores locally, and the SLURM profile sets them per rule. A global core count (workflow.cores)
 # would break `--unlock` and the SLURM executor, which do not give one.
-MACHINE_THREADS = os.cpu_count() or 1
+MACHINE_THREADS = len(usable_cpus())
 SERVE_SERVERS = serve_servers(config["serve"]["backends"])
 # The vLLM settings a server's output depends on: the port and the timeouts are read from the
 # config by the scripts, and changing them reruns nothing.
