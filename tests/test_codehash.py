@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 
 import pytest
@@ -47,22 +48,33 @@ def test_a_module_change_changes_the_hash_of_exactly_its_importers(library_copy)
     assert changed == {"kv_capture.py", "kv_memory_probe.py", "system_method.py", "serve_server.py", "quality_method.py"}
 
 
-def test_modules_loaded_by_name_count_for_the_script_that_names_them():
+def rule_extra(script: str) -> tuple[str, ...]:
+    """The modules a rule adds by hand to its script's code hash (the `extra` of library_code)."""
+    from kvbench.serve.backends import CONNECTOR_MODULE
+
+    rules = "".join(p.read_text() for p in (REPO / "workflow" / "rules").glob("*.smk"))
+    found = re.search(rf'library_code\("{script}", extra=\(([^)]*)\)\)', rules)
+    return tuple(eval(found.group(1), {"CONNECTOR_MODULE": CONNECTOR_MODULE})) if found else ()
+
+
+def test_modules_vllm_loads_by_name_count_for_serve_server():
     # vLLM imports our connector from the module path in --kv-transfer-config, in its own process.
-    serve = names("serve_server.py")
+    extra = rule_extra("serve_server.py")
+    serve = {str(p.relative_to(codehash.LIBRARY)) for p in codehash.library_files(SCRIPTS / "serve_server.py", extra)}
     assert {"serve/connector.py", "serve/wire.py", "serve/transfer.py", "serve/keys.py"} <= serve
-    named = {node.value for path in codehash.library_files(SCRIPTS / "serve_server.py")
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("kvbench.")}
-    assert "kvbench.serve.connector" in named
-    for module in named:
-        found = codehash._module_file(module)
-        assert found is None or str(found.relative_to(codehash.LIBRARY)) in serve, module
+    paths = {node.values[node.keys.index(key)] for path in codehash.LIBRARY.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Dict)
+             for key in node.keys if isinstance(key, ast.Constant) and key.value == "kv_connector_module_path"}
+    assert paths and all(isinstance(v, ast.Name) and v.id == "CONNECTOR_MODULE" for v in paths)  # one constant
+    assert extra == ("kvbench.serve.connector",)
 
 
-def test_a_connector_change_reruns_the_serve_servers(library_copy):
-    before = {s.name: codehash.code_hash(s) for s in SCRIPTS.glob("*.py")}
+def test_a_connector_change_reruns_the_serve_servers_alone(library_copy):
+    def hashes():
+        return {s.name: codehash.code_hash(s, rule_extra(s.name)) for s in SCRIPTS.glob("*.py")}
+
+    before = hashes()
     connector = library_copy / "serve" / "connector.py"
     connector.write_text(connector.read_text() + "# changed\n")
-    after = {s.name: codehash.code_hash(s) for s in SCRIPTS.glob("*.py")}
+    after = hashes()
     assert {name for name in before if before[name] != after[name]} == {"serve_server.py"}

@@ -2,9 +2,9 @@
 
 Snakemake reruns a job when its script changes, not when a library module behind it does. Rules
 pass `code_hash(script)` as a param: the kvbench modules the script imports, transitively (read
-from the source, nothing is imported), modules named by a string another program imports by name
-(vLLM loads `"kvbench.serve.connector"`, the connector a serve job configures), plus the package's data files when one of those modules
-names the `data` folder (the fact-sheet vocabularies).
+from the source, nothing is imported), plus modules a rule names by hand (`extra`: what another
+program imports by name, e.g. the connector vLLM loads for serve_server), plus the package's data
+files when one of those modules names the `data` folder (the fact-sheet vocabularies).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def _package_inits(name: str) -> list[Path]:
 
 @lru_cache(maxsize=None)
 def _direct_imports(path: Path) -> tuple[tuple[str, ...], bool]:
-    """kvbench modules `path` imports (anywhere in it, lazy imports too) or names as a string (a
-    module something else imports by name), and whether it names the package's `data` folder."""
+    """kvbench modules `path` imports (anywhere in it, lazy imports too), and whether it names
+    the package's `data` folder."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: list[str] = []
     uses_data = False
@@ -50,20 +50,19 @@ def _direct_imports(path: Path) -> tuple[tuple[str, ...], bool]:
             names += [f"{node.module}.{alias.name}" for alias in node.names]  # submodules, if any
         elif isinstance(node, ast.Constant) and node.value == "data":
             uses_data = True
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(f"{PACKAGE}."):
-            if _module_file(node.value) is not None:
-                names.append(node.value)
     return tuple(n for n in names if n.split(".")[0] == PACKAGE), uses_data
 
 
-def library_files(script: str | Path) -> list[Path]:
-    """The library files `script` depends on, sorted."""
+def library_files(script: str | Path, extra: tuple[str, ...] = ()) -> list[Path]:
+    """The library files `script` depends on (and the modules named in `extra`, with theirs), sorted."""
     seen: set[Path] = set()
     data = False
     todo = [Path(script).resolve()]
     while todo:
         path = todo.pop()
         names, uses_data = _direct_imports(path)
+        if path == Path(script).resolve():
+            names += extra
         data |= uses_data and path != Path(script).resolve()
         for name in names:
             for found in [*_package_inits(name), _module_file(name)]:
@@ -75,9 +74,9 @@ def library_files(script: str | Path) -> list[Path]:
     return sorted(seen)
 
 
-def code_hash(script: str | Path) -> str:
+def code_hash(script: str | Path, extra: tuple[str, ...] = ()) -> str:
     """16 hex digits over the paths (relative to the library) and contents of `library_files`."""
     digest = hashlib.sha256()
-    for path in library_files(script):
+    for path in library_files(script, extra):
         digest.update(str(path.relative_to(LIBRARY)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]

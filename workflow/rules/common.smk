@@ -11,7 +11,7 @@ from kvbench.codehash import code_hash
 from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
 from kvbench.jobs import usable_cpus
-from kvbench.serve.backends import SERVER_OF, servers as serve_servers
+from kvbench.serve.backends import CONNECTOR_MODULE, SERVER_OF, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
 
 # Schema (types, ranges, defaults), method settings per kind, lengths against each model's context
@@ -44,9 +44,23 @@ def model_dir(name):
     return _model_dir(config, name)
 
 
-def library_code(script):
-    """Hash of the library modules a script imports: a param, so a library change reruns its jobs."""
-    return code_hash(Path(workflow.basedir) / "workflow" / "scripts" / script)
+def library_code(script, extra=()):
+    """Hash of the library modules a script imports (and of `extra` modules, which another program
+    imports by name): a param, so a library change reruns its jobs."""
+    return code_hash(Path(workflow.basedir) / "workflow" / "scripts" / script, extra)
+
+
+def serve_run(server):
+    """The serve settings, with only this server's backends: adding or dropping another server's
+    backend does not rerun it."""
+    return {**config["serve"], "backends": [b for b in config["serve"]["backends"] if SERVER_OF[b] == server]}
+
+
+def serve_methods(server):
+    """Method settings of the lossy wire formats, for the one server whose connector uses them."""
+    if server != SERVER_OF["valkey"] or "valkey" not in config["serve"]["backends"]:
+        return {}
+    return {name: config["methods"][name] for name in config["serve"]["codecs"] if name in config["methods"]}
 
 
 def imported_files(wildcards):

@@ -1,16 +1,3 @@
-def serve_run(server):
-    """The serve settings, with only this server's backends: adding or dropping another server's
-    backend does not rerun it."""
-    return {**config["serve"], "backends": [b for b in config["serve"]["backends"] if SERVER_OF[b] == server]}
-
-
-def serve_methods(server):
-    """Method settings of the lossy wire formats, for the one server whose connector uses them."""
-    if server != "main" or "valkey" not in config["serve"]["backends"]:
-        return {}
-    return {name: config["methods"][name] for name in config["serve"]["codecs"] if name in config["methods"]}
-
-
 rule serve_server:
     input:
         docs=expand("results/corpus/{corpus}/docs.parquet", corpus=config["serve"]["corpora"]),
@@ -24,7 +11,8 @@ rule serve_server:
         vllm=VLLM_RUN,  # a rerun trigger: the script starts vLLM from config["vllm"] (port, timeouts)
         methods=lambda wc: serve_methods(wc.server),
         seed=config["seed"],
-        code=library_code("serve_server.py"),
+        # vLLM imports our connector by its module path (kvbench.serve.backends.CONNECTOR_MODULE).
+        code=library_code("serve_server.py", extra=(CONNECTOR_MODULE,)),
     # A vLLM server (and Valkey) on the whole machine: rounds of different backends share it.
     threads: MACHINE_THREADS
     log:

@@ -15,6 +15,7 @@ BACKENDS = ("recompute", "prefix", "valkey", "example", "fp8", "lmcache")
 SERVER_OF = {"recompute": "main", "prefix": "main", "valkey": "main", "example": "example", "fp8": "fp8",
              "lmcache": "lmcache"}
 LMCACHE_CHUNK = 256
+CONNECTOR_MODULE = "kvbench.serve.connector"  # vLLM imports it by this path, in its own processes
 
 
 def servers(backends: list[str]) -> list[str]:
@@ -52,7 +53,7 @@ def valkey_transfer(url: str, run: str, model: str, codecs: Mapping[str, Any], d
     """The --kv-transfer-config of a server with this connector; `codecs` maps each wire format
     name to its method entry (None for a kv-stage codec)."""
     return {
-        "kv_connector": "ValkeyConnector", "kv_connector_module_path": "kvbench.serve.connector",
+        "kv_connector": "ValkeyConnector", "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "url": url, "run": run, "model": model, "codecs": dict(codecs), "default_codec": default_codec,
