@@ -24,6 +24,7 @@ from kvbench.serve.documents import serve_prompts
 from kvbench.serve.events import read_events
 from kvbench.serve.metrics import delta, scrape
 from kvbench.serve.protocol import Planned, parse_ratio, query_round, warmup_round
+from kvbench.serve.summary import DTYPE_BYTES
 from kvbench.serve.valkey_server import valkey_server
 from kvbench.vllm_server import vllm_server
 
@@ -139,9 +140,6 @@ def chunk_bytes(model_dir: str | Path, block_size: int, dtype_bytes: int) -> int
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * block_size * 2 * head * dtype_bytes
-
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
 
 
 Tables = tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]
