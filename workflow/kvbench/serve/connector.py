@@ -12,7 +12,9 @@ prefill computed after it (synchronously, so a miss pays for its store in its ow
 is one block of every layer (`--block-size` tokens, 256 as LMCache's chunks), under a key chained
 from the hash of its token prefix (keys.py). Each request picks its wire formats with
 `kv_transfer_params`: {"tag": ..., "load": <codec or null>, "store": [<codecs>]}; without them it
-loads and stores with `default_codec`. Every lookup, load and store is written to a per-process
+loads and stores with `default_codec`. A request resumed after preemption is looked up and loaded
+again (as vLLM's ExampleConnector does); chunks computed in a step whose load failed are never
+stored (vLLM recomputes that step). Every lookup, load and store is written to a per-process
 event file (events.py) that the stage joins to its requests by tag.
 """
 
@@ -130,6 +132,8 @@ class ValkeyConnector(KVConnectorBase_V1):
         if plan is None:
             return
         plan.load_tokens = num_external_tokens
+        if plan.load is None and plan.error is None:
+            return  # nothing looked up (recompute, prefix and warm requests): no event
         self.events.write(
             event="lookup", tag=plan.tag, codec=plan.load, chunks=len(plan.keys), hit_chunks=plan.hit_chunks,
             local_chunks=plan.local_chunks, load_tokens=num_external_tokens, seconds=plan.lookup_s, error=plan.error,

@@ -182,10 +182,10 @@ def summary_text(offload: pd.DataFrame, metrics: pd.DataFrame) -> str:
         pred = getattr(row, "predicted_ratio", float("nan"))
         lines.append(
             f"  {row.backend:<9} {row.codec:<17} {row.corpus:<9} warm-up {row.ttft_warmup_mean_s:6.2f}  "
-            f"hit {row.ttft_hit_mean_s:6.2f} ({row.query_hits} loaded, {row.hits_not_loaded} not)  "
+            f"hit {row.ttft_hit_mean_s:6.2f} ({row.query_hits:.0f} loaded, {row.hits_not_loaded:.0f} not)  "
             f"miss {row.ttft_miss_mean_s:6.2f}  ratio {ratio:6.2f} (kv stage {pred:5.2f})  "
-            f"identical {row.outputs_identical_share:.2f} of {row.outputs_compared}  "
-            f"lookup errors {row.lookup_errors}  load failures {row.load_failures}  [{row.status}]")
+            f"identical {row.outputs_identical_share:.2f} of {row.outputs_compared:.0f}  "
+            f"lookup errors {row.lookup_errors:.0f}  load failures {row.load_failures:.0f}  [{row.status}]")
     if not metrics.empty and "server_ttft_mean_s" in metrics:
         gap = (metrics.client_ttft_mean_s / metrics.server_ttft_mean_s - 1).abs()
         pooled = client_vs_server(metrics)
