@@ -1,7 +1,11 @@
 """The Valkey connector's store and load throughput vs the raw `valkey` client's pipelined SET /
 GET of the same bytes, side by side in interleaved rounds, on a real Valkey server and real KV:
 one realistic document prefilled by SmolLM2 (fp32), written into vLLM's CPU cache layout by
-vLLM's own kernel, 256-token chunks of all 30 layers. Budget: connector >= 50 % of raw.
+vLLM's own kernel, 256-token chunks of all 30 layers. The raw client moves the chunks' raw bytes;
+the connector's store is encode + SET, its load the scheduler's EXISTS lookup + MGET + decode +
+copy into the cache. Every codec is reported against raw; the budget (connector >= 50 % of raw)
+is judged on codec `none`, which ships the same bytes as the raw client: it tests the transport
+(pipelining, copies, Python overhead), not the codecs, whose CPU cost the other rows show.
 
     .venv/bin/python bench/serve_transfer.py [--rounds 5] [--codecs none zstd-3 kivi2]
 
@@ -24,7 +28,7 @@ import yaml
 from kvbench.kv.capture import capture_kv
 from kvbench.models import load_model, load_tokenizer
 from kvbench.serve.keys import chunk_keys, namespace
-from kvbench.serve.transfer import gather, load_chunks, store_chunks
+from kvbench.serve.transfer import exists_run, gather, load_chunks, store_chunks
 from kvbench.serve.valkey_server import valkey_server
 from kvbench.serve.wire import ChunkSpec, raw_bytes, wire_format
 
@@ -91,16 +95,20 @@ def main() -> None:
                 client.mget(raw_keys)
                 raw_get_s = time.perf_counter() - t0
                 target = [torch.empty_like(c) for c in cache]
-                loaded = load_chunks(client, wire, spec, keys, blocks, target)
+                t0 = time.perf_counter()
+                found = exists_run(client, keys)  # the scheduler's lookup, part of every load
+                lookup_s = time.perf_counter() - t0
+                loaded = load_chunks(client, wire, spec, keys[:found], blocks[:found], target)
                 raw_mb = stored["raw_bytes"] / 1e6
                 store_s = stored["encode_s"] + stored["set_s"]
-                load_s = loaded["get_s"] + loaded["decode_s"] + loaded["copy_s"]
+                load_s = lookup_s + loaded["get_s"] + loaded["decode_s"] + loaded["copy_s"]
                 rows.append({
                     "round": rnd, "codec": codec, "chunks": len(blocks), "raw_bytes": stored["raw_bytes"],
                     "wire_bytes": stored["wire_bytes"], "ratio": stored["raw_bytes"] / stored["wire_bytes"],
                     "raw_set_mb_s": raw_mb / raw_set_s, "connector_store_mb_s": raw_mb / store_s,
-                    "raw_get_mb_s": raw_mb / raw_get_s, "connector_load_mb_s": raw_mb / load_s,
-                    "store_encode_s": stored["encode_s"], "store_set_s": stored["set_s"], "load_get_s": loaded["get_s"],
+                    "raw_get_mb_s": raw_mb / raw_get_s, "connector_load_mb_s": loaded["raw_bytes"] / 1e6 / load_s,
+                    "store_encode_s": stored["encode_s"], "store_set_s": stored["set_s"], "load_lookup_s": lookup_s,
+                    "load_get_s": loaded["get_s"], "loaded_chunks": loaded["loaded_chunks"],
                     "load_decode_s": loaded["decode_s"], "load_copy_s": loaded["copy_s"],
                     "error": stored["error"] or loaded["error"],
                 })
@@ -114,11 +122,14 @@ def main() -> None:
     cols = ["ratio", "raw_set_mb_s", "connector_store_mb_s", "store_vs_raw", "raw_get_mb_s", "connector_load_mb_s",
             "load_vs_raw"]
     print(summary[cols].round(2).to_string())
-    none = summary.loc["none"] if "none" in summary.index else None
-    if none is not None:
+    for codec, row in summary.iterrows():
+        ok = row.store_vs_raw >= BUDGET and row.load_vs_raw >= BUDGET
+        print(f"{codec}: store {row.store_vs_raw:.0%}, load {row.load_vs_raw:.0%} of raw "
+              f"({'>=' if ok else 'below'} {BUDGET:.0%})")
+    if "none" in summary.index:  # the budget: the transport, on the same bytes as the raw client
+        none = summary.loc["none"]
         ok = none.store_vs_raw >= BUDGET and none.load_vs_raw >= BUDGET
-        print(f"budget (codec none, same bytes): store {none.store_vs_raw:.0%}, load {none.load_vs_raw:.0%} of raw "
-              f"-> {'met' if ok else 'MISSED'} (>= {BUDGET:.0%})")
+        print(f"budget (codec none, same bytes as raw): {'met' if ok else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ import pytest
 from kvbench.serve.summary import client_vs_server, compare_outputs, join_transfers, offload_table
 
 
-def request(backend, codec, round_, index, miss, output, tag, corpus="realistic", ttft=1.0):
+def request(backend, codec, round_, index, miss, output, tag, corpus="realistic", ttft=1.0, cached=0):
     return {"backend": backend, "codec": codec, "corpus": corpus, "round": round_, "index": index, "doc_id": "d0",
-            "miss": miss, "tag": tag, "ttft_s": ttft, "output": output, "cached_tokens": 0, "error": None}
+            "miss": miss, "tag": tag, "ttft_s": ttft, "output": output, "cached_tokens": cached, "error": None}
 
 
 REQUESTS = pd.DataFrame([
@@ -18,7 +18,13 @@ REQUESTS = pd.DataFrame([
     request("valkey", "all", "warmup", 0, False, "The answer", "w0", ttft=5.0),
     request("valkey", "zstd-3", "query", 0, False, "The answer", "z0", ttft=1.0),
     request("valkey", "zstd-3", "query", 1, True, "Whatever", "z1", ttft=4.5),
-    request("valkey", "kivi2", "query", 0, False, "A different answer", "k0", ttft=1.2),
+    # k0: lookup failed, k2: load failed half-way (both recomputed); only k1 really loaded
+    request("valkey", "kivi2", "query", 0, False, "A different answer", "k0", ttft=1.2, cached=256),
+    request("valkey", "kivi2", "query", 1, False, "The answer", "k1", ttft=1.1, cached=256),
+    request("valkey", "kivi2", "query", 2, False, "The answer", "k2", ttft=3.9, cached=256),
+    # p1: a planned hit vLLM's prefix cache did not hold
+    request("prefix", "-", "query", 0, False, "The answer", "p0", ttft=0.9, cached=256),
+    request("prefix", "-", "query", 1, False, "The answer", "p1", ttft=4.1, cached=0),
     {"backend": "lmcache", "codec": "-", "corpus": "realistic", "round": None, "error": "unsupported: on CPU"},
 ])
 TRANSFERS = pd.DataFrame([
@@ -33,6 +39,11 @@ TRANSFERS = pd.DataFrame([
      "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 3},
     {"event": "lookup", "tag": "k0", "codec": "kivi2", "seconds": 0.01, "hit_chunks": 0,
      "error": "lookup: ConnectionError: refused", "time": 4},
+    {"event": "load", "tag": "k1", "codec": "kivi2", "chunks": 2, "loaded_chunks": 2, "failed_chunks": 0,
+     "raw_bytes": 200, "wire_bytes": 20, "get_s": 0.1, "decode_s": 0.1, "copy_s": 0.05, "error": None, "time": 5},
+    {"event": "load", "tag": "k2", "codec": "kivi2", "chunks": 2, "loaded_chunks": 1, "failed_chunks": 1,
+     "raw_bytes": 100, "wire_bytes": 10, "get_s": 0.1, "decode_s": 0.05, "copy_s": 0.02,
+     "error": "load: chunk 1 of 2 is gone", "time": 6},
 ])
 KV = pd.DataFrame([
     {"weights": "real", "dtype": "fp32", "corpus": "realistic", "codec": "zstd-3", "doc_id": "a", "part": "K",
@@ -54,13 +65,16 @@ def test_transfers_join_their_requests_by_tag(requests):
     assert row.lookup_s == 0.01 and row.loaded_chunks == 2 and row.load_get_s == 0.1
     assert row.ttft_rest_s == pytest.approx(1.0 - 0.01 - 0.1 - 0.05 - 0.05)
     assert requests.set_index("tag").loc["w0"].store_s == pytest.approx(2 * 0.21)
-    failed = requests.dropna(subset=["tag"]).set_index("tag").kv_failed.to_dict()
-    assert failed == {"r0": False, "r1": False, "w0": False, "z0": False, "z1": False, "k0": True}
+    rows = requests.dropna(subset=["tag"]).set_index("tag")
+    assert rows.kv_failed[rows.kv_failed].index.tolist() == ["k0", "k2"]
+    assert rows.lookup_failed[rows.lookup_failed].index.tolist() == ["k0"]
+    assert rows.load_failed[rows.load_failed].index.tolist() == ["k2"]
+    assert rows.kv_loaded[rows.kv_loaded].index.tolist() == ["z0", "k1"]  # k2 moved a chunk, then failed
 
 
 def test_outputs_are_compared_with_recompute_for_the_same_prompt_only(requests):
     match = requests.set_index("tag").output_matches_recompute
-    assert match["z0"] and match["w0"] and not match["k0"]
+    assert match["z0"] and match["w0"] and match["k1"] and not match["k0"]
     assert pd.isna(match["z1"]) and pd.isna(match["r1"])  # misses have unique prompts
 
 
@@ -69,14 +83,30 @@ def test_offload_measures_wire_bytes_and_sets_them_beside_the_prediction(request
     zstd = table.loc[("valkey", "zstd-3")]
     assert zstd.raw_bytes == 400 and zstd.wire_bytes == 200 and zstd.ratio == 2.0  # warm-up + the miss
     assert zstd.store_mb_s == pytest.approx(400 / 1e6 / 0.4) and zstd.load_mb_s == pytest.approx(200 / 1e6 / 0.2)
-    assert zstd.ttft_warmup_mean_s == 5.0 and zstd.ttft_hit_mean_s == 1.0 and zstd.ttft_miss_mean_s == 4.5
+    assert zstd.ttft_hit_mean_s == 1.0 and zstd.ttft_miss_mean_s == 4.5
+    # the warm-up stored every codec: its TTFT is a row of its own, each codec gets its own store cost
+    assert pd.isna(zstd.ttft_warmup_mean_s) and zstd.warmup_store_mean_s == pytest.approx(0.2)
+    shared = table.loc[("valkey", "all")]
+    assert shared.ttft_warmup_mean_s == 5.0 and pd.isna(shared.ratio) and shared.query_hits == 0
     assert zstd.predicted_ratio == pytest.approx(200 / 160) and zstd["dtype"] == "fp32"  # real weights only
     assert zstd.ratio_vs_prediction == pytest.approx(2.0 / 1.25) and not zstd.within_20pct
     kivi = table.loc[("valkey", "kivi2")]
-    assert kivi.ratio == 10.0 and pd.isna(kivi.predicted_ratio) and kivi.failed_loads == 1
-    assert kivi.outputs_identical_share == 0.0
+    assert kivi.ratio == 10.0 and kivi.ratio_vs_16bit == 5.0 and pd.isna(kivi.predicted_ratio)
+    assert kivi.lookup_errors == 1 and kivi.load_failures == 1
+
+
+def test_hits_count_only_requests_whose_kv_was_loaded(requests):
+    table = offload_table(requests, TRANSFERS, pd.DataFrame(), KV, "float32").set_index(["backend", "codec"])
+    kivi = table.loc[("valkey", "kivi2")]
+    # k0 and k2 were recomputed: their TTFT and their (recompute's) outputs are not a KIVI hit's
+    assert kivi.query_hits == 1 and kivi.hits_not_loaded == 2 and kivi.ttft_hit_mean_s == 1.1
+    assert kivi.outputs_identical_share == 1.0 and kivi.outputs_compared == 1
+    assert kivi.hit_get_mean_s == 0.1 and kivi.hit_decode_mean_s == 0.1
+    prefix = table.loc[("prefix", "-")]
+    assert prefix.query_hits == 1 and prefix.hits_not_loaded == 1 and prefix.ttft_hit_mean_s == 0.9
+    recompute = table.loc[("recompute", "-")]  # its "hits" are the same prompts recomputed
+    assert recompute.query_hits == 1 and recompute.hits_not_loaded == 0
     assert table.loc[("lmcache", "-")].status == "unsupported: on CPU"
-    assert ("valkey", "all") not in table.index
 
 
 def test_client_vs_server_is_pooled_over_requests():

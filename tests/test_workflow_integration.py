@@ -380,16 +380,25 @@ def test_hits_load_whole_chunks_and_lossless_codecs_answer_as_recompute(run):
     chunk_tokens = (query.prompt_tokens.iloc[0] - 1) // 128 * 128
     for backend, codec in [("prefix", "-"), ("valkey", "none"), ("valkey", "zstd-3+byteplane"), ("valkey", "kivi2")]:
         sel = query[(query.backend == backend) & (query.codec == codec)]
-        assert (sel.cached_tokens == chunk_tokens).all(), (backend, codec, sel.cached_tokens.tolist())
+        assert len(sel) > 0 and (sel.cached_tokens == chunk_tokens).all(), (backend, codec, sel.cached_tokens.tolist())
     valkey = query[query.backend == "valkey"]
-    assert (valkey.loaded_chunks == chunk_tokens // 128).all() and valkey.load_error.isna().all()
+    assert len(valkey) > 0 and (valkey.loaded_chunks == chunk_tokens // 128).all() and valkey.load_error.isna().all()
+    assert valkey.kv_loaded.all()
     lossless = query[(query.backend == "prefix") | query.codec.isin(["none", "zstd-3+byteplane"])]
+    # pandas skips NA in .all(): every hit must have a reference to be compared with
+    assert len(lossless) > 0 and lossless.output_matches_recompute.notna().all()
     assert lossless.output_matches_recompute.all()
     recompute = query[query.backend == "recompute"]
-    assert (recompute.cached_tokens == 0).all()
+    assert len(recompute) > 0 and (recompute.cached_tokens == 0).all()
     offload = read(workdir, "results/serve/offload.parquet").set_index(["backend", "codec", "corpus"])
+    for codec in config["serve"]["codecs"]:  # every planned hit loaded: hit figures are over all of them
+        row = offload.loc[("valkey", codec, "realistic")]
+        assert row.query_hits == 1 and row.hits_not_loaded == 0 and row.outputs_compared == 1, codec
+        assert pd.isna(row.ttft_warmup_mean_s)  # the shared warm-up is not this codec's
+    assert offload.loc[("valkey", "all", "realistic"), "ttft_warmup_mean_s"] > 0
     assert offload.loc[("valkey", "none", "realistic"), "ratio"] == 1.0
     assert offload.loc[("valkey", "kivi2", "realistic"), "ratio"] > 8  # 2-bit codes of a 32-bit cache
+    assert offload.loc[("valkey", "kivi2", "realistic"), "ratio_vs_16bit"] > 4
     assert offload.loc[("valkey", "zstd-3+byteplane", "synthetic"), "predicted_ratio"] > 1
     assert offload.loc[("lmcache", "-", "realistic"), "status"].startswith("unsupported")
     for figure in ["ttft_hit_miss", "wire_bytes", "hit_path"]:
@@ -397,13 +406,20 @@ def test_hits_load_whole_chunks_and_lossless_codecs_answer_as_recompute(run):
 
 
 def test_valkey_killed_mid_round_costs_recomputes_not_requests(run):
-    workdir, _ = run
+    workdir, config = run
     requests = read(workdir, "results/serve/requests.parquet")
     fault = requests[requests["round"] == "fault"].sort_values("index")
     assert len(fault) == 2 and fault.error.isna().all() and fault.ttft_s.notna().all()
     before, after = fault.iloc[0], fault.iloc[1]
-    assert not before.kv_failed and before.loaded_chunks > 0
-    assert after.kv_failed and "ConnectionError" in after.lookup_error
+    # both are planned hits of the same stored document: only the kill tells them apart
+    assert not before.miss and not after.miss and before.doc_id == after.doc_id
+    assert before.kv_loaded and before.loaded_chunks > 0 and not before.kv_failed
+    assert after.lookup_failed and "ConnectionError" in after.lookup_error and not after.kv_loaded
+    # recomputed, so answered as recompute answers (NA would mean no reference: a failure too)
+    assert pd.notna(after.output_matches_recompute) and bool(after.output_matches_recompute)
+    offload = read(workdir, "results/serve/offload.parquet").set_index(["backend", "codec", "corpus"])
+    row = offload.loc[("valkey", config["serve"]["codecs"][0], config["serve"]["corpora"][0])]
+    assert row.fault_requests == 2 and row.lookup_errors == 1 and row.load_failures == 0
     log = (workdir / "logs/serve/main.log").read_text()
     assert "fault: killing valkey" in log
 

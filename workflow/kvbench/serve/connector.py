@@ -12,7 +12,9 @@ prefill computed after it (synchronously, so a miss pays for its store in its ow
 is one block of every layer (`--block-size` tokens, 256 as LMCache's chunks), under a key chained
 from the hash of its token prefix (keys.py). Each request picks its wire formats with
 `kv_transfer_params`: {"tag": ..., "load": <codec or null>, "store": [<codecs>]}; without them it
-loads and stores with `default_codec`. Every lookup, load and store is written to a per-process
+loads and stores with `default_codec`. A request resumed after preemption is looked up and loaded
+again (as vLLM's ExampleConnector does); chunks computed in a step whose load failed are never
+stored (vLLM recomputes that step). Every lookup, load and store is written to a per-process
 event file (events.py) that the stage joins to its requests by tag.
 """
 
@@ -95,6 +97,7 @@ class ValkeyConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._wires: dict[str, WireFormat] = {}
         self._failed_blocks: set[int] = set()
+        self._failed_tags: set[str] = set()  # requests of this step whose load failed
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -129,6 +132,8 @@ class ValkeyConnector(KVConnectorBase_V1):
         if plan is None:
             return
         plan.load_tokens = num_external_tokens
+        if plan.load is None and plan.error is None:
+            return  # nothing looked up (recompute, prefix and warm requests): no event
         self.events.write(
             event="lookup", tag=plan.tag, codec=plan.load, chunks=len(plan.keys), hit_chunks=plan.hit_chunks,
             local_chunks=plan.local_chunks, load_tokens=num_external_tokens, seconds=plan.lookup_s, error=plan.error,
@@ -143,10 +148,7 @@ class ValkeyConnector(KVConnectorBase_V1):
                 continue
             block_ids = list(new.block_ids[0])
             prompt = new.prompt_token_ids or []
-            if plan.load_tokens:
-                first = plan.local_chunks
-                last = first + plan.load_tokens // self.block_size
-                meta.loads.append(Transfer(plan.tag, plan.load, plan.keys[first:last], block_ids[first:last]))
+            self._plan_load(meta, plan, block_ids)
             computed = new.num_computed_tokens  # local and loaded tokens
             whole = len(prompt) // self.block_size
             if computed + scheduler_output.num_scheduled_tokens.get(new.req_id, 0) < whole * self.block_size:
@@ -157,7 +159,23 @@ class ValkeyConnector(KVConnectorBase_V1):
             for codec in plan.store if whole > first else []:
                 keys = chunk_keys(self.spaces[codec], prompt, self.block_size, whole)
                 meta.stores.append(Transfer(plan.tag, codec, keys[first:], block_ids[first:whole]))
+        # A request preempted and scheduled again was looked up again (its blocks were freed): it
+        # arrives among the cached requests with all its new block ids, and its load is planned
+        # here as ExampleConnector does. Its prompt's chunks were stored by its first prefill.
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+            if req_id in cached.resumed_req_ids and req_id in self._plans:
+                plan = self._plans.pop(req_id)
+                self._plan_load(meta, plan, list(new_block_ids[0]) if new_block_ids else [])
         return meta
+
+    def _plan_load(self, meta: ValkeyMetadata, plan: Plan, block_ids: list[int]) -> None:
+        """The blocks vLLM counts as loaded (after the local hit) get their chunks before the
+        forward pass."""
+        if plan.load_tokens:
+            first = plan.local_chunks
+            last = first + plan.load_tokens // self.block_size
+            meta.loads.append(Transfer(plan.tag, plan.load, plan.keys[first:last], block_ids[first:last]))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._plans.pop(request.request_id, None)
@@ -194,6 +212,7 @@ class ValkeyConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, ValkeyMetadata)
+        self._failed_tags = set()
         for load in meta.loads:
             self._load(load)
 
@@ -201,6 +220,8 @@ class ValkeyConnector(KVConnectorBase_V1):
         stats = load_chunks(self.client, self._wires[load.codec], self.spec, load.keys, load.block_ids, self._layers)
         failed = stats.pop("failed_blocks")
         self._failed_blocks.update(failed)
+        if failed:
+            self._failed_tags.add(load.tag)
         self.events.write(event="load", tag=load.tag, codec=load.codec, failed_chunks=len(failed), **stats,
                           time=time.time())
 
@@ -217,6 +238,12 @@ class ValkeyConnector(KVConnectorBase_V1):
         assert isinstance(meta, ValkeyMetadata)
         gathered: dict[tuple[int, ...], tuple[list[torch.Tensor], float]] = {}
         for store in meta.stores:
+            if store.tag in self._failed_tags:
+                # computed while attending to blocks the load never filled: vLLM discards this
+                # step and recomputes, and these chunks must not reach the store either
+                self.events.write(event="store", tag=store.tag, codec=store.codec, chunks=len(store.keys),
+                                  error="skipped: load failed", time=time.time())
+                continue
             blocks = tuple(store.block_ids)
             if blocks not in gathered:  # one copy out of the cache, whatever the number of codecs
                 start = time.perf_counter()

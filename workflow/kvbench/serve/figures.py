@@ -14,12 +14,15 @@ CORPUS_COLORS = {"realistic": "#1b9e77", "synthetic": "#d95f02", "imported": "#7
 
 
 def _label(backend: str, codec: str) -> str:
-    return backend if codec in ("-", "all") else f"{backend}\n{codec}"
+    if codec == "all":
+        return f"{backend}\nshared warm-up\n(stores all codecs)"
+    return backend if codec == "-" else f"{backend}\n{codec}"
 
 
 def ttft_figure(offload: pd.DataFrame, path: str | os.PathLike) -> None:
-    """Query-round TTFT on hits and misses, and warm-up TTFT, per backend (and codec), one panel
-    per corpus."""
+    """Query-round TTFT on hits (KV really loaded) and misses, and warm-up TTFT, per backend (and
+    codec), one panel per corpus. The valkey warm-up, which stores every codec at once, is its own
+    bar, not any codec's."""
     ok = offload[offload.status == "ok"] if "status" in offload else offload
     corpora = sorted(set(ok.corpus))
     fig, axes = plt.subplots(len(corpora), 1, figsize=(max(8, 0.9 * ok.groupby(["backend", "codec"]).ngroups + 3),

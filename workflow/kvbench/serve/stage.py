@@ -24,6 +24,7 @@ from kvbench.serve.documents import serve_prompts
 from kvbench.serve.events import read_events
 from kvbench.serve.metrics import delta, scrape
 from kvbench.serve.protocol import Planned, parse_ratio, query_round, warmup_round
+from kvbench.serve.summary import DTYPE_BYTES
 from kvbench.serve.valkey_server import valkey_server
 from kvbench.vllm_server import vllm_server
 
@@ -131,7 +132,7 @@ def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
     hit, miss = parse_ratio(settings.hit_miss_ratio)
     misses = sum(i % (hit + miss) >= hit for i in range(settings.docs_per_corpus * settings.repeat_count))
     n_codecs = len(settings.codecs)
-    docs = settings.docs_per_corpus * n_codecs + misses * n_codecs + misses * settings.fault_round
+    docs = settings.docs_per_corpus * n_codecs + misses * n_codecs  # the fault round replays stored prompts
     return int(len(settings.corpora) * docs * chunks_per_doc * chunk_bytes * 1.1 / 2**20) + 128
 
 
@@ -139,9 +140,6 @@ def chunk_bytes(model_dir: str | Path, block_size: int, dtype_bytes: int) -> int
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * block_size * 2 * head * dtype_bytes
-
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
 
 
 Tables = tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]
@@ -238,9 +236,10 @@ def _main_rounds(rounds: Rounds, backends: list[str], s: ServeSettings, prompts:
             rounds.run("valkey", codec, corpus, plans[corpus][1], rounds.params("valkey", codec, [codec]))
     if s.fault_round:
         corpus, codec = s.corpora[0], s.codecs[0]
-        # another seed: the query round of this codec already stored its misses' prompts
-        chosen = dict(list(prompts[corpus].items())[: s.docs_per_corpus])
-        fault = query_round(chosen, s.repeat_count, s.repeat_mode, s.hit_miss_ratio, seed + 1, name="fault")
+        # every document twice, all planned hits (the warm-up stored them): the first pass loads,
+        # the second comes after the kill, so each of its requests is a hit that must recompute
+        chosen = list(prompts[corpus].items())[: s.docs_per_corpus]
+        fault = [Planned("fault", i, doc, text, False) for i, (doc, text) in enumerate(chosen * 2)]
 
         def kill() -> None:
             if isinstance(valkey, str):

@@ -10,6 +10,8 @@ from kvbench.kv.summary import pooled_ratios
 
 # vLLM's cache dtype names -> the kv stage's storage dtype names
 KV_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+# bytes per element of vLLM's --dtype (auto: the 16-bit dtype of the model's config)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
 PREDICTION_TOLERANCE = 0.20
 KEY = ["backend", "codec", "corpus"]
 
@@ -39,7 +41,11 @@ def join_transfers(requests: pd.DataFrame, transfers: pd.DataFrame) -> pd.DataFr
             out[col] = np.nan
     # what the hit path leaves for the forward pass, queueing and HTTP
     out["ttft_rest_s"] = out.ttft_s - out[["lookup_s", "load_get_s", "load_decode_s", "load_copy_s"]].fillna(0).sum(axis=1)
-    out["kv_failed"] = out.lookup_error.notna() | out.load_error.notna() | (out.failed_chunks.fillna(0) > 0)
+    out["lookup_failed"] = out.lookup_error.notna()
+    out["load_failed"] = out.load_error.notna() | (out.failed_chunks.fillna(0) > 0)
+    out["kv_failed"] = out.lookup_failed | out.load_failed
+    # what vLLM counted as loaded is no evidence (it keeps cached_tokens after a failed load)
+    out["kv_loaded"] = (out.loaded_chunks.fillna(0) > 0) & ~out.kv_failed
     return out
 
 
@@ -75,10 +81,24 @@ def _mb_s(raw: float, seconds: float) -> float:
     return raw / 1e6 / seconds if seconds > 0 else float("nan")
 
 
+def effective_hits(query: pd.DataFrame, backend: str) -> pd.Series:
+    """Planned hits (no miss prefix) whose prefix really came from the backend's cache: for valkey a
+    load that moved chunks and did not fail; for vLLM's own caches and the example connector
+    cached tokens reported by vLLM; for recompute every planned hit (the same prompts recomputed)."""
+    planned = ~query.miss.astype(bool)
+    if backend == "recompute":
+        return planned
+    if backend == "valkey":
+        return planned & query.kv_loaded.astype(bool)
+    return planned & (query.cached_tokens.fillna(0) > 0)
+
+
 def _wire(events: pd.DataFrame, hits: pd.DataFrame) -> dict:
     """Stored bytes and throughput of one codec (the warm-up's stores of every codec included),
-    loads of the query round, and the mean hit path."""
+    loads of the query round, the warm-up's store cost of this codec, and the mean hit path."""
     stores = events[(events.event == "store") & events.error.isna()]
+    warm = stores[stores["round"] == "warmup"]
+    warm_store_s = (warm.encode_s + warm.set_s).groupby(warm.tag).sum()
     loads = events[(events.event == "load") & (events["round"] == "query")]
     raw, wire = stores.raw_bytes.sum(), stores.wire_bytes.sum()
     loaded = loads.raw_bytes.sum()
@@ -89,6 +109,7 @@ def _wire(events: pd.DataFrame, hits: pd.DataFrame) -> dict:
         "store_mb_s": _mb_s(raw, (stores.encode_s + stores.set_s).sum()),
         "decode_mb_s": _mb_s(loaded, loads.decode_s.sum()),
         "load_mb_s": _mb_s(loaded, (loads.get_s + loads.decode_s + loads.copy_s).sum()),
+        "warmup_store_mean_s": _mean(warm_store_s),
         "hit_lookup_mean_s": _mean(hits.lookup_s), "hit_get_mean_s": _mean(hits.load_get_s),
         "hit_decode_mean_s": _mean(hits.load_decode_s), "hit_copy_mean_s": _mean(hits.load_copy_s),
         "hit_rest_mean_s": _mean(hits.ttft_rest_s),
@@ -97,33 +118,34 @@ def _wire(events: pd.DataFrame, hits: pd.DataFrame) -> dict:
 
 def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.DataFrame, kv: pd.DataFrame,
                   dtype: str) -> pd.DataFrame:
-    """One row per backend x codec x corpus. The valkey warm-up stored every codec at once: its
-    TTFT is every codec's warm-up TTFT, and its stores count towards each codec's bytes."""
+    """One row per backend x codec x corpus. The valkey warm-up stored every codec at once: its TTFT
+    is one row of its own (codec `all`), not any codec's; each codec's row carries its share of
+    that warm-up's store cost, and the warm-up's stores count towards each codec's bytes."""
     events = pd.DataFrame(columns=["tag", "event", "codec"])
     if not transfers.empty and "event" in transfers:
         events = transfers.merge(requests[["tag", "backend", "corpus", "round"]], on="tag", how="inner")
     rows = []
     for (backend, codec, corpus), group in requests.groupby(KEY, sort=False):
-        if codec == "all":
-            continue
         row: dict = {"backend": backend, "codec": codec, "corpus": corpus}
         if group["round"].isna().all():  # a backend this machine cannot run
             rows.append({**row, "status": group.error.iloc[0]})
             continue
         warm = requests[(requests.backend == backend) & (requests.corpus == corpus) & (requests["round"] == "warmup")
-                        & requests.codec.isin([codec, "all"])]
+                        & (requests.codec == codec)]
         query = group[group["round"] == "query"]
-        hits, misses = query[~query.miss.astype(bool)], query[query.miss.astype(bool)]
+        hit = effective_hits(query, backend)
+        hits, misses = query[hit], query[query.miss.astype(bool)]
+        identical = hits.output_matches_recompute.astype("Float64")
         failed = int(group.error.notna().sum())
         row |= {
             "status": "ok" if not failed else f"{failed} requests failed",
-            "requests": len(group), "query_hits": len(hits), "query_misses": len(misses),
-            "fault_requests": int((group["round"] == "fault").sum()),
+            "requests": len(group), "query_hits": len(hits), "hits_not_loaded": int((~hit & ~query.miss.astype(bool)).sum()),
+            "query_misses": len(misses), "fault_requests": int((group["round"] == "fault").sum()),
             "ttft_warmup_mean_s": _mean(warm.ttft_s), "ttft_query_mean_s": _mean(query.ttft_s),
             "ttft_hit_mean_s": _mean(hits.ttft_s), "ttft_miss_mean_s": _mean(misses.ttft_s),
             "cached_tokens_hit_mean": _mean(hits.cached_tokens),
-            "outputs_identical_share": _mean(hits.output_matches_recompute.astype("Float64")),
-            "failed_loads": int(group.kv_failed.sum()),
+            "outputs_identical_share": _mean(identical), "outputs_compared": int(identical.notna().sum()),
+            "lookup_errors": int(group.lookup_failed.sum()), "load_failures": int(group.load_failed.sum()),
         }
         if backend == "valkey":
             mine = events[(events.backend == "valkey") & (events.corpus == corpus) & (events.codec == codec)]
@@ -136,6 +158,8 @@ def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.D
     table["dtype"] = KV_DTYPE.get(dtype, dtype)
     table = table.merge(prediction(kv, dtype), on=["corpus", "codec"], how="left")
     if "ratio" in table:
+        # the same stored bytes against the cache held at 16 bits (the usual serving dtype)
+        table["ratio_vs_16bit"] = table.ratio * 2 / DTYPE_BYTES[dtype]
         table["ratio_vs_prediction"] = table.ratio / table.predicted_ratio
         gap = (table.ratio_vs_prediction - 1).abs()
         table["within_20pct"] = pd.array([None if np.isnan(g) else bool(g <= PREDICTION_TOLERANCE) for g in gap],
@@ -150,12 +174,18 @@ def summary_text(offload: pd.DataFrame, metrics: pd.DataFrame) -> str:
         if str(row.status).startswith("unsupported"):
             lines.append(f"  {row.backend:<9} {row.codec:<17} {row.corpus:<9} {row.status}")
             continue
+        if row.codec == "all":
+            lines.append(f"  {row.backend:<9} {'(all codecs)':<17} {row.corpus:<9} shared warm-up that stored every "
+                         f"codec: {row.ttft_warmup_mean_s:6.2f}")
+            continue
         ratio = getattr(row, "ratio", float("nan"))
         pred = getattr(row, "predicted_ratio", float("nan"))
         lines.append(
             f"  {row.backend:<9} {row.codec:<17} {row.corpus:<9} warm-up {row.ttft_warmup_mean_s:6.2f}  "
-            f"hit {row.ttft_hit_mean_s:6.2f}  miss {row.ttft_miss_mean_s:6.2f}  ratio {ratio:6.2f} "
-            f"(kv stage {pred:5.2f})  identical {row.outputs_identical_share:.2f}  failed loads {row.failed_loads:.0f}  [{row.status}]")
+            f"hit {row.ttft_hit_mean_s:6.2f} ({row.query_hits:.0f} loaded, {row.hits_not_loaded:.0f} not)  "
+            f"miss {row.ttft_miss_mean_s:6.2f}  ratio {ratio:6.2f} (kv stage {pred:5.2f})  "
+            f"identical {row.outputs_identical_share:.2f} of {row.outputs_compared:.0f}  "
+            f"lookup errors {row.lookup_errors:.0f}  load failures {row.load_failures:.0f}  [{row.status}]")
     if not metrics.empty and "server_ttft_mean_s" in metrics:
         gap = (metrics.client_ttft_mean_s / metrics.server_ttft_mean_s - 1).abs()
         pooled = client_vs_server(metrics)

@@ -1,0 +1,172 @@
+"""The connector's scheduler and worker halves without a vLLM server (none can start in these unit
+tests): vLLM's request, scheduler-output and config objects are faked with the fields the
+connector reads; the store is a real Valkey and the paged cache a real tensor. Covers the
+block-id slicing of loads after a local hit, partial hits followed by stores, the split-prefill
+guard, a request resumed after preemption, a failed lookup, and stores skipped over a failed load."""
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+import valkey
+
+from kvbench.serve.connector import Transfer, ValkeyConnector, ValkeyMetadata
+from kvbench.serve.events import read_events
+from kvbench.serve.keys import chunk_keys
+from kvbench.serve.transfer import gather, store_chunks
+from kvbench.serve.valkey_server import valkey_server
+from kvbench.serve.wire import ChunkSpec, wire_format
+from test_servers import wait_gone
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+BS = 32
+SPEC = ChunkSpec(layers=2, kv_heads=2, block_size=BS, head_size=16, dtype=torch.float32)
+PROMPT = list(range(1000, 1000 + 3 * BS + 5))  # 3 loadable chunks, a 5-token tail
+
+
+def fake_vllm_config(url, events):
+    extra = {"codecs": {"none": None, "zstd-3": None}, "default_codec": "none", "seed": 0, "run": "t", "model": "m",
+             "url": url, "events_dir": str(events)}
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(enable_chunked_prefill=False),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
+        model_config=SimpleNamespace(dtype=torch.float32))
+
+
+def fake_request(req_id, prompt=PROMPT, load="none", store=("none",)):
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt,
+                           kv_transfer_params={"tag": f"tag-{req_id}", "load": load, "store": list(store)})
+
+
+def fake_output(new=(), scheduled=None, cached=(), resumed=()):
+    """new: (req_id, block_ids, prompt, num_computed_tokens); cached: (req_id, new_block_ids)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), prompt_token_ids=p, num_computed_tokens=c)
+                            for r, b, p, c in new],
+        num_scheduled_tokens=scheduled or {r: len(p) - c for r, _, p, c in new},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], resumed_req_ids=set(resumed),
+                                              new_block_ids=[(b,) if b is not None else None for _, b in cached]))
+
+
+def paged_cache(blocks=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(blocks, SPEC.kv_heads, BS, 2 * SPEC.head_size, generator=gen) for _ in range(SPEC.layers)]
+
+
+@pytest.fixture()
+def store(tmp_path):
+    with valkey_server(64, tmp_path / "valkey.log") as (url, proc):
+        yield url, valkey.Valkey.from_url(url)
+    assert wait_gone([proc.pid]) == []
+
+
+def connector(url, tmp_path, role=KVConnectorRole.SCHEDULER):
+    return ValkeyConnector(fake_vllm_config(url, tmp_path / "events"), role, None)
+
+
+def put(client, conn, n, codec="none", prompt=PROMPT):
+    keys = chunk_keys(conn.spaces[codec], prompt, BS, n)
+    store_chunks(client, wire_format(codec, SPEC), SPEC, keys, gather(paged_cache(), list(range(n))))
+    return keys
+
+
+def schedule(conn, request, local_tokens=0):
+    """What vLLM's scheduler does for a waiting request: look up, allocate, tell the connector."""
+    ext, is_async = conn.get_num_new_matched_tokens(request, local_tokens)
+    conn.update_state_after_alloc(request, None, ext)
+    return ext, is_async
+
+
+def test_a_full_hit_loads_every_loadable_chunk_into_its_blocks_and_stores_nothing(store, tmp_path):
+    url, client = store
+    conn = connector(url, tmp_path)
+    keys = put(client, conn, 3)
+    assert schedule(conn, fake_request("a")) == (3 * BS, False)
+    meta = conn.build_connector_meta(fake_output(new=[("a", [7, 8, 9, 10], PROMPT, 3 * BS)]))
+    assert [(t.tag, t.codec, t.keys, t.block_ids) for t in meta.loads] == [("tag-a", "none", keys, [7, 8, 9])]
+    assert meta.stores == []  # the 5-token tail is no whole chunk
+
+
+def test_a_partial_hit_after_a_local_hit_loads_the_middle_and_stores_the_rest(store, tmp_path):
+    url, client = store
+    conn = connector(url, tmp_path)
+    keys = put(client, conn, 2)
+    # vLLM's own cache holds the first block: the connector adds the second, not the first
+    assert schedule(conn, fake_request("a", store=["none", "zstd-3"]), local_tokens=BS) == (BS, False)
+    meta = conn.build_connector_meta(fake_output(new=[("a", [4, 5, 6, 7], PROMPT, 2 * BS)]))
+    assert [(t.keys, t.block_ids) for t in meta.loads] == [(keys[1:2], [5])]
+    assert [(t.codec, t.block_ids) for t in meta.stores] == [("none", [6]), ("zstd-3", [6])]
+    assert meta.stores[0].keys == chunk_keys(conn.spaces["none"], PROMPT, BS, 3)[2:]
+    assert meta.stores[1].keys == chunk_keys(conn.spaces["zstd-3"], PROMPT, BS, 3)[2:]
+
+
+def test_a_prefill_split_across_steps_is_not_stored(store, tmp_path):
+    url, _ = store
+    conn = connector(url, tmp_path)
+    assert schedule(conn, fake_request("a")) == (0, False)
+    meta = conn.build_connector_meta(fake_output(new=[("a", [0, 1, 2, 3], PROMPT, 0)], scheduled={"a": 2 * BS}))
+    assert meta.loads == [] and meta.stores == []
+    events = read_events(tmp_path / "events")
+    assert events[events.event == "store"].error.tolist() == ["prefill split across steps: not stored"]
+
+
+def test_a_request_resumed_after_preemption_loads_again_into_its_new_blocks(store, tmp_path):
+    url, client = store
+    conn = connector(url, tmp_path)
+    keys = put(client, conn, 3)
+    schedule(conn, fake_request("a"))
+    first = conn.build_connector_meta(fake_output(new=[("a", [0, 1, 2, 3], PROMPT, 3 * BS)]))
+    assert [t.block_ids for t in first.loads] == [[0, 1, 2]]
+    # preempted: its blocks were freed, num_computed_tokens reset; vLLM looks it up again and
+    # schedules it among the cached requests, with all of its (new) block ids
+    assert schedule(conn, fake_request("a")) == (3 * BS, False)
+    other = conn.build_connector_meta(fake_output(cached=[("a", [5, 6, 7, 8])], resumed=[]))
+    assert other.loads == []  # not resumed in this step: nothing to load yet
+    resumed = conn.build_connector_meta(fake_output(cached=[("a", [5, 6, 7, 8])], resumed=["a"]))
+    assert [(t.keys, t.block_ids) for t in resumed.loads] == [(keys, [5, 6, 7])]
+    assert resumed.stores == [] and conn._plans == {}
+
+
+def test_a_failed_lookup_loads_nothing_and_is_recorded(tmp_path):
+    conn = connector("redis://127.0.0.1:1/0", tmp_path)  # nothing listens on port 1
+    assert schedule(conn, fake_request("a")) == (0, False)
+    meta = conn.build_connector_meta(fake_output(new=[("a", [0, 1, 2, 3], PROMPT, 0)]))
+    assert meta.loads == [] and [t.block_ids for t in meta.stores] == [[0, 1, 2]]
+    lookup = read_events(tmp_path / "events").set_index("event").loc["lookup"]
+    assert lookup.hit_chunks == 0 and lookup.load_tokens == 0 and lookup.error.startswith("lookup: ConnectionError")
+
+
+def test_requests_that_neither_load_nor_store_write_no_lookup_event(store, tmp_path):
+    url, _ = store
+    conn = connector(url, tmp_path)
+    assert schedule(conn, fake_request("a", load=None, store=[])) == (0, False)
+    meta = conn.build_connector_meta(fake_output(new=[("a", [0, 1, 2, 3], PROMPT, 0)]))
+    assert meta.loads == [] and meta.stores == [] and read_events(tmp_path / "events").empty
+
+
+def test_chunks_computed_over_a_failed_load_are_not_stored(store, tmp_path):
+    url, client = store
+    sched = connector(url, tmp_path)
+    keys = put(client, sched, 3)
+    client.delete(keys[1])  # gone between lookup and load
+    worker = connector(url, tmp_path, KVConnectorRole.WORKER)
+    cache = paged_cache(seed=3)
+    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(cache)})
+    other = chunk_keys(sched.spaces["none"], list(range(3 * BS)), BS, 1)
+    meta = ValkeyMetadata(loads=[Transfer("tag-a", "none", keys, [0, 1, 2])],
+                          stores=[Transfer("tag-a", "none", ["over-a-failed-load"], [3]),
+                                  Transfer("tag-b", "none", other, [4])])
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == {1, 2}
+    assert client.exists("over-a-failed-load") == 0 and client.exists(other[0]) == 1
+    stores = read_events(tmp_path / "events").query("event == 'store'").set_index("tag")
+    assert stores.loc["tag-a"].error == "skipped: load failed" and pd.isna(stores.loc["tag-b"].error)
+    # the next step starts clean: a store of the same request after a good load goes through
+    worker.bind_connector_metadata(ValkeyMetadata(stores=[Transfer("tag-a", "none", ["later"], [3])]))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    assert client.exists("later") == 1
