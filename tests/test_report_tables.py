@@ -64,7 +64,7 @@ def _frame(values):
 
 def test_spearman_is_exact_on_perfect_ranks_and_its_interval_shrinks_with_samples():
     x = _frame([[1, 2, 3, 4, 5]] * 4)
-    perfect = bootstrap_spearman(x, _frame([[10, 20, 30, 40, 50]] * 4), n_boot=200, seed=1)
+    perfect = bootstrap_spearman(_frame([[1, 2, 3, 4, 5]] * 5), _frame([[10, 20, 30, 40, 50]] * 5), n_boot=200, seed=1)
     assert perfect.rho == 1 and perfect.ci_low == 1 and perfect.n_items == 5
     rng = np.random.default_rng(0)
     widths = []
@@ -301,3 +301,27 @@ def test_a_serve_table_without_valkey_columns_is_read_and_reported(tmp_path, bac
     assert found.get("serve_offload").ratio.isna().all()
     built = report({"serve_offload": found.get("serve_offload")})
     assert built.claims.set_index("claim_id").loc["hi-ranks-wrong", "verdict"] != "not run"
+
+
+def test_few_samples_per_category_still_give_a_pooled_interval_stratified_by_category():
+    from kvbench.report.correlations import POOLED
+    from kvbench.report.stats import MIN_SAMPLES
+
+    methods = ["full", "kivi2", "kivi4", "snapkv"]
+    cats = ["qa", "summarization", "few_shot", "retrieval"]
+    scores = quality({m: {c: 0.5 - 0.05 * i for c in cats} for i, m in enumerate(methods)}, samples=2)
+    scores["ratio"] = scores.method.map({m: 1.0 + i for i, m in enumerate(methods)})
+    corr = correlation_table(tables(quality_scores=scores), n_boot=200, seed=1)
+    quality_rows = corr[corr.outcome == "quality"].set_index("category")
+    assert quality_rows.loc["qa", "ci_low"] != quality_rows.loc["qa", "ci_low"]  # 2 < MIN_SAMPLES: no interval
+    pooled = quality_rows.loc[POOLED]
+    assert pooled.samples == 8 >= MIN_SAMPLES and pooled.rho == pytest.approx(-1.0)
+    assert pooled.ci_low == pytest.approx(-1.0) and pooled.ci_high == pytest.approx(-1.0)
+
+
+def test_a_stratified_bootstrap_keeps_each_stratum_in_every_draw():
+    from kvbench.report.stats import _resample
+
+    strata = np.array(["a"] * 2 + ["b"] * 6)
+    idx = _resample(np.random.default_rng(0), 50, strata, 8)
+    assert idx.shape == (50, 8) and (strata[idx] == "a").sum(axis=1).tolist() == [2] * 50
