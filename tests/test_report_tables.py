@@ -303,7 +303,7 @@ def test_a_serve_table_without_valkey_columns_is_read_and_reported(tmp_path, bac
     assert built.claims.set_index("claim_id").loc["hi-ranks-wrong", "verdict"] != "not run"
 
 
-def test_few_samples_per_category_still_give_a_pooled_interval_stratified_by_category():
+def test_few_samples_per_category_still_give_a_pooled_interval():
     from kvbench.report.correlations import POOLED
     from kvbench.report.stats import MIN_SAMPLES
 
@@ -317,11 +317,3 @@ def test_few_samples_per_category_still_give_a_pooled_interval_stratified_by_cat
     pooled = quality_rows.loc[POOLED]
     assert pooled.samples == 8 >= MIN_SAMPLES and pooled.rho == pytest.approx(-1.0)
     assert pooled.ci_low == pytest.approx(-1.0) and pooled.ci_high == pytest.approx(-1.0)
-
-
-def test_a_stratified_bootstrap_keeps_each_stratum_in_every_draw():
-    from kvbench.report.stats import _resample
-
-    strata = np.array(["a"] * 2 + ["b"] * 6)
-    idx = _resample(np.random.default_rng(0), 50, strata, 8)
-    assert idx.shape == (50, 8) and (strata[idx] == "a").sum(axis=1).tolist() == [2] * 50

@@ -3,8 +3,9 @@ method's measured ratio and its quality, TTFT and TPOT, across methods, per task
 a paired bootstrap interval over samples (the same resampled samples for every method).
 
 The quality categories hold few samples each on a small run (below MIN_SAMPLES: no interval), so
-each model also gets one row per outcome over all its categories pooled (category POOLED), with
-the bootstrap stratified by category."""
+each model also gets one row per outcome over all its categories pooled (category POOLED). Its
+bootstrap resamples samples across categories (not within them: with one or two samples per
+category a stratified draw would hardly vary), so differences between categories widen it."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _broadcast(per_method: pd.Series, like: pd.DataFrame) -> pd.DataFrame:
 
 
 def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
-    """(model, category, outcome, source, x, y, strata) from the quality stage: the ratio per sample
+    """(model, category, outcome, source, x, y) from the quality stage: the ratio per sample
     if it recorded one, else each method's median ratio over the system stage's workload prompts.
     Every scored sample counts (an empty output scores 0); per category, and pooled per model."""
     ratio_of = None
@@ -55,8 +56,7 @@ def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
                     src = f"{scores_path} + ratio from {CONTRACTS['system'].path}"
                 else:
                     continue
-                strata = pd.Series(y.index.get_level_values("category"), index=y.index)
-                yield model, category, outcome, src, x, y, strata if category == POOLED else None
+                yield model, category, outcome, src, x, y
 
 
 def _system_pairs(system: pd.DataFrame):
@@ -64,8 +64,7 @@ def _system_pairs(system: pd.DataFrame):
     for model, part in rows.groupby("model"):
         x = _matrix(part, ["prompt_id"], "ratio_end")
         for outcome in ("ttft_s", "tpot_s"):
-            yield (model, SYSTEM_CATEGORY, outcome, CONTRACTS["system"].path, x, _matrix(part, ["prompt_id"], outcome),
-                   None)
+            yield model, SYSTEM_CATEGORY, outcome, CONTRACTS["system"].path, x, _matrix(part, ["prompt_id"], outcome)
 
 
 def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.95) -> pd.DataFrame:
@@ -77,8 +76,8 @@ def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.9
     if system is not None:  # TTFT and TPOT from the system stage where the quality pass has none
         pairs += [p for p in _system_pairs(system) if (p[0], p[2]) not in covered]
     rows = []
-    for model, category, outcome, source, x, y, strata in pairs:
-        r = bootstrap_spearman(x, y, n_boot, seed, level, strata)
+    for model, category, outcome, source, x, y in pairs:
+        r = bootstrap_spearman(x, y, n_boot, seed, level)
         rows.append({"model": model, "category": category, "outcome": outcome, "rho": r.rho, "ci_low": r.ci_low,
                      "ci_high": r.ci_high, "methods": r.n_items, "samples": r.n_samples, "level": level,
                      "bootstrap": n_boot, "bootstrap_seed": seed, "source": source})

@@ -35,28 +35,17 @@ def _spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.where(denom > 0, (rx * ry).sum(axis=1) / denom, np.nan)
 
 
-def _resample(rng: np.random.Generator, n_boot: int, strata: np.ndarray | None, n: int) -> np.ndarray:
-    """n_boot x n sample indices; with strata, each stratum is resampled within itself."""
-    if strata is None:
-        return rng.integers(0, n, size=(n_boot, n))
-    parts = [rng.choice(np.flatnonzero(strata == s), size=(n_boot, int((strata == s).sum())))
-             for s in np.unique(strata)]
-    return np.concatenate(parts, axis=1)
-
-
 def bootstrap_spearman(
-    x: pd.DataFrame, y: pd.DataFrame, n_boot: int, seed: int, level: float = 0.95, strata: pd.Series | None = None,
+    x: pd.DataFrame, y: pd.DataFrame, n_boot: int, seed: int, level: float = 0.95,
 ) -> RankCorrelation:
     """rho between per-item means of x and y (items = columns, samples = rows, paired: the same
     sample index in both), with a percentile interval from resampling the samples.
 
     A sample missing for an item (NaN) is left out of that item's mean. Items whose mean is
     undefined are dropped; with fewer than MIN_METHODS items the result is NaN, and with fewer
-    than MIN_SAMPLES samples the interval is. `strata` (by sample, e.g. the task category) makes
-    the bootstrap stratified: pooled categories keep their sizes in every draw.
+    than MIN_SAMPLES samples the interval is (resampling a handful of samples says nothing).
     """
     x, y = x.align(y, join="inner")
-    groups = None if strata is None else strata.reindex(x.index).to_numpy()
     keep = x.notna().any() & y.notna().any()
     x, y = x.loc[:, keep].to_numpy(float), y.loc[:, keep].to_numpy(float)
     n_samples, n_items = x.shape
@@ -66,7 +55,7 @@ def bootstrap_spearman(
     if n_samples < MIN_SAMPLES:
         return RankCorrelation(point, math.nan, math.nan, n_items, n_samples)
     rng = np.random.default_rng(seed)
-    idx = _resample(rng, n_boot, groups, n_samples)
+    idx = rng.integers(0, n_samples, size=(n_boot, n_samples))
     with warnings.catch_warnings():  # an all-NaN slice warns; it is handled below
         warnings.simplefilter("ignore", RuntimeWarning)
         bx, by = np.nanmean(x[idx], axis=1), np.nanmean(y[idx], axis=1)
