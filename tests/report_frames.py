@@ -5,6 +5,7 @@ chosen to give one verdict or answer."""
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterable, Mapping
 
 import pandas as pd
@@ -103,8 +104,8 @@ def quality(means: Mapping[str, Mapping[str, float]], samples: int = 4, model: s
             for s, sign in zip(range(samples), itertools.cycle((1, -1))):
                 rows.append({"model": model, "method": method, "task": f"{category}_task", "category": category,
                              "metric": "qa_f1", "bucket": bucket, "context_tokens": 1000, "sample": s,
-                             "score": mean + sign * spread, "error": None, "ttft_s": None, "tpot_s": None,
-                             "ratio": None})
+                             "score": mean + sign * spread, "error": None, "ttft_s": math.nan, "tpot_s": math.nan,
+                             "kv_bytes": math.nan, "ratio": math.nan})
     return pd.DataFrame(rows)
 
 

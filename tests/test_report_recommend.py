@@ -105,3 +105,43 @@ def test_an_unknown_baseline_is_refused_with_the_key_named():
     config["report"]["baseline"] = "nope"
     with pytest.raises(ConfigError, match=r"report.baseline: 'nope' is not a key of methods"):
         check_config(config, REPO / "workflow" / "schemas" / "config.schema.yaml")
+
+
+def test_a_method_only_the_system_stage_ran_can_be_named_and_is_said_to_lack_quality():
+    sys_rows = system({"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.4e6},
+                       "cam": {"kv_bytes_end": 0.25e6}})
+    scores = quality({"full": {"qa": 0.5}, "kivi4": {"qa": 0.5}})
+    frames = {"system": sys_rows, "quality_scores": scores}
+    small = {"limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"min": "kv_bytes"}}
+    (row,) = recs({"small": small}, frames=frames).to_dict("records")
+    assert (row["best"], row["runner_up"]) == ("cam", "kivi4")
+    (row,) = recs({"memory-bound": dict(MEMORY, limits={**MEMORY["limits"], "kv_bytes": {"max": 0.5, "relative": True}})},
+                  frames=frames).to_dict("records")
+    assert row["best"] == "kivi4" and "quality not measured for cam" in row["why"]
+
+
+def test_a_method_whose_preferred_column_was_not_measured_is_never_named():
+    # decode_tok_s comes from the system stage only: snapkv50 (quality only) has none
+    frames = {"system": SYSTEM, "quality_scores": pd.concat([QUALITY, quality({"snapkv50": {"single_doc_qa": 0.5}})])}
+    fast = {"limits": {"quality": {"min": 0.99, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
+    (row,) = recs({"fast": fast}, frames=frames).to_dict("records")
+    assert "snapkv50" not in (row["best"], row["runner_up"]) and row["best"] in ("full", "kivi4")
+    # snapkv50 alone meets the limit: without a decode_tok_s it is still not named
+    only = {"limits": {"quality": {"min": 1.1, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
+    frames = {"system": system({"full": {}}), "quality_scores": quality({"full": {"q": 0.5}, "snapkv50": {"q": 0.6}})}
+    (row,) = recs({"only": only}, frames=frames).to_dict("records")
+    assert row["best"] == NONE and row["qualifying"] == 0
+
+
+def test_ties_are_broken_by_a_second_measured_column_or_reported():
+    tied = system({"full": {"kv_bytes_end": 1e6, "decode_tok_s": 10.0},
+                   "kivi4": {"kv_bytes_end": 0.4e6, "decode_tok_s": 10.0},
+                   "snapkv": {"kv_bytes_end": 0.4e6, "decode_tok_s": 10.0}})
+    fast = {"limits": {"ttft_s": {"max": 2.0, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
+    (row,) = recs({"fast": fast}, frames={"system": tied}).to_dict("records")
+    assert row["best"] == "tie: kivi4 = snapkv" and row["runner_up"] == "full"
+    assert "a tie on decode_tok_s and kv_bytes" in row["why"]
+    broken = tied.assign(kv_bytes_end=tied.method.map({"full": 1e6, "kivi4": 0.4e6, "snapkv": 0.3e6}))
+    (row,) = recs({"fast": fast}, frames={"system": broken}).to_dict("records")
+    assert row["best"] == "snapkv" and row["runner_up"] == "kivi4"
+    assert "tied on decode_tok_s with kivi4, full; the smaller kv_bytes decides" in row["why"]

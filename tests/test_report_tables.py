@@ -64,7 +64,7 @@ def _frame(values):
 
 def test_spearman_is_exact_on_perfect_ranks_and_its_interval_shrinks_with_samples():
     x = _frame([[1, 2, 3, 4, 5]] * 4)
-    perfect = bootstrap_spearman(x, _frame([[10, 20, 30, 40, 50]] * 4), n_boot=200, seed=1)
+    perfect = bootstrap_spearman(_frame([[1, 2, 3, 4, 5]] * 5), _frame([[10, 20, 30, 40, 50]] * 5), n_boot=200, seed=1)
     assert perfect.rho == 1 and perfect.ci_low == 1 and perfect.n_items == 5
     rng = np.random.default_rng(0)
     widths = []
@@ -229,3 +229,91 @@ def test_captions_are_valid_restructured_text(caption):
     parts = publish_parts(caption.read_text(), writer="html",
                           settings_overrides={"halt_level": 2, "report_level": 2})
     assert parts["body"].strip()
+
+
+# --- review fixes: empty outputs, outer join, per-category timings, serve without valkey ---------
+
+def test_empty_outputs_keep_their_score_and_only_unscored_samples_are_errors():
+    scores = quality({"full": {"qa": 1.0}, "kivi4": {"qa": 1.0}}, spread=0.0)
+    kivi4 = scores.index[scores.method == "kivi4"]
+    scores.loc[kivi4[:2], ["score", "error"]] = [0.0, "empty output"]  # an empty answer scores 0
+    scores.loc[kivi4[2], ["score", "error"]] = [math.nan, "RuntimeError: out of memory"]
+    row = method_table(tables(quality_scores=scores), "full").set_index("method").loc["kivi4"]
+    assert row.quality == pytest.approx(1 / 3) and row.quality_rel == pytest.approx(1 / 3)
+    assert (row.samples, row.quality_errors, row.empty_outputs) == (4, 1, 2)
+
+
+def test_methods_only_the_system_stage_ran_are_kept_in_every_quality_category():
+    sys_rows = system({"full": {"kv_bytes_end": 4e6}, "kivi4": {"kv_bytes_end": 1.6e6}, "cam": {"kv_bytes_end": 1e6}})
+    scores = quality({"full": {"qa": 0.5, "summarization": 0.3}, "kivi4": {"qa": 0.5, "summarization": 0.3}})
+    table = method_table(tables(system=sys_rows, quality_scores=scores), "full").set_index(["method", "category"])
+    assert set(table.index) == {(m, c) for m in ("full", "kivi4", "cam") for c in ("qa", "summarization")}
+    cam = table.loc[("cam", "qa")]
+    assert math.isnan(cam.quality) and cam.kv_bytes_rel == pytest.approx(0.25)
+    assert cam.timing_source == "results/system/metrics.parquet"
+
+
+def test_quality_pass_timings_and_bytes_are_used_per_category_with_their_source():
+    sys_rows = system({"full": {"kv_bytes_end": 4e6, "ttft_s": 1.0}, "kivi2": {"kv_bytes_end": 1e6, "ttft_s": 1.0},
+                       "cam": {"kv_bytes_end": 1e6}})
+    scores = quality({m: {"qa": 0.5, "retrieval": 0.5} for m in ("full", "kivi2")})
+    own = {("full", "qa"): 2e6, ("kivi2", "qa"): 0.6e6, ("full", "retrieval"): 1e6, ("kivi2", "retrieval"): 0.4e6}
+    scores["kv_bytes"] = [own[(m, c)] for m, c in zip(scores.method, scores.category)]
+    scores = scores.assign(ttft_s=2.0, tpot_s=0.2, ratio=scores.kv_bytes.rdiv(2e6))
+    table = method_table(tables(system=sys_rows, quality_scores=scores), "full").set_index(["method", "category"])
+    qa, retrieval = table.loc[("kivi2", "qa")], table.loc[("kivi2", "retrieval")]
+    assert qa.kv_bytes == 0.6e6 and qa.kv_bytes_rel == pytest.approx(0.3) and qa.ttft_s == 2.0
+    assert retrieval.kv_bytes_rel == pytest.approx(0.4)  # the category's own length decides the bytes
+    assert qa.timing_source == "results/quality/{model}/scores.parquet"
+    cam = table.loc[("cam", "retrieval")]  # not in the quality pass: the system stage, divided by its own full
+    assert cam.kv_bytes_rel == pytest.approx(0.25) and cam.timing_source == "results/system/metrics.parquet"
+
+
+def test_the_baseline_agrees_with_itself_in_the_fidelity_columns():
+    from report_frames import fidelity
+
+    table = method_table(tables(quality_scores=quality({m: {"qa": 0.5} for m in ("full", "kivi4")}),
+                                quality_fidelity=fidelity({"kivi4": {"qa": 0.9}})), "full").set_index("method")
+    assert (table.loc["full", "top1_agreement"], table.loc["full", "kl_mean"]) == (1.0, 0.0)
+    assert table.loc["full", "first_divergence"] == 16 and table.loc["kivi4", "top1_agreement_rel"] == 0.9
+
+
+def test_fidelity_is_pooled_over_positions():
+    from report_frames import fidelity
+
+    rows = fidelity({"kivi4": {"qa": 1.0}}, samples=2).assign(top1_agreement=[1.0, 0.5], positions=[30, 10])
+    table = method_table(tables(quality_scores=quality({m: {"qa": 0.5} for m in ("full", "kivi4")}),
+                                quality_fidelity=rows), "full").set_index("method")
+    assert table.loc["kivi4", "top1_agreement"] == pytest.approx((30 + 5) / 40)
+
+
+@pytest.mark.parametrize("backends", [["recompute", "lmcache"], ["lmcache"]], ids=["no-valkey", "all-unsupported"])
+def test_a_serve_table_without_valkey_columns_is_read_and_reported(tmp_path, backends):
+    from kvbench.serve.summary import compare_outputs, join_transfers, offload_table
+    from test_serve_summary import KV, REQUESTS
+
+    requests = REQUESTS[REQUESTS.backend.isin(backends)]
+    written = offload_table(compare_outputs(join_transfers(requests, pd.DataFrame())), pd.DataFrame(),
+                            pd.DataFrame(), KV, "float32")
+    assert not {"ratio", "raw_bytes"} & set(written.columns)  # the real writer's output, as on gpu.yaml
+    written.to_parquet(tmp_path / "offload.parquet")
+    found = load_tables({"serve_offload": tmp_path / "offload.parquet"})
+    assert found.get("serve_offload").ratio.isna().all()
+    built = report({"serve_offload": found.get("serve_offload")})
+    assert built.claims.set_index("claim_id").loc["hi-ranks-wrong", "verdict"] != "not run"
+
+
+def test_few_samples_per_category_still_give_a_pooled_interval():
+    from kvbench.report.correlations import POOLED
+    from kvbench.report.stats import MIN_SAMPLES
+
+    methods = ["full", "kivi2", "kivi4", "snapkv"]
+    cats = ["qa", "summarization", "few_shot", "retrieval"]
+    scores = quality({m: {c: 0.5 - 0.05 * i for c in cats} for i, m in enumerate(methods)}, samples=2)
+    scores["ratio"] = scores.method.map({m: 1.0 + i for i, m in enumerate(methods)})
+    corr = correlation_table(tables(quality_scores=scores), n_boot=200, seed=1)
+    quality_rows = corr[corr.outcome == "quality"].set_index("category")
+    assert quality_rows.loc["qa", "ci_low"] != quality_rows.loc["qa", "ci_low"]  # 2 < MIN_SAMPLES: no interval
+    pooled = quality_rows.loc[POOLED]
+    assert pooled.samples == 8 >= MIN_SAMPLES and pooled.rho == pytest.approx(-1.0)
+    assert pooled.ci_low == pytest.approx(-1.0) and pooled.ci_high == pytest.approx(-1.0)

@@ -484,10 +484,21 @@ def test_report_tables_check_every_claim_and_recommend(run):
     assert set(recs.scenario) == set(config["report"]["scenarios"])
     assert (recs[recs.scenario == "small-cache"].best != NONE).all()
     methods = read(workdir, "results/report/methods.parquet")
-    assert set(methods.method) == set(config["system"]["methods"])
-    assert (methods[methods.method == "full"].kv_bytes_rel == 1).all()
+    run_methods = set(config["system"]["methods"]) | set(config["quality"]["methods"])
+    assert set(methods.method) == run_methods  # outer join: a method one stage ran is not dropped
+    categories = set(config["quality"]["tasks"])  # every method has a row in every quality category
+    assert methods.groupby("method").category.agg(set).map(categories.issubset).all()
+    system_only = methods[~methods.method.isin(config["quality"]["methods"])]
+    assert system_only.quality.isna().all() and system_only.kv_bytes_rel.notna().all()
+    assert (system_only.timing_source == "results/system/metrics.parquet").all()
+    own = methods[methods.timing_source == "results/quality/{model}/scores.parquet"]
+    assert "snapkv" in set(own.method)  # per-category bytes from the quality pass
+    assert own[own.method == "snapkv"].kv_bytes_rel.between(0.05, 0.9).all()
     corr = read(workdir, "results/report/correlations.parquet")
-    assert set(corr.outcome) >= {"ttft_s", "tpot_s"} and (corr.methods == len(config["system"]["methods"])).all()
+    assert set(corr.outcome) >= {"quality", "ttft_s", "tpot_s"}
+    pooled = corr[corr.category == "all categories (pooled)"]
+    assert len(pooled) and pooled.ci_low.notna().any()  # one sample per category: the pooled rows carry it
+    assert (pooled.methods == len(config["quality"]["methods"])).all()
     costs = read(workdir, "results/report/pipeline_cost.parquet")
     stage_rows = costs[costs.level == "stage"].set_index("stage")
     assert {"corpus", "kv", "system"} <= set(stage_rows.index) and (stage_rows.wall_s > 0).all()
@@ -544,7 +555,10 @@ def test_report_builds_with_a_stage_missing_and_says_so(run, tmp_path):
     assert report.stages.set_index("stage").status["system"] == "not run"
     verdicts = report.claims.set_index("claim_id").verdict
     assert verdicts["turboquant-ttft-overhead"] == "not run" and verdicts["token-diversity"] != "not run"
-    assert report.methods.empty and (report.recommendations.best == NONE).all()
-    assert report.recommendations.why.str.contains("no method was measured").all()
+    # the quality stage alone: its methods, no system-only column (decode_tok_s never measured)
+    assert set(report.methods.method) == set(config["quality"]["methods"])
+    assert report.methods.decode_tok_s.isna().all()
+    small = report.recommendations[report.recommendations.scenario == "small-cache"]
+    assert (small.best == NONE).all() and small.why.str.contains("decode_tok_s").all()
     page = report_build.claims_page(report)
     assert "Stages not run: system" in page and pd.read_html(io.StringIO(page))[0].shape[0] == len(report.claims)

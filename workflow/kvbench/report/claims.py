@@ -123,7 +123,7 @@ def _fmt(x: float) -> str:
 @claim("token-diversity", "blog",
        'A "hi hi hi" document has 2 unique tokens; realistic medical and legal documents are hundreds of '
        "times more diverse",
-       "0.02 % (2 unique tokens) vs 14.2 % medical, 9.4 % legal (~10K-token docs)")
+       "0.02 % (2 unique tokens of ~10K) vs corpus means 14.2 % medical, 9.4 % legal: 'hundreds of times' more")
 def token_diversity(ev: Evidence) -> Finding:
     src = ev.tables.source("corpus_stats", "corpus", "domain", "tokens", "unique_tokens", "diversity_pct")
     rule = (f"diversity falls with length, so at equal length: confirmed if every realistic domain's mean "
@@ -201,26 +201,27 @@ def _serve_tau(offload: pd.DataFrame, value: str) -> tuple[float, int]:
 
 @claim("hi-ranks-wrong", "blog",
        'Benchmarks on "hi hi hi" rank connectors, codecs and backends on a workload nobody runs',
-       "not quantified: rankings on synthetic input do not carry over")
+       "not quantified: comparing on 'hi hi hi' only ranks them on a workload nobody runs")
 def hi_ranks_wrong(ev: Evidence) -> Finding:
-    rule = (f"Kendall's tau-b of each ranking, synthetic vs realistic input; confirmed if any tau < "
-            f"{RANKS_AGREE_TAU:g} (more than 10 % of pairs swap), contradicted if all >= {RANKS_AGREE_TAU:g}")
+    rule = (f"Kendall's tau-b of the codecs ranked by compression ratio (kv stage; serve stage's wire ratio), "
+            f"synthetic vs realistic input; confirmed if any ratio tau < {RANKS_AGREE_TAU:g} (more than 10 % of "
+            f"pairs swap), contradicted if all >= {RANKS_AGREE_TAU:g}. The hit-TTFT tau is shown, not decisive: "
+            "TTFTs of codecs differ by less than the run's noise")
     sources, taus = [], {}
     kv, offload = ev.tables.get("kv_compressibility"), ev.tables.get("serve_offload")
     sources.append(ev.tables.source("kv_compressibility", "corpus", "weights", "dtype", "codec", "raw_bytes",
                                     "compressed_bytes"))
-    sources.append(ev.tables.source("serve_offload", "backend", "codec", "corpus", "ratio", "wire_bytes",
-                                    "ttft_hit_s", "status"))
+    sources.append(ev.tables.source("serve_offload", "backend", "codec", "corpus", "ratio", "ttft_hit_s", "status"))
     if kv is not None:
         taus[f"codecs by KV ratio (kv stage, real weights, {ev.kv_dtype})"] = _codec_tau(kv, ev.kv_dtype)
+    shown = {}
     if offload is not None:
         taus["backend x codec by wire ratio (serve)"] = _serve_tau(offload, "ratio")
-        taus["backend x codec by wire bytes (serve)"] = _serve_tau(offload, "wire_bytes")
-        taus["backend x codec by hit TTFT (serve)"] = _serve_tau(offload, "ttft_hit_s")
+        shown["backend x codec by hit TTFT (serve, not decisive)"] = _serve_tau(offload, "ttft_hit_s")
     source = "; ".join(sources)
     if not taus:
         return Finding(NOT_RUN, "no KV compressibility table (stage kv) and no serve stage", source, rule)
-    parts = [f"{what}: tau {_fmt(t)} over {n}" for what, (t, n) in taus.items()]
+    parts = [f"{what}: tau {_fmt(t)} over {n}" for what, (t, n) in {**taus, **shown}.items()]
     if offload is None:
         parts.append("serve: not run")
     measured = [t for t, n in taus.values() if t == t]
@@ -243,14 +244,25 @@ def _category_quality(ev: Evidence, model: str) -> tuple[pd.DataFrame, str]:
     return pd.DataFrame(), ""
 
 
+def _strict_best(values: pd.Series, name: str, highest: bool) -> tuple[str, list[str]]:
+    """CONFIRMED if `name` alone holds the extreme, CONTRADICTED if another does, NOT_MEASURABLE on
+    a tie for the extreme (with the tied names)."""
+    top = values.max() if highest else values.min()
+    at_top = sorted(values.index[values == top])
+    if len(at_top) > 1 and name in at_top:
+        return NOT_MEASURABLE, at_top
+    return (CONFIRMED if at_top == [name] else CONTRADICTED), at_top
+
+
 @claim("kivi4-most-stable", "paper",
        "KIVI (4-bit) has the most stable quality across tasks",
-       "not quantified: KIVI 'rarely makes mistakes' across tasks; the safest default")
+       "not quantified: KIVI 'rarely makes mistakes' across tasks; the safest default (no bit width given)")
 def kivi4_most_stable(ev: Evidence) -> list[Finding]:
-    src = ev.tables.source("quality_scores", "method", "category", "score") + " (relative to the baseline)"
-    rule = ("worst category's quality relative to the baseline, per method of the paper's four families; "
-            "confirmed if KIVI-4's is the highest")
+    rule = ("worst category's quality relative to the baseline (top-1 agreement where the baseline scores 0), "
+            "per method of the paper's four families; confirmed if KIVI-4's is the highest alone, not measurable "
+            "on a tie")
     kivi4 = _named(ev, "kivi", bits=4)
+    src = ev.tables.source("quality_scores", "method", "category", "score") + " (relative to the baseline)"
     if not ev.tables.stage_ran("quality"):
         return [Finding(NOT_RUN, "stage quality not run", src, rule)]
     if not kivi4:
@@ -258,14 +270,24 @@ def kivi4_most_stable(ev: Evidence) -> list[Finding]:
     out = []
     for model in _models(ev.method_table):
         per, column = _category_quality(ev, model)
+        if column == "top1_agreement":
+            src = ev.tables.source("quality_fidelity", "method", "category", "top1_agreement")
         per = per[_families(ev, per.index)]
         worst = per.min(axis=1).dropna() if len(per) else pd.Series(dtype=float)
+        if not column:
+            why = "the baseline scores 0 and no fidelity rows"
+        elif kivi4[0] not in worst.index:
+            why = f"no {column} for {kivi4[0]}"
+        else:
+            why = "fewer than 2 methods of the four families measured"
         if kivi4[0] not in worst.index or len(worst) < 2:
-            out.append(Finding(NOT_MEASURABLE, "the baseline scores 0 and no fidelity rows", src, rule, model))
+            out.append(Finding(NOT_MEASURABLE, why, src, rule, model))
             continue
         ranked = worst.sort_values(ascending=False)
         ours = f"worst-category {column}: " + ", ".join(f"{m} {_fmt(v)}" for m, v in ranked.items())
-        verdict = CONFIRMED if worst[kivi4[0]] >= ranked.iloc[0] else CONTRADICTED
+        verdict, top = _strict_best(worst, kivi4[0], highest=True)
+        if verdict == NOT_MEASURABLE:
+            ours += f" (tie: {', '.join(top)})"
         out.append(Finding(verdict, ours, src, rule, model, float(worst[kivi4[0]])))
     return out
 
@@ -276,7 +298,7 @@ def kivi4_most_stable(ev: Evidence) -> list[Finding]:
 def snapkv_throughput(ev: Evidence) -> list[Finding]:
     src = ev.tables.source("system", "method", "target_context", "decode_tok_s")
     rule = (f"median decode tok/s over prompts of >= {LONG_CONTEXT_TOKENS} tokens, the paper's four families; "
-            "confirmed if a SnapKV method is the fastest")
+            "confirmed if a SnapKV method is the fastest, not measurable on a tie with another family")
     system = ev.tables.get("system")
     if system is None:
         return [Finding(NOT_RUN, "stage system not run", src, rule)]
@@ -294,7 +316,12 @@ def snapkv_throughput(ev: Evidence) -> list[Finding]:
         if longest < LONG_CONTEXT_TOKENS:
             out.append(Finding(NOT_MEASURABLE, ours + f" (longest prompt < {LONG_CONTEXT_TOKENS})", src, rule, model))
             continue
-        verdict = CONFIRMED if _family(ev, speed.index[0]) == "snapkv" else CONTRADICTED
+        fastest = speed[speed == speed.iloc[0]].index
+        families = {_family(ev, m) for m in fastest}
+        verdict = (NOT_MEASURABLE if len(families) > 1 and "snapkv" in families
+                   else CONFIRMED if families == {"snapkv"} else CONTRADICTED)
+        if verdict == NOT_MEASURABLE:
+            ours += f" (tie: {', '.join(fastest)})"
         out.append(Finding(verdict, ours, src, rule, model, float(speed.iloc[0])))
     return out
 
@@ -333,32 +360,48 @@ def turboquant_ttft(ev: Evidence) -> list[Finding]:
     return out
 
 
+# A CaM setting that fixes how many tokens it keeps: its ratio at one length is then set by the config.
+CAM_SIZE_KEYS = ("keep_ratio", "capacity", "target")
+
+
 @claim("cam-ratio-varies", "paper",
        "CaM's realized compression varies with the workload",
-       "1x to 14x by workload")
+       "not quantified: large savings on some days, none at all on others")
 def cam_ratio_varies(ev: Evidence) -> list[Finding]:
-    src = ev.tables.source("system", "method", "prompt_id", "ratio_end")
-    rule = f"max / min measured ratio of each CaM method over all prompts; confirmed if >= {CAM_VARIATION:g}"
+    src = ev.tables.source("system", "method", "prompt_id", "corpus", "target_context", "ratio_end")
+    rule = (f"max / min measured ratio of each CaM method over the workload prompts at one context length "
+            f"(the longest), beside a fixed-budget control (snapkv); confirmed if CaM's is >= {CAM_VARIATION:g} "
+            f"and the control's is not; not measurable if the config fixes CaM's kept size "
+            f"({', '.join(CAM_SIZE_KEYS)}): the ratio at a given length is then set by construction")
     system = ev.tables.get("system")
     cams = [m for m in ev.methods if _family(ev, m) == "cam"]
     if system is None or not cams:
         return [Finding(NOT_RUN, "stage system not run" if system is None else "no CaM method in the config",
                         src, rule)]
+    controls = [m for m in ev.methods if _family(ev, m) == "snapkv"]
     out = []
     for model in _models(system):
-        rows = system[(system.model == model) & system.error.isna() & system.method.isin(cams)]
-        if rows.empty:
+        rows = workload_prompts(system[(system.model == model) & system.error.isna()])
+        rows = rows[rows.target_context == rows.target_context.max()] if len(rows) else rows
+        mine = rows[rows.method.isin(cams)]
+        if mine.empty:
             out.append(Finding(NOT_MEASURABLE, "no CaM rows without an error", src, rule, model))
             continue
-        span = rows.groupby("method").ratio_end.agg(["min", "max", "size"])
-        fold = float((span["max"] / span["min"]).max())
-        ours = "; ".join(f"{m}: {_fmt(r['min'])}x-{_fmt(r['max'])}x over {r['size']:.0f} prompts"
-                         for m, r in span.iterrows())
-        fixed = [m for m in span.index if "keep_ratio" in ev.methods[m]]
+        span = rows[rows.method.isin(cams + controls)].groupby("method").ratio_end.agg(["min", "max", "size"])
+        fold = span["max"] / span["min"]
+        cam_fold = float(fold[fold.index.isin(cams)].max())
+        control_fold = float(fold[fold.index.isin(controls)].max()) if fold.index.isin(controls).any() else math.nan
+        at = int(mine.target_context.iloc[0])
+        ours = f"at {at} tokens: " + "; ".join(
+            f"{m}{' (control)' if m in controls else ''}: {_fmt(r['min'])}x-{_fmt(r['max'])}x over "
+            f"{r['size']:.0f} prompts" for m, r in span.iterrows())
+        fixed = sorted({f"{m}: {k}" for m in span.index if m in cams for k in CAM_SIZE_KEYS if k in ev.methods[m]})
         if fixed:
-            ours += (f" ({', '.join(fixed)}: keep_ratio fixes the ratio by construction; "
-                     "the paper's CaM kept a token budget)")
-        out.append(Finding(CONFIRMED if fold >= CAM_VARIATION else CONTRADICTED, ours, src, rule, model, fold))
+            out.append(Finding(NOT_MEASURABLE, ours + f" (kept size fixed by the config: {', '.join(fixed)})",
+                               src, rule, model, cam_fold))
+            continue
+        varies = cam_fold >= CAM_VARIATION and not control_fold >= CAM_VARIATION
+        out.append(Finding(CONFIRMED if varies else CONTRADICTED, ours, src, rule, model, cam_fold))
     return out
 
 
@@ -368,7 +411,7 @@ def cam_ratio_varies(ev: Evidence) -> list[Finding]:
 def summarization_fragile(ev: Evidence) -> list[Finding]:
     src = ev.tables.source("quality_scores", "method", "category", "score") + " (relative to the baseline)"
     rule = ("mean quality relative to the baseline over the paper's four families, per category; "
-            f"confirmed if {CATEGORY_SUMMARIZATION!r} is the lowest")
+            f"confirmed if {CATEGORY_SUMMARIZATION!r} alone is the lowest, not measurable on a tie")
     if not ev.tables.stage_ran("quality"):
         return [Finding(NOT_RUN, "stage quality not run", src, rule)]
     out = []
@@ -380,7 +423,9 @@ def summarization_fragile(ev: Evidence) -> list[Finding]:
             out.append(Finding(NOT_MEASURABLE, "no summarization scores relative to the baseline", src, rule, model))
             continue
         ours = f"mean {column}: " + ", ".join(f"{c} {_fmt(v)}" for c, v in means.items())
-        verdict = CONFIRMED if means.index[0] == CATEGORY_SUMMARIZATION else CONTRADICTED
+        verdict, low = _strict_best(means, CATEGORY_SUMMARIZATION, highest=False)
+        if verdict == NOT_MEASURABLE:
+            ours += f" (tie: {', '.join(low)})"
         out.append(Finding(verdict, ours, src, rule, model, float(means[CATEGORY_SUMMARIZATION])))
     return out
 
@@ -389,22 +434,38 @@ def summarization_fragile(ev: Evidence) -> list[Finding]:
        "Compression ratio alone predicts end-to-end behaviour poorly",
        "not quantified: 'the space saved does not necessarily mean better performance'")
 def ratio_predicts_poorly(ev: Evidence) -> list[Finding]:
+    from kvbench.report.correlations import POOLED
+
     src = "results/report/correlations.parquet: rho, ci_low, ci_high (measured ratio vs quality, TTFT, TPOT)"
-    rule = (f"ratio predicts an outcome in a category if |rho| >= {PREDICTS_RHO:g} and its bootstrap interval "
-            "excludes 0; confirmed if it predicts fewer than half of the outcome x category pairs")
+    rule = (f"per outcome x category: ratio predicts if |rho| >= {PREDICTS_RHO:g} and the bootstrap interval "
+            f"excludes 0, predicts poorly if the interval lies inside (-{PREDICTS_RHO:g}, {PREDICTS_RHO:g}), "
+            "else inconclusive (rows: per category where they have an interval, else pooled); not measurable "
+            "if half or more are inconclusive or as many predict as predict poorly; else confirmed if more "
+            "predict poorly, contradicted if more predict")
     corr = ev.correlations
     if corr.empty:
         return [Finding(NOT_RUN, "stage system not run", src, rule)]
     out = []
     for model in _models(corr):
         rows = corr[(corr.model == model) & corr.rho.notna() & corr.ci_low.notna()]
+        per_category = rows[rows.category != POOLED]
+        pooled = per_category.empty and not rows.empty
+        rows = rows if pooled else per_category
         if rows.empty:
-            out.append(Finding(NOT_MEASURABLE, "no interval: fewer than 3 methods or 3 samples per category",
-                               src, rule, model))
+            out.append(Finding(NOT_MEASURABLE, "no interval: fewer than 3 methods or too few samples", src, rule,
+                               model))
             continue
         predicts = (rows.rho.abs() >= PREDICTS_RHO) & ((rows.ci_low > 0) | (rows.ci_high < 0))
-        ours = f"predicts {int(predicts.sum())} of {len(rows)}: " + ", ".join(
-            f"{r.outcome}/{r.category} rho {r.rho:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}]" for r in rows.itertuples())
-        verdict = CONFIRMED if predicts.sum() < len(rows) / 2 else CONTRADICTED
+        poor = (rows.ci_low > -PREDICTS_RHO) & (rows.ci_high < PREDICTS_RHO)
+        unsure = ~(predicts | poor)
+        ours = (f"{'pooled over categories (no category has an interval): ' if pooled else ''}"
+                f"predicts {int(predicts.sum())}, poorly {int(poor.sum())}, inconclusive {int(unsure.sum())} "
+                "of " + f"{len(rows)}: " + ", ".join(
+                    f"{r.outcome}/{r.category} rho {r.rho:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
+                    for r in rows.itertuples()))
+        if unsure.sum() >= len(rows) / 2 or poor.sum() == predicts.sum():
+            verdict = NOT_MEASURABLE
+        else:
+            verdict = CONFIRMED if poor.sum() > predicts.sum() else CONTRADICTED
         out.append(Finding(verdict, ours, src, rule, model, float(predicts.mean())))
     return out

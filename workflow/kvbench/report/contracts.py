@@ -53,11 +53,6 @@ CONTRACTS: dict[str, Contract] = {
         "corpus", "results/corpus/stats.parquet",
         _same("corpus", "domain", "doc_id", "tokens", "unique_tokens", "diversity_pct"),
     ),
-    "corpus_summary": Contract(
-        "corpus", "results/corpus/stats_summary.parquet",
-        _same("corpus", "domain", "docs", "tokens_mean", "diversity_pct_mean", "pooled_diversity_pct",
-              "reference_diversity_pct"),
-    ),
     "kv_compressibility": Contract(
         "kv", "results/kv/compressibility.parquet",
         _same("corpus", "weights", "doc_id", "dtype", "codec", "part", "raw_bytes", "compressed_bytes", "error"),
@@ -77,8 +72,9 @@ CONTRACTS: dict[str, Contract] = {
         "quality", "results/quality/{model}/scores.parquet",
         {**_same("model", "method", "task", "category", "metric", "bucket", "context_tokens", "score", "error"),
          "sample": "sample_id"},
-        # Per-sample timings and bytes of the same pass (issue 9, item 3).
-        optional={"ttft_s": "ttft_s", "tpot_s": "tpot_s", "ratio": "ratio_end"},
+        # Per-sample timings and bytes of the same pass (issue 9, item 3); "empty output" rows keep
+        # their score (an empty answer scores 0): only a null score is a failed sample.
+        optional={"ttft_s": "ttft_s", "tpot_s": "tpot_s", "kv_bytes": "kv_bytes_end", "ratio": "ratio_end"},
     ),
     "quality_fidelity": Contract(
         "quality", "results/quality/{model}/fidelity.parquet",
@@ -87,19 +83,15 @@ CONTRACTS: dict[str, Contract] = {
         # first_divergence is null where the outputs are identical: the continuation's length then.
         optional={"bucket": "bucket", "positions": "fidelity_positions"},
     ),
-    # Issue 11 (serve): one row per request of every round, and per backend x codec x corpus.
-    "serve_requests": Contract(
-        "serve", "results/serve/requests.parquet",
-        _same("backend", "codec", "corpus", "round", "ttft_s", "error"),
-        optional=_same("miss", "cached_tokens", "prompt_tokens"),
-    ),
+    # Issue 11 (serve): per backend x codec x corpus. Bytes and ratio exist only for backends that
+    # store through a codec (valkey), TTFT and hits only for rows that ran (not "unsupported").
     "serve_offload": Contract(
         "serve", "results/serve/offload.parquet",
-        {**_same("backend", "codec", "corpus", "raw_bytes", "wire_bytes", "ratio"),
-         "ttft_warmup_s": "ttft_warmup_mean_s", "ttft_query_s": "ttft_query_mean_s", "ttft_hit_s": "ttft_hit_mean_s",
-         "hits": "query_hits"},
+        _same("backend", "codec", "corpus"),
         # status: "ok", "N requests failed" or "unsupported: ..." (a row that is no result)
-        optional={"status": "status", "store_mb_s": "store_mb_s", "load_mb_s": "load_mb_s",
+        optional={**_same("raw_bytes", "wire_bytes", "ratio", "status", "store_mb_s", "load_mb_s"),
+                  "ttft_warmup_s": "ttft_warmup_mean_s", "ttft_query_s": "ttft_query_mean_s",
+                  "ttft_hit_s": "ttft_hit_mean_s", "hits": "query_hits",
                   "outputs_identical": "outputs_identical_share"},
     ),
 }

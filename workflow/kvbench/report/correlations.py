@@ -1,6 +1,11 @@
 """Does the measured compression ratio predict end-to-end behaviour? Spearman's rho between each
 method's measured ratio and its quality, TTFT and TPOT, across methods, per task category, with
-a paired bootstrap interval over samples (the same resampled samples for every method)."""
+a paired bootstrap interval over samples (the same resampled samples for every method).
+
+The quality categories hold few samples each on a small run (below MIN_SAMPLES: no interval), so
+each model also gets one row per outcome over all its categories pooled (category POOLED). Its
+bootstrap resamples samples across categories (not within them: with one or two samples per
+category a stratified draw would hardly vary), so differences between categories widen it."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from kvbench.report.joined import SYSTEM_CATEGORY, workload_prompts
 from kvbench.report.stats import bootstrap_spearman
 
 OUTCOMES = ("quality", "ttft_s", "tpot_s")
+POOLED = "all categories (pooled)"
+SAMPLE = ["category", "task", "sample"]
 
 
 def _matrix(rows: pd.DataFrame, sample: list[str], value: str) -> pd.DataFrame:
@@ -24,28 +31,32 @@ def _broadcast(per_method: pd.Series, like: pd.DataFrame) -> pd.DataFrame:
 
 
 def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
-    """(model, category, outcome, source, x, y) from the quality stage: the ratio per sample if it
-    recorded one, else each method's median ratio over the system stage's workload prompts."""
-    ok = scores[scores.error.isna()]
+    """(model, category, outcome, source, x, y) from the quality stage: the ratio per sample
+    if it recorded one, else each method's median ratio over the system stage's workload prompts.
+    Every scored sample counts (an empty output scores 0); per category, and pooled per model."""
     ratio_of = None
     if system is not None:
         sys_ok = workload_prompts(system[system.error.isna()])
         ratio_of = sys_ok.groupby(["model", "method"]).ratio_end.median()
-    for (model, category), rows in ok.groupby(["model", "category"]):
-        own_ratio = rows.ratio.notna().any()
+    for model, part in scores.groupby("model"):
+        groups = [(c, rows) for c, rows in part.groupby("category")]
+        if len(groups) > 1:
+            groups.append((POOLED, part))
         scores_path = CONTRACTS["quality_scores"].expand([model])[0]
-        for outcome, column in (("quality", "score"), ("ttft_s", "ttft_s"), ("tpot_s", "tpot_s")):
-            if rows[column].isna().all():
-                continue
-            y = _matrix(rows, ["task", "sample"], column)
-            if own_ratio:
-                x, src = _matrix(rows, ["task", "sample"], "ratio"), scores_path
-            elif ratio_of is not None and model in ratio_of.index.get_level_values(0):
-                x = _broadcast(ratio_of[model], y)
-                src = f"{scores_path} + ratio from {CONTRACTS['system'].path}"
-            else:
-                continue
-            yield model, category, outcome, src, x, y
+        for category, rows in groups:
+            own_ratio = rows.ratio.notna().any()
+            for outcome, column in (("quality", "score"), ("ttft_s", "ttft_s"), ("tpot_s", "tpot_s")):
+                if rows[column].isna().all():
+                    continue
+                y = _matrix(rows, SAMPLE, column)
+                if own_ratio:
+                    x, src = _matrix(rows, SAMPLE, "ratio"), scores_path
+                elif ratio_of is not None and model in ratio_of.index.get_level_values(0):
+                    x = _broadcast(ratio_of[model], y)
+                    src = f"{scores_path} + ratio from {CONTRACTS['system'].path}"
+                else:
+                    continue
+                yield model, category, outcome, src, x, y
 
 
 def _system_pairs(system: pd.DataFrame):

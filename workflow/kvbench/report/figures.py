@@ -38,7 +38,7 @@ def correlation_figure(corr: pd.DataFrame, png: str | os.PathLike, svg: str | os
         y = [labels.index(f"{r.model} / {r.category}") for r in rows.itertuples()]
         rho, low, high = (rows[c].to_numpy(float) for c in ("rho", "ci_low", "ci_high"))
         ax.errorbar(rho, y, xerr=[rho - low, high - rho], fmt="o", color="#1f3b73", ecolor="#7da7d9", capsize=3)
-        for r, yy in zip(rows.itertuples(), y):  # samples behind each point (no interval below 3)
+        for r, yy in zip(rows.itertuples(), y):  # samples behind each point (no interval below MIN_SAMPLES)
             ax.annotate(f"n={r.samples}", (r.rho, yy), fontsize=7, xytext=(0, 6), textcoords="offset points",
                         ha="center", color="#52606d")
         ax.axvline(0, color="grey", lw=0.8)
@@ -46,7 +46,8 @@ def correlation_figure(corr: pd.DataFrame, png: str | os.PathLike, svg: str | os
             ax.axvline(edge, color="#d95f02", lw=0.8, ls="--")
         ax.set_xlim(-1.05, 1.05)
         ax.set_xlabel("Spearman's rho across methods")
-    fig.suptitle("Does the measured compression ratio predict end-to-end behaviour? (95 % bootstrap intervals)",
+    level = corr.level.dropna().iloc[0] if "level" in corr and corr.level.notna().any() else 0.95
+    fig.suptitle(f"Does the measured compression ratio predict end-to-end behaviour? ({level:.0%} bootstrap intervals)",
                  y=1 + 0.5 / height)  # above the panel titles, whatever the height
     save(fig, png, svg)
 

@@ -3,9 +3,12 @@ method that meets every limit of the scenario, the runner-up, the numbers and on
 
 A scenario (config `report.scenarios`) is a set of limits on measured columns of the joined method
 table, absolute or relative to the baseline method, and the column to prefer among the methods
-that meet them. A limit on a column this run did not measure cannot be met: the answer then says
+that meet them. A limit on a column this run did not measure cannot be met, and neither can the
+preferred column (a method is never named best on a number nobody measured): the answer then says
 "none qualifies" and names what was not measured. A method that failed on any sample of the cell
-does not qualify either.
+does not qualify either (an empty output is a score of 0, not a failure). Methods tied on the
+preferred column are told apart by the smaller KV (or, preferring KV, the shorter TTFT); a tie on
+both is reported as a tie, never settled by the name.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pandas as pd
 from kvbench.report.joined import MEASURED
 
 NONE = "none qualifies"
+QUALITY_LIMITS = {"quality", "kl_mean", "top1_agreement", "first_divergence"}
 
 
 @dataclass(frozen=True)
@@ -83,18 +87,33 @@ def _failures(row: Mapping[str, Any], scenario: Scenario, baseline: str) -> list
     for limit in scenario.limits:
         if not limit.met(row):
             v = limit.measured(row)
-            out.append(f"{limit.label(baseline)} ({'not measured' if v != v else f'{v:.3g}'})")
+            if v == v:
+                out.append(f"{limit.label(baseline)} ({v:.3g})")
+            elif limit.relative and not pd.isna(row.get(limit.column)):
+                out.append(f"{limit.label(baseline)} ({baseline} not measured or 0 here)")
+            else:
+                out.append(f"{limit.label(baseline)} (not measured)")
+    if pd.isna(row.get(scenario.prefer)):
+        out.append(f"{scenario.prefer} (preferred) not measured")
     return out
+
+
+def _tiebreak(scenario: Scenario) -> str:
+    return "ttft_s" if scenario.prefer == "kv_bytes" else "kv_bytes"
 
 
 def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dict[str, Any]:
     rows = cell.to_dict("records")
     judged = [(row, _failures(row, scenario, baseline)) for row in rows]
     sign = -1 if scenario.order == "max" else 1
+    second = _tiebreak(scenario)
 
-    def preference(row: Mapping[str, Any]) -> tuple[float, str]:
-        v = row.get(scenario.prefer)
-        return (math.inf if v is None or pd.isna(v) else sign * float(v), row["method"])
+    def key(row: Mapping[str, Any], column: str, s: int = 1) -> float:
+        v = row.get(column)
+        return math.inf if v is None or pd.isna(v) else s * float(v)
+
+    def preference(row: Mapping[str, Any]) -> tuple[float, float]:
+        return key(row, scenario.prefer, sign), key(row, second)
 
     ok = sorted((row for row, fails in judged if not fails), key=preference)
     shown = dict.fromkeys([*(limit.column for limit in scenario.limits), scenario.prefer])
@@ -102,23 +121,36 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dic
     def numbers(row: Mapping[str, Any]) -> str:
         return ", ".join(_value(row, column, baseline) for column in shown)
     out = {"qualifying": len(ok), "candidates": len(rows), "best": NONE, "runner_up": None,
-           "best_value": math.nan, "runner_up_value": math.nan}
+           "best_value": math.nan, "runner_up_value": math.nan, "tied": None}
+    unjudged = sorted(row["method"] for row in rows if any(
+        pd.isna(row.get(limit.column)) for limit in scenario.limits if limit.column in QUALITY_LIMITS))
+    note = (f"; quality not measured for {', '.join(unjudged)} (the quality stage did not run them here), "
+            "so they cannot meet its limits" if unjudged else "")
     if ok:
         best = ok[0]
-        out |= {"best": best["method"], "best_value": best.get(scenario.prefer), "numbers": numbers(best)}
+        tied = [r for r in ok[1:] if key(r, scenario.prefer) == key(best, scenario.prefer)]
+        unresolved = [r["method"] for r in tied if preference(r) == preference(best)]
         word = "highest" if scenario.order == "max" else "lowest"
-        why = (f"{best['method']}: {word} {_value(best, scenario.prefer, baseline)} of {len(ok)} method(s) "
-               "within every limit")
-        if len(ok) > 1:
-            runner = ok[1]
+        name = " = ".join([best["method"], *unresolved]) if unresolved else best["method"]
+        out |= {"best": f"tie: {name}" if unresolved else name, "best_value": best.get(scenario.prefer),
+                "numbers": numbers(best), "tied": ", ".join(r["method"] for r in tied) or None}
+        why = f"{name}: {word} {_value(best, scenario.prefer, baseline)} of {len(ok)} method(s) within every limit"
+        if unresolved:
+            why += f" (a tie on {scenario.prefer} and {second})"
+        elif tied:
+            why += (f" (tied on {scenario.prefer} with {', '.join(r['method'] for r in tied)}; "
+                    f"the smaller {second} decides)")
+        rest = [r for r in ok[1:] if r["method"] not in unresolved]
+        if rest:
+            runner = rest[0]
             out |= {"runner_up": runner["method"], "runner_up_value": runner.get(scenario.prefer)}
             why += f"; runner-up {runner['method']} ({_value(runner, scenario.prefer, baseline)})"
-        out["why"] = why
+        out["why"] = why + note
         return out
     closest, fails = min(judged, key=lambda j: (len(j[1]), preference(j[0])))
     out |= {"numbers": numbers(closest),
             "why": f"none of {len(rows)} method(s) meets every limit; closest {closest['method']} misses "
-                   + "; ".join(fails)}
+                   + "; ".join(fails) + note}
     return out
 
 
@@ -135,5 +167,5 @@ def recommendations(table: pd.DataFrame, scenarios: list[Scenario], baseline: st
             rows.append({"model": model, "scenario": scenario.name, "category": category, "bucket": bucket,
                          **recommend_cell(cell, scenario, baseline), **common})
     columns = ["model", "scenario", "category", "bucket", "best", "runner_up", "best_value", "runner_up_value",
-               "numbers", "why", "qualifying", "candidates", "limits", "prefer", "description"]
+               "tied", "numbers", "why", "qualifying", "candidates", "limits", "prefer", "description"]
     return pd.DataFrame(rows, columns=columns)

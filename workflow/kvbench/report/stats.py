@@ -12,7 +12,7 @@ import pandas as pd
 from scipy import stats
 
 MIN_METHODS = 3  # fewer items than this give no rank correlation worth a number
-MIN_SAMPLES = 3  # fewer samples than this give a degenerate bootstrap interval
+MIN_SAMPLES = 5  # fewer samples give a degenerate bootstrap interval (3 samples: 10 distinct resamples)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def bootstrap_spearman(
 
     A sample missing for an item (NaN) is left out of that item's mean. Items whose mean is
     undefined are dropped; with fewer than MIN_METHODS items the result is NaN, and with fewer
-    than MIN_SAMPLES samples the interval is (resampling one or two samples says nothing).
+    than MIN_SAMPLES samples the interval is (resampling a handful of samples says nothing).
     """
     x, y = x.align(y, join="inner")
     keep = x.notna().any() & y.notna().any()
