@@ -160,23 +160,37 @@ between against v vs
 """.split())
 
 
-def _mentions(text: str, value: str, label: str, unit: str | None) -> list[int]:
-    """Starts of the places where `value` stands for itself: whole words (age "70" is not in
-    "1970"), not a piece of a longer number ("$12,500" is not in "$12,500,000"), and for a bare
-    number with a `unit`, only where the unit follows ("24-year-old") or its label precedes
-    ("Age: 24") — "24 hours" or a header date's "24" are other numbers."""
+def mention_spans(text: str, value: str, label: str, unit: str | None) -> list[tuple[int, int, int]]:
+    """The places where `value` stands for itself, as (value start, evidence start, evidence end):
+    whole words (age "70" is not in "1970"), not a piece of a longer number ("$12,500" is not in
+    "$12,500,000"), and for a bare number with a `unit`, only where the unit follows
+    ("24-year-old") or its label precedes ("Age: 24") — "24 hours" or a header date's "24" are
+    other numbers. The evidence is the value with that unit or label: what a reader needs to see
+    (and a truncation must keep) for the value to answer the question."""
     pattern = re.compile(rf"(?<!\w){re.escape(value)}(?!\w)", re.IGNORECASE)
     unit_after = re.compile(rf"\)?[- ]{re.escape(unit)}s?\b", re.IGNORECASE) if unit else None
     label_before = re.compile(rf"{re.escape(label)}:\s*$", re.IGNORECASE)
-    starts = []
+    spans = []
     for match in pattern.finditer(text):
         before, after = text[max(0, match.start() - 80):match.start()], text[match.end():match.end() + 40]
         if (value[-1].isdigit() and re.match(r"[.,]\d", after)) or (value[0].isdigit() and re.search(r"\d[.,]$", before)):
             continue
-        if unit_after and not (unit_after.match(after) or label_before.search(before)):
-            continue
-        starts.append(match.start())
-    return starts
+        start, end = match.start(), match.end()
+        if unit_after:
+            unit, labelled = unit_after.match(after), label_before.search(before)
+            if not (unit or labelled):
+                continue
+            if unit:
+                end += unit.end()
+            else:
+                start -= len(before) - labelled.start()
+        spans.append((match.start(), start, end))
+    return spans
+
+
+def _mentions(text: str, value: str, label: str, unit: str | None) -> list[int]:
+    """Starts of the places where `value` stands for itself (see `mention_spans`)."""
+    return [at for at, _, _ in mention_spans(text, value, label, unit)]
 
 
 def _longer_name(text: str, start: int, end: int) -> str | None:
