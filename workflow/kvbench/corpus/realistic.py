@@ -68,21 +68,51 @@ def section_messages(plan: DocPlan, section: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
-# A chat model wraps prose in "Sure, here is the section:" and "I hope this helps!": not document text.
-CHAT_OPENER = re.compile(
-    r"^(?:(?:sure|certainly|of course|absolutely|okay|ok)\b[^\n]*|(?:here(?:'s| is| are)|below (?:is|are))\b[^\n]*:\**)"
-    r"[ \t]*(?:\n|$)", re.IGNORECASE)
-CHAT_CLOSER = re.compile(r"(?:^|\n)[ \t]*(?:i hope|let me know|please let me know|feel free|if you (?:need|have|would))\b[^\n]*$",
-                         re.IGNORECASE)
+# A chat model wraps prose in "Sure, here is the section:" and "I hope this helps!": not document
+# text. Only short lines of that shape go (at most OPENER_WORDS words): a paragraph that happens to
+# start with "Certainly, the defendant breached..." or discharge advice "If you have chest pain,
+# return..." is document text.
+OPENER_WORDS = 15
+_OPENER = r"(?:sure|certainly|of course|absolutely|okay|ok|here(?:'s| is| are)|below (?:is|are))\b"
+# "Sure!" / "Certainly." alone, or with the chat model's pleasantry after it
+OPENER_EXCLAIM = re.compile(r"^(?:sure|certainly|of course|absolutely|okay|ok)[!.,]\s*", re.IGNORECASE)
+PLEASANTRY = re.compile(r"^(?:i'?d be (?:happy|glad)|i would be (?:happy|glad)|(?:happy|glad) to help)\b[^\n]*?[!.:]\**[ \t]*",
+                        re.IGNORECASE)
+# "Sure, here is the Plan section:" (the rest of the line, if any, is the text): up to the colon
+OPENER_TO_COLON = re.compile(rf"^\**{_OPENER}[^\n:]*?\b(?:section|summary|note|text|document|draft|paragraphs?|"
+                             rf"content|version|report|following|requested|rewrite|continuation)\b[^\n:]*:\**[ \t]*",
+                             re.IGNORECASE)
+CHAT_CLOSER = re.compile(r"^(?:i hope (?:this|that|it|these)\b|(?:please )?let me know\b|feel free to (?:ask|reach|let)\b|"
+                         r"is there anything else\b)", re.IGNORECASE)
+
+
+def _short(text: str) -> bool:
+    return len(text.split()) < OPENER_WORDS
+
+
+def _strip_opener(body: str) -> str | None:
+    """`body` without one leading chat opener, or None if it does not start with one."""
+    line = body.split("\n", 1)[0]
+    if (match := OPENER_TO_COLON.match(body)) and _short(match.group(0)):
+        return body[match.end():]
+    if (match := OPENER_EXCLAIM.match(body)) and _short(line):
+        return body[match.end():]
+    if (match := PLEASANTRY.match(body)) and _short(match.group(0)):
+        return body[match.end():]
+    return None
 
 
 def strip_chat_wrapping(body: str) -> str:
-    """A section reply without the model's chat openers (first lines) and sign-offs (last lines)."""
+    """A section reply without the model's chat openers (short first lines, or a short lead-in up to
+    its colon) and sign-offs (short last lines: "I hope this helps", "Let me know ...")."""
     body = body.strip()
-    while match := CHAT_OPENER.match(body):
-        body = body[match.end():].lstrip()
-    while match := CHAT_CLOSER.search(body):
-        body = body[:match.start()].rstrip()
+    while (rest := _strip_opener(body)) is not None and rest.strip() != body:
+        body = rest.strip()
+    while body:
+        head, _, last = body.rpartition("\n")
+        if not (CHAT_CLOSER.match(last.strip()) and _short(last)):
+            break
+        body = head.rstrip()
     return body
 
 
