@@ -108,6 +108,37 @@ def test_a_value_inside_another_facts_value_is_ambiguous():
     ("Certainly! I'd be happy to help.\nHere is the section:\n\nText one.\n\nI hope this helps!", "Text one."),
     ("The patient improved.\nLet me know if you need more details.", "The patient improved."),
     ("Surely the court erred. Here is why: the record is silent.", "Surely the court erred. Here is why: the record is silent."),
+    ("**Here is the requested section:**\nText.", "Text."),
+    ("Sure! The patient improved.", "The patient improved."),
+    ("Certainly! I'd be happy to help. The wound was clean.", "The wound was clean."),
 ])
 def test_chat_openers_and_sign_offs_are_stripped(reply, body):
+    assert strip_chat_wrapping(reply) == body
+
+
+@pytest.mark.parametrize("reply, body", [
+    # a paragraph that starts like an opener is document text (LLM paragraphs are single lines)
+    ("Certainly, the defendant breached the contract on March 3, 2021, when Carter Group failed to pay $412,750."
+     "\n\nThe court agreed.",
+     "Certainly, the defendant breached the contract on March 3, 2021, when Carter Group failed to pay $412,750."
+     "\n\nThe court agreed."),
+    # an opener on the text's line: only the opener goes
+    ("Sure, here is the section: The patient improved on ceftriaxone.\nShe went home.",
+     "The patient improved on ceftriaxone.\nShe went home."),
+    # discharge instructions are not a sign-off
+    ("She went home.\nIf you have chest pain or fever above 101 F, return to the emergency department.",
+     "She went home.\nIf you have chest pain or fever above 101 F, return to the emergency department."),
+    ("She went home.\nIf you have any questions, call the clinic at 555-0100.",
+     "She went home.\nIf you have any questions, call the clinic at 555-0100."),
+    ("Here is why the motion fails: the record is silent.", "Here is why the motion fails: the record is silent."),
+    ("I can confirm that the wound was clean.", "I can confirm that the wound was clean."),
+    ("Here is a brief account of her course.\nShe improved.", "Here is a brief account of her course.\nShe improved."),
+    ("Of course the plaintiff objected, and the objection was noted in the record before the hearing ended.",
+     "Of course the plaintiff objected, and the objection was noted in the record before the hearing ended."),
+    ("The plan is set.\nLet me know the results of the biopsy when they arrive, the attending wrote to the team "
+     "on the evening of the third day after the surgery.",
+     "The plan is set.\nLet me know the results of the biopsy when they arrive, the attending wrote to the team "
+     "on the evening of the third day after the surgery."),
+])
+def test_document_text_that_looks_like_chat_wrapping_is_kept(reply, body):
     assert strip_chat_wrapping(reply) == body

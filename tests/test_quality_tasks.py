@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
+
+from kvbench.corpus.factsheets import vocabulary
 
 from kvbench.quality.kinds import check_task, quality_problems
 from kvbench.quality.longbench import spec as longbench_spec
@@ -46,10 +49,28 @@ def test_every_task_is_built_within_its_context(built, sources):
             assert sources.count(prompt) <= cfg["context_tokens"][0] + 8, name  # re-tokenizing a cut shifts a few
 
 
-def test_answers_are_in_their_context(built):
-    for name in ("single_doc_qa", "multi_doc_qa", "retrieval"):
+def located_in(context: str, doc: dict, fact: dict) -> bool:
+    """Independent of the builders' check: the header line "Label: value", or the located mention
+    with the words around it (its unit: "24 years"), or the value as a whole line (a title in
+    capitals), appears verbatim (up to case) in the context."""
+    label = vocabulary(doc["domain"])["facts"][fact["fact"]]["label"]
+    window = doc["text"][max(0, fact["char_start"] - 12):fact["char_end"] + 12]
+    lines = context.lower().splitlines()
+    return (f"{label}: {fact['value']}".lower() in context.lower() or window.lower() in context.lower()
+            or fact["value"].lower() in lines)
+
+
+def test_answers_are_located_in_their_context(built, sources):
+    docs = sources.docs.set_index("doc_id", drop=False)
+    facts = sources.facts.set_index(["doc_id", "fact"], drop=False)
+    for name in ("single_doc_qa", "multi_doc_qa"):
         for sample in built[f"kvbench_{name}"].samples:
-            assert all(contains(sample["context"], a) for a in sample["answers"]), (name, sample["answers"])
+            doc_id = next(d for d in sample["doc_ids"] if (d, sample["fact"]) in facts.index
+                          and facts.loc[(d, sample["fact"])].value == sample["answers"][0])
+            assert located_in(sample["context"], docs.loc[doc_id], facts.loc[(doc_id, sample["fact"])]), sample["_id"]
+    for sample in built["kvbench_retrieval"].samples:
+        number = int(sample["answers"][0].split()[1])
+        assert f"Paragraph {number}: " in sample["context"] and sample["question"] in sample["context"]
     for sample in built["kvbench_multi_doc_qa"].samples:  # the answer is in one passage only
         passages = sample["context"].split("\nPassage ")
         assert sum(contains(p, sample["answers"][0]) for p in passages) == 1
@@ -73,8 +94,51 @@ def test_an_answer_cut_by_the_context_budget_is_not_built(tokenizer):
     late = facts.sort_values("char_start").groupby("doc_id").tail(1)  # the last fact of each text
     sources = load_sources(docs, late[late.char_start > 900], None, tokenizer)
     (task,) = build_tasks({"single_doc_qa": {"samples": 12, "context_tokens": [96]}}, sources, seed=5)
-    assert all(contains(s["context"], s["answers"][0]) for s in task.samples)
+    by_doc = docs.set_index("doc_id", drop=False)
+    by_fact = sources.facts.set_index(["doc_id", "fact"], drop=False)
+    for s in task.samples:
+        assert located_in(s["context"], by_doc.loc[s["doc_ids"][0]], by_fact.loc[(s["doc_ids"][0], s["fact"])])
     assert len(task.samples) < len(sources.facts)
+
+
+def age_document(filler_sentences: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A discharge summary whose only "24-year-old" sits in the middle, between a header date's
+    "24" and a "24 hours" near the top: a middle cut removes the age and keeps the other 24s."""
+    filler = " ".join(["The team reviewed the record in detail before the next step was taken."] * filler_sentences)
+    text = ("DISCHARGE SUMMARY\n\nAdmission date: January 24, 2023\n\nHOSPITAL COURSE\nShe received fluids for "
+            f"24 hours. {filler} The patient is a 24-year-old woman. {filler} She went home in good health.")
+    at = text.index("24-year-old")
+    docs = pd.DataFrame([{"doc_id": "medical-age-00", "corpus": "realistic", "domain": "medical",
+                          "doc_type": "discharge_summary", "title": "Discharge summary", "text": text,
+                          "sections": json.dumps([["Hospital course", text.index("HOSPITAL"), len(text)]]),
+                          "fact_sheet": json.dumps({"age": "24"})}])
+    facts = pd.DataFrame([{"doc_id": "medical-age-00", "fact": "age", "value": "24", "question": "How old is the patient?",
+                           "char_start": at, "char_end": at + 2, "section": "Hospital course", "source": "generated",
+                           "occurrences": 1, "unambiguous": True, "ambiguity": None}])
+    return docs, facts
+
+
+def test_an_answer_whose_located_span_is_cut_is_not_built_though_its_number_remains(tokenizer):
+    docs, facts = age_document(filler_sentences=12)
+    sources = load_sources(docs, facts, None, tokenizer)
+    settings = {"single_doc_qa": {"samples": 1, "context_tokens": [160]}}
+    (task,) = build_tasks(settings, sources, seed=5)
+    assert task.samples == []
+    # the cut context still holds "24 hours", but not the age: a whole-word match would have built it
+    context = sources.trim(docs.text[0], 160 - 60)
+    assert "24 hours" in context and "24-year-old" not in context
+    # the same document with room for the age is built, and the age is there, verbatim
+    (task,) = build_tasks({"single_doc_qa": {"samples": 1, "context_tokens": [1024]}}, sources, seed=5)
+    assert len(task.samples) == 1 and "a 24-year-old woman" in task.samples[0]["context"]
+
+
+def test_a_summary_reference_states_only_facts_whose_span_survives(tokenizer):
+    docs, facts = age_document(filler_sentences=12)
+    sources = load_sources(docs, facts, None, tokenizer)
+    (short,) = build_tasks({"summarization": {"samples": 1, "context_tokens": [160]}}, sources, seed=5)
+    (long,) = build_tasks({"summarization": {"samples": 1, "context_tokens": [1024]}}, sources, seed=5)
+    assert "24 hours" in short.samples[0]["context"] and "The age is 24." not in short.samples[0]["answers"][0]
+    assert long.samples[0]["answers"][0].endswith("The age is 24.")
 
 
 def test_task_files_are_byte_identical_under_the_same_seed(sources, tmp_path, monkeypatch):

@@ -456,10 +456,17 @@ def test_quality_rows_for_every_method_and_built_sample(run):
     assert scores.score.notna().all(), scores[scores.score.isna()][["method", "task", "error"]]
     assert (scores.new_tokens <= 4).all() and (scores.max_gen_cap == 4).all()
     fidelity = read(workdir, "results/quality/smol/fidelity.parquet")
-    assert set(fidelity.method) == set(methods) - {"full"} and (fidelity.kl_mean >= 0).all()
-    assert fidelity.top1_agreement.between(0, 1).all()
+    assert set(fidelity.method) == set(methods) - {"full"} and fidelity.fidelity_note.isna().all()
+    # position 0 follows the uncompressed prefill: full's distribution, kept out of kl_mean
+    assert (fidelity.kl_first < 1e-4).all(), fidelity[fidelity.kl_first >= 1e-4][["method", "kl_first"]]
+    assert ((fidelity.fidelity_positions == 0) == fidelity.kl_mean.isna()).all()
     summary = read(workdir, "results/quality/smol/summary.parquet")
     assert {"all"} < set(summary.category) and (summary[summary.method == "full"].score_delta == 0).all()
+    overall = summary[summary.category == "all"].set_index("method")
+    by_category = summary[summary.category != "all"].groupby("method")
+    assert (overall.samples == by_category.samples.sum()).all()
+    assert (overall.identical_outputs == by_category.identical_outputs.sum()).all()
+    assert (overall.fidelity_positions == by_category.fidelity_positions.sum()).all()
     jobs = read(workdir, "results/quality/smol/jobs.parquet")
     assert set(jobs.method) == set(methods) and jobs.outside_forward_share.between(0, 1).all()
     for figure in ("scores", "fidelity", "score_vs_ratio"):

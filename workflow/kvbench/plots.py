@@ -151,7 +151,7 @@ def quality_ratio_figure(summary: pd.DataFrame, reference: str, path: str | os.P
     """Mean score over categories and mean KL vs the measured compression ratio, one point per method."""
     overall = summary[summary.category == "all"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, column, label in ((axes[0], "score_mean", "mean task score over categories"),
+    for ax, column, label in ((axes[0], "score_mean", "mean task score over all samples"),
                               (axes[1], "kl_mean", "mean KL(full || method), nats")):
         sel = overall[overall[column].notna() & (overall[column] > 0 if column == "kl_mean" else True)]
         ax.scatter(sel.ratio_end_mean, sel[column], color="#1f3b73")

@@ -68,21 +68,51 @@ def section_messages(plan: DocPlan, section: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
-# A chat model wraps prose in "Sure, here is the section:" and "I hope this helps!": not document text.
-CHAT_OPENER = re.compile(
-    r"^(?:(?:sure|certainly|of course|absolutely|okay|ok)\b[^\n]*|(?:here(?:'s| is| are)|below (?:is|are))\b[^\n]*:\**)"
-    r"[ \t]*(?:\n|$)", re.IGNORECASE)
-CHAT_CLOSER = re.compile(r"(?:^|\n)[ \t]*(?:i hope|let me know|please let me know|feel free|if you (?:need|have|would))\b[^\n]*$",
-                         re.IGNORECASE)
+# A chat model wraps prose in "Sure, here is the section:" and "I hope this helps!": not document
+# text. Only short lines of that shape go (at most OPENER_WORDS words): a paragraph that happens to
+# start with "Certainly, the defendant breached..." or discharge advice "If you have chest pain,
+# return..." is document text.
+OPENER_WORDS = 15
+_OPENER = r"(?:sure|certainly|of course|absolutely|okay|ok|here(?:'s| is| are)|below (?:is|are))\b"
+# "Sure!" / "Certainly." alone, or with the chat model's pleasantry after it
+OPENER_EXCLAIM = re.compile(r"^(?:sure|certainly|of course|absolutely|okay|ok)[!.,]\s*", re.IGNORECASE)
+PLEASANTRY = re.compile(r"^(?:i'?d be (?:happy|glad)|i would be (?:happy|glad)|(?:happy|glad) to help)\b[^\n]*?[!.:]\**[ \t]*",
+                        re.IGNORECASE)
+# "Sure, here is the Plan section:" (the rest of the line, if any, is the text): up to the colon
+OPENER_TO_COLON = re.compile(rf"^\**{_OPENER}[^\n:]*?\b(?:section|summary|note|text|document|draft|paragraphs?|"
+                             rf"content|version|report|following|requested|rewrite|continuation)\b[^\n:]*:\**[ \t]*",
+                             re.IGNORECASE)
+CHAT_CLOSER = re.compile(r"^(?:i hope (?:this|that|it|these)\b|(?:please )?let me know\b|feel free to (?:ask|reach|let)\b|"
+                         r"is there anything else\b)", re.IGNORECASE)
+
+
+def _short(text: str) -> bool:
+    return len(text.split()) < OPENER_WORDS
+
+
+def _strip_opener(body: str) -> str | None:
+    """`body` without one leading chat opener, or None if it does not start with one."""
+    line = body.split("\n", 1)[0]
+    if (match := OPENER_TO_COLON.match(body)) and _short(match.group(0)):
+        return body[match.end():]
+    if (match := OPENER_EXCLAIM.match(body)) and _short(line):
+        return body[match.end():]
+    if (match := PLEASANTRY.match(body)) and _short(match.group(0)):
+        return body[match.end():]
+    return None
 
 
 def strip_chat_wrapping(body: str) -> str:
-    """A section reply without the model's chat openers (first lines) and sign-offs (last lines)."""
+    """A section reply without the model's chat openers (short first lines, or a short lead-in up to
+    its colon) and sign-offs (short last lines: "I hope this helps", "Let me know ...")."""
     body = body.strip()
-    while match := CHAT_OPENER.match(body):
-        body = body[match.end():].lstrip()
-    while match := CHAT_CLOSER.search(body):
-        body = body[:match.start()].rstrip()
+    while (rest := _strip_opener(body)) is not None and rest.strip() != body:
+        body = rest.strip()
+    while body:
+        head, _, last = body.rpartition("\n")
+        if not (CHAT_CLOSER.match(last.strip()) and _short(last)):
+            break
+        body = head.rstrip()
     return body
 
 
@@ -160,23 +190,37 @@ between against v vs
 """.split())
 
 
-def _mentions(text: str, value: str, label: str, unit: str | None) -> list[int]:
-    """Starts of the places where `value` stands for itself: whole words (age "70" is not in
-    "1970"), not a piece of a longer number ("$12,500" is not in "$12,500,000"), and for a bare
-    number with a `unit`, only where the unit follows ("24-year-old") or its label precedes
-    ("Age: 24") — "24 hours" or a header date's "24" are other numbers."""
+def mention_spans(text: str, value: str, label: str, unit: str | None) -> list[tuple[int, int, int]]:
+    """The places where `value` stands for itself, as (value start, evidence start, evidence end):
+    whole words (age "70" is not in "1970"), not a piece of a longer number ("$12,500" is not in
+    "$12,500,000"), and for a bare number with a `unit`, only where the unit follows
+    ("24-year-old") or its label precedes ("Age: 24") — "24 hours" or a header date's "24" are
+    other numbers. The evidence is the value with that unit or label: what a reader needs to see
+    (and a truncation must keep) for the value to answer the question."""
     pattern = re.compile(rf"(?<!\w){re.escape(value)}(?!\w)", re.IGNORECASE)
     unit_after = re.compile(rf"\)?[- ]{re.escape(unit)}s?\b", re.IGNORECASE) if unit else None
     label_before = re.compile(rf"{re.escape(label)}:\s*$", re.IGNORECASE)
-    starts = []
+    spans = []
     for match in pattern.finditer(text):
         before, after = text[max(0, match.start() - 80):match.start()], text[match.end():match.end() + 40]
         if (value[-1].isdigit() and re.match(r"[.,]\d", after)) or (value[0].isdigit() and re.search(r"\d[.,]$", before)):
             continue
-        if unit_after and not (unit_after.match(after) or label_before.search(before)):
-            continue
-        starts.append(match.start())
-    return starts
+        start, end = match.start(), match.end()
+        if unit_after:
+            unit, labelled = unit_after.match(after), label_before.search(before)
+            if not (unit or labelled):
+                continue
+            if unit:
+                end += unit.end()
+            else:
+                start -= len(before) - labelled.start()
+        spans.append((match.start(), start, end))
+    return spans
+
+
+def _mentions(text: str, value: str, label: str, unit: str | None) -> list[int]:
+    """Starts of the places where `value` stands for itself (see `mention_spans`)."""
+    return [at for at, _, _ in mention_spans(text, value, label, unit)]
 
 
 def _longer_name(text: str, start: int, end: int) -> str | None:

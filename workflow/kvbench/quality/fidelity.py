@@ -39,8 +39,15 @@ def reference_from_logits(tokens: list[int], logits: torch.Tensor, ids: list[int
     return Reference(tokens, top.values, prompt_hash(ids), top.indices)
 
 
-def compare(reference: Reference, logits: torch.Tensor) -> dict[str, float | int]:
-    """Mean and max KL(full || method) per position, and top-1 agreement, over the reference's tokens."""
+def compare(reference: Reference, logits: torch.Tensor) -> dict[str, float | int | None]:
+    """KL(full || method) per position and top-1 agreement over the reference's decode positions.
+
+    Position 0 (the distribution after the prefill) is left out of `kl_mean`, `kl_max` and
+    `top1_agreement`: every method prefills uncompressed, so it equals the full cache's by
+    construction and would only dilute the comparison. It is reported alone as `kl_first` (a
+    check: non-zero means a method changed its prefill). With a one-token reference there is no
+    decode position: the pooled values are None and `fidelity_positions` is 0.
+    """
     method = torch.log_softmax(logits.float(), dim=-1)
     full = reference.logprobs.float()
     if reference.indices is not None:  # the reference's top k, and the rest as one outcome
@@ -50,8 +57,11 @@ def compare(reference: Reference, logits: torch.Tensor) -> dict[str, float | int
         method = torch.cat([method, method_rest], dim=-1)
     kl = (full.exp() * (full - method)).sum(dim=-1).clamp_min(0.0)  # rounding can dip below 0 by ~1e-7
     top1 = (logits.argmax(dim=-1) == torch.tensor(reference.tokens)).float()
-    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1_agreement": float(top1.mean()),
-            "fidelity_positions": len(reference.tokens)}
+    decode_kl, decode_top1 = kl[1:], top1[1:]
+    n = len(decode_kl)
+    return {"kl_first": float(kl[0]), "kl_mean": float(decode_kl.mean()) if n else None,
+            "kl_max": float(decode_kl.max()) if n else None,
+            "top1_agreement": float(decode_top1.mean()) if n else None, "fidelity_positions": n}
 
 
 def save_references(references: dict[str, Reference], path: str | Path) -> None:

@@ -1,5 +1,10 @@
 """The quality stage's tables from the per-method ones: scores, fidelity, a summary by method x
-category (with an `all` row: the mean over categories), and each job's time outside forward passes."""
+category (with an `all` row computed from the same rows, pooled over categories), and each job's
+time outside forward passes.
+
+Scores are compared with the reference on paired samples only (those both scored): a method that
+fails on its hardest samples is not averaged over its easy ones against the reference's mean over
+all of them. `score_mean_failures_zero` counts a failure as a score of 0."""
 
 from __future__ import annotations
 
@@ -8,26 +13,37 @@ import sys
 import numpy as np
 import pandas as pd
 
-FIDELITY_COLUMNS = ("kl_mean", "kl_max", "top1_agreement", "first_divergence", "fidelity_positions")
+FIDELITY_COLUMNS = ("kl_first", "kl_mean", "kl_max", "top1_agreement", "first_divergence", "fidelity_positions",
+                    "fidelity_note")
 JOB_COLUMNS = ("job_wall_s", "job_forward_s", "job_cpu_s")
+SAMPLE = ["task", "sample_id"]
 
 
 def _weighted(values: pd.Series, weights: pd.Series) -> float:
     ok = values.notna() & weights.notna() & (weights > 0)
-    return float(np.average(values[ok], weights=weights[ok])) if ok.any() else float("nan")
+    return float(np.average(values[ok].astype(float), weights=weights[ok].astype(float))) if ok.any() else float("nan")
 
 
-def _by_category(rows: pd.DataFrame) -> dict[str, object]:
+def _summarize(rows: pd.DataFrame) -> dict[str, object]:
+    """One summary row over `rows` (one method's samples; `reference_score` is the reference's
+    score of the same sample, NaN where it has none)."""
     failed = rows["score"].isna()  # an exception: no prediction to score
     ok = rows[~failed]
-    compared = ok["kl_mean"].notna()
+    paired = ok[ok["reference_score"].notna()]
+    compared = ok["fidelity_positions"].notna()  # a reference to compare with (possibly 0 decode positions)
     diverged = ok.loc[compared, "first_divergence"].dropna()
+    reference_mean = paired["reference_score"].mean()
     return {
+        "categories": rows["category"].nunique(),
         "samples": len(rows), "errors": int(failed.sum()), "empty_outputs": int((rows["error"] == "empty output").sum()),
-        "score_mean": ok["score"].mean(),
-        # KL and agreement pooled over every teacher-forced position, not averaged per sample
+        "score_mean": ok["score"].mean(), "score_mean_failures_zero": rows["score"].fillna(0.0).mean(),
+        "paired_samples": len(paired), "paired_score_mean": paired["score"].mean(),
+        "reference_score_mean": reference_mean, "score_delta": paired["score"].mean() - reference_mean,
+        "score_relative": paired["score"].mean() / reference_mean if reference_mean > 0 else float("nan"),
+        # KL and agreement pooled over every teacher-forced decode position, not averaged per sample
         "kl_mean": _weighted(ok["kl_mean"], ok["fidelity_positions"]),
         "top1_agreement": _weighted(ok["top1_agreement"], ok["fidelity_positions"]),
+        "fidelity_positions": int(ok["fidelity_positions"].fillna(0).sum()),
         "identical_outputs": int((compared & ok["first_divergence"].isna()).sum()),
         "first_divergence_median": float(diverged.median()) if len(diverged) else float("nan"),
         "ratio_end_mean": ok["ratio_end"].mean(), "kv_bytes_end_mean": ok["kv_bytes_end"].mean(),
@@ -42,19 +58,14 @@ def summarize(table: pd.DataFrame, reference: str) -> dict[str, pd.DataFrame]:
     fidelity = table.loc[table.method != reference, [
         "method", "kind", "task", "category", "sample_id", "bucket", "context_tokens", "new_tokens", *FIDELITY_COLUMNS,
         "ratio_end", "error"]].reset_index(drop=True)
+    ref_scores = table.loc[table.method == reference].set_index(SAMPLE)["score"]
+    paired = table.join(ref_scores.rename("reference_score"), on=SAMPLE)
     rows = []
-    for (method, kind, category), group in table.groupby(["method", "kind", "category"], sort=False):
-        rows.append({"method": method, "kind": kind, "category": category, **_by_category(group)})
+    for (method, kind), mine in paired.groupby(["method", "kind"], sort=False):
+        for category, group in mine.groupby("category", sort=False):
+            rows.append({"method": method, "kind": kind, "category": category, **_summarize(group)})
+        rows.append({"method": method, "kind": kind, "category": "all", **_summarize(mine)})
     summary = pd.DataFrame(rows)
-    overall = summary.groupby(["method", "kind"], sort=False).mean(numeric_only=True).reset_index()
-    overall["category"] = "all"
-    for column in ("samples", "errors", "empty_outputs"):
-        overall[column] = summary.groupby(["method", "kind"], sort=False)[column].sum().to_numpy()
-    summary = pd.concat([summary, overall], ignore_index=True)
-    ref = summary[summary.method == reference].set_index("category")["score_mean"]
-    summary["reference_score_mean"] = summary["category"].map(ref)
-    summary["score_delta"] = summary["score_mean"] - summary["reference_score_mean"]
-    summary["score_relative"] = summary["score_mean"] / summary["reference_score_mean"].where(summary["reference_score_mean"] > 0)
     jobs = (table.groupby("method", sort=False)
             .agg(rows=("task", "size"), errors=("score", lambda s: int(s.isna().sum())),
                  **{c: (c, "first") for c in job_columns}).reset_index())

@@ -15,9 +15,12 @@ from typing import Any, Callable
 
 import pandas as pd
 
+from kvbench.corpus.factsheets import vocabulary
+from kvbench.corpus.realistic import mention_spans
 from kvbench.prompts import middle_truncate
 from kvbench.quality.kinds import TASK_SETTINGS
 
+SURROUNDING_CHARS = 12  # about two words either side of an answer that a truncation must keep
 CATEGORIES = ("single_doc_qa", "multi_doc_qa", "few_shot", "summarization", "retrieval", "code")
 
 
@@ -62,8 +65,40 @@ class Sources:
 
     def trim(self, text: str, tokens: int) -> str:
         """`text` cut in the middle to at most `tokens` tokens, as LongBench truncates prompts."""
-        ids = self.ids(text)
-        return text if len(ids) <= tokens else self.decode(middle_truncate(ids, max(tokens, 0)))
+        return self.trim_kept(text, tokens)[0]
+
+    def trim_kept(self, text: str, tokens: int) -> tuple[str, list[tuple[int, int]]]:
+        """`trim`, and the character ranges of `text` that the cut keeps (a token's characters are
+        kept only if the token is)."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        ids, offsets = list(encoding.ids), list(encoding.offsets)
+        if len(ids) <= tokens:
+            return text, [(0, len(text))]
+        kept = middle_truncate(ids, max(tokens, 0))
+        head = max(tokens, 0) // 2
+        tail = len(kept) - head
+        ranges = [(0, offsets[head - 1][1])] if head else []
+        if tail:
+            ranges.append((offsets[len(ids) - tail][0], len(text)))
+        return self.decode(kept), ranges
+
+    def evidence(self, doc: Any, fact: Any) -> list[tuple[int, int]]:
+        """Where in `doc.text` the located fact stands for itself, with its unit or label
+        (kvbench.corpus.realistic.mention_spans): the spans a truncation must keep."""
+        info = vocabulary(doc.domain)["facts"][fact.fact]
+        return [(start, end) for _, start, end in mention_spans(doc.text, fact.value, str(info["label"]), info.get("unit"))]
+
+    def survives(self, doc: Any, fact: Any, kept: list[tuple[int, int]]) -> bool:
+        """The presence check after a cut: one of the fact's located spans, with SURROUNDING_CHARS on
+        each side (so the cut splices no other sentence onto it: "Case number| was March 30"), lies
+        wholly in a kept range. A whole-word match elsewhere ("24 hours" for an age of 24) does not count."""
+        size = len(doc.text)
+        return any(a <= max(0, start - SURROUNDING_CHARS) and min(size, end + SURROUNDING_CHARS) <= b
+                   for start, end in self.evidence(doc, fact) for a, b in kept)
+
+    def doc_facts(self, doc_id: str) -> list[Any]:
+        """A document's located, unambiguous facts, in the facts table's order."""
+        return [f for f in self.facts.itertuples(index=False) if f.doc_id == doc_id]
 
 
 Builder = Callable[[Sources, dict[str, Any], int], list[TaskFile]]
@@ -103,7 +138,8 @@ def simple_task(name: str, spec: TaskSpec, make: SampleMaker) -> Builder:
 
 
 def contains(text: str, answer: str) -> bool:
-    """Whole-word, case-insensitive: the presence check every extractive answer passes."""
+    """Whole-word, case-insensitive: an absence check (no distractor mentions the answer), and the
+    presence check of imported answers, which have no located span."""
     return re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", text, re.IGNORECASE) is not None
 
 

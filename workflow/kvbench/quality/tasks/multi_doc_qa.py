@@ -30,7 +30,7 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
     rng.shuffle(docs)
     samples = []
     for doc in docs:
-        facts = [f for f in sources.facts.itertuples(index=False) if f.doc_id == doc.doc_id]
+        facts = sources.doc_facts(doc.doc_id)
         anchors = [f for f in facts if f.fact in ANCHORS]
         answers = [f for f in facts if f.fact not in ANCHORS]
         others = [d for d in docs if d.domain == doc.domain and d.doc_id != doc.doc_id]
@@ -44,10 +44,12 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
         for fact in answers:
             question = question_about(anchor.value, fact.question)
             share = (target - prompt_overhead(sources, SPEC, question=question)) // k - 4  # "Passage i:\n"
-            passages = [sources.trim(d.text, share) for d in order]
-            mine, rest = passages[slot], passages[:slot] + passages[slot + 1:]
-            if (contains(mine, fact.value) and contains(mine, anchor.value)
-                    and not any(contains(p, v) for p in rest for v in (fact.value, anchor.value))):
+            passages = [sources.trim(d.text, share) for d in distractors]
+            mine, kept = sources.trim_kept(doc.text, share)
+            passages.insert(slot, mine)
+            # the located answer and anchor survive the cut of their passage; no distractor names either
+            if (sources.survives(doc, fact, kept) and sources.survives(doc, anchor, kept)
+                    and not any(contains(p, v) for j, p in enumerate(passages) if j != slot for v in (fact.value, anchor.value))):
                 context = "\n".join(f"Passage {i}:\n{p}" for i, p in enumerate(passages, start=1))
                 samples.append({"context": context, "question": question, "answers": [fact.value],
                                 "doc_ids": [d.doc_id for d in order], "fact": fact.fact})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvbench.quality.tasks.base import Sources, TaskSpec, contains, prompt_overhead, simple_task
+from kvbench.quality.tasks.base import Sources, TaskSpec, prompt_overhead, simple_task
 
 SPEC = TaskSpec(
     category="single_doc_qa", metric="qa_f1", max_gen_tokens=64, chat=True, longbench="multifieldqa_en",
@@ -18,7 +18,7 @@ SPEC = TaskSpec(
 
 def facts_in_order(sources: Sources, doc_id: str, rng: random.Random) -> list[Any]:
     """A document's facts in a seeded order: header facts and facts written in the prose alike."""
-    mine = [f for f in sources.facts.itertuples(index=False) if f.doc_id == doc_id]
+    mine = sources.doc_facts(doc_id)
     rng.shuffle(mine)
     return mine
 
@@ -30,8 +30,8 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
     for doc in docs:
         for fact in facts_in_order(sources, doc.doc_id, rng):
             budget = target - prompt_overhead(sources, SPEC, question=fact.question)
-            context = sources.trim(doc.text, budget)
-            if contains(context, fact.value):  # the presence check: no sample whose answer is cut
+            context, kept = sources.trim_kept(doc.text, budget)
+            if sources.survives(doc, fact, kept):  # the presence check: no sample whose located answer is cut
                 samples.append({"context": context, "question": fact.question, "answers": [fact.value],
                                 "doc_ids": [doc.doc_id], "fact": fact.fact})
                 break
