@@ -79,8 +79,8 @@ def head_probs(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     w, t, d = queries.shape[-2], keys.shape[-2], queries.shape[-1]
     k = keys.float().repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
     logits = queries.float() @ k.transpose(-1, -2) / math.sqrt(d)  # [1, Hq, W, T]
-    q_pos = torch.arange(t - w, t)[:, None]
-    logits = logits.masked_fill(torch.arange(t)[None, :] > q_pos, float("-inf"))
+    q_pos = torch.arange(t - w, t, device=keys.device)[:, None]
+    logits = logits.masked_fill(torch.arange(t, device=keys.device)[None, :] > q_pos, float("-inf"))
     return logits.softmax(dim=-1)[0]
 
 
