@@ -46,6 +46,9 @@ class EvictionCache(MethodCache):
     def attach(self, model: torch.nn.Module) -> list[Any]:
         handles = []
         for index, block in enumerate(model.model.layers):
+            if getattr(block.self_attn, "q_norm", None) is not None:  # Qwen3-style: normed before RoPE
+                raise NotImplementedError(f"{type(block.self_attn).__name__} normalizes its queries (q_norm), "
+                                          "which the query hook does not reproduce: eviction methods need q_proj + RoPE only")
             handles.append(block.self_attn.register_forward_pre_hook(self.query_hook(index), with_kwargs=True))
         return handles
 
