@@ -1,5 +1,8 @@
 """The harness on the real model: `full` reproduces `generate`, metrics and bytes are consistent."""
 
+import copy
+import time
+
 import pytest
 import torch
 
@@ -28,11 +31,60 @@ def test_full_reproduces_transformers_generate_exactly(model, ids):
     assert ours == ref
 
 
-def test_eviction_keeping_everything_matches_full(model, ids):
-    full = generate(model, {"kind": "full"}, ids, 12)["tokens"]
-    for spec in ({"kind": "snapkv", "keep_ratio": 1.0, "storage": "fp32"},
-                 {"kind": "streamingllm", "sinks": 4, "window": 4096, "storage": "fp32"}):
-        assert generate(model, spec, ids, 12)["tokens"] == full
+def kept_positions(full_keys: torch.Tensor, kept_keys: torch.Tensor) -> torch.Tensor:
+    """Per KV head, the prompt position of each kept key, found by matching it to the full cache's
+    keys (post-RoPE, so every position's key is distinct): [Hkv, K]. Independent of the method."""
+    match = (kept_keys[0][:, :, None, :] == full_keys[0][:, None, :, :]).all(dim=-1)  # [Hkv, K, T]
+    assert (match.sum(dim=-1) == 1).all(), "every kept key is exactly one prompt position's key"
+    return match.int().argmax(dim=-1)
+
+
+@pytest.mark.parametrize("spec", [
+    {"kind": "snapkv", "keep_ratio": 0.25, "window": 32, "kernel": 7, "storage": "fp32"},
+    {"kind": "h2o", "keep_ratio": 0.25, "storage": "fp32"},
+    {"kind": "streamingllm", "sinks": 4, "window": 32, "storage": "fp32"},
+], ids=lambda spec: spec["kind"])
+def test_decode_after_eviction_equals_full_attention_with_the_evicted_keys_masked(model, ids, spec):
+    # The first decode step through an evicting cache must be exactly full attention (over the
+    # full cache) with every evicted position hidden, per layer and per KV head: it catches wrong
+    # positions, wrong kept sets handed to attention, and GQA heads reading the wrong KV head.
+    from transformers import DynamicCache
+
+    from kvbench.harness import attached, decode_step
+    from kvbench.methods.attention import route_attention
+    from kvbench.methods.base import build_cache
+
+    shape = ModelShape.of(model.config)
+    tokens = len(ids)
+    with torch.inference_mode():
+        full = DynamicCache()
+        token = int(model(input_ids=torch.tensor([ids]), past_key_values=full, use_cache=True).logits[0, -1].argmax())
+        cache = build_cache(spec, shape)
+        with attached(cache, model):
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            masks = {}
+            for index, layer in enumerate(cache.layers):
+                kept = kept_positions(full.layers[index].keys, layer.keys)
+                assert kept.shape[-1] < tokens  # something was evicted
+                visible = torch.zeros(shape.kv_heads, tokens + 1, dtype=torch.bool)
+                visible.scatter_(1, kept, True)[:, tokens] = True  # the new token sees itself
+                hidden = ~visible.repeat_interleave(shape.q_heads // shape.kv_heads, dim=0)
+                masks[index] = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))[None, :, None, :]
+            ours = decode_step(model, cache, token, tokens)
+
+        def masked(index):
+            return lambda original, module, q, k, v, mask, *args, **kwargs: original(
+                module, q, k, v, masks[index], *args, **kwargs)
+
+        unmasked = decode_step(model, copy.deepcopy(full), token, tokens)
+        handles = route_attention(model, {i: masked(i) for i in masks})
+        try:
+            reference = decode_step(model, full, token, tokens)
+        finally:
+            for handle in handles:
+                handle.remove()
+    assert torch.allclose(ours, reference, atol=1e-4, rtol=0), (ours - reference).abs().max()
+    assert (ours - unmasked).abs().max() > 1e-2  # the eviction matters to this step
 
 
 def test_decode_after_eviction_sees_every_kept_token(model, ids):
@@ -60,16 +112,55 @@ def test_decode_after_eviction_sees_every_kept_token(model, ids):
     assert result["kv_bytes_end"] == 2 * ModelShape.of(model.config).layers * 3 * 64 * (4 + 32) * 2
 
 
-def test_run_row_takes_medians_over_the_same_runs(model, ids):
-    row = run_row(model, "kivi2", {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 32}, ids, 6, 3, 0, 8192)
-    assert row["error"] is None and row["repeats"] == 3 and 2 <= row["new_tokens"] <= 6
-    # Per run decode_tok_s = 1 / tpot; the median of an odd count is one of the runs, so the two
-    # medians are exact reciprocals (they were not when each median of two timings was taken apart).
-    assert row["decode_tok_s"] == pytest.approx(1 / row["tpot_s"], rel=1e-12)
-    assert row["prefill_tok_s"] == pytest.approx(len(ids) / row["ttft_s"], rel=1e-12)
-    assert row["full16_bytes_prefill"] == ModelShape.of(model.config).full_bytes(len(ids))
-    assert row["ratio_prefill"] == row["full16_bytes_prefill"] / row["kv_bytes_prefill"] and row["bucket"] == "0-4k"
-    assert row["memory_increase_mb"] is not None and row["memory_increase_mb"] >= 0
+def stamping(stamps: list[float]):
+    """A cache factory that records the time each forward pass reaches layer 0's cache update:
+    a timer independent of the harness's own."""
+    from kvbench.methods.base import build_cache
+
+    def make(spec, shape, seed):
+        cache = build_cache(spec, shape, seed)
+        layer = cache.layers[0]
+        update = layer.update
+
+        def stamped(*args, **kwargs):
+            stamps.append(time.perf_counter())
+            return update(*args, **kwargs)
+
+        layer.update = stamped
+        return cache
+
+    return make
+
+
+def test_timings_cover_what_they_name(model, ids):
+    stamps: list[float] = []
+    start = time.perf_counter()
+    run = generate(model, {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 32}, ids, 6,
+                   make_cache=stamping(stamps))
+    wall = time.perf_counter() - start
+    steps = run["new_tokens"] - 1
+    assert steps >= 2 and len(stamps) == 1 + steps  # one prefill, one forward per decode step
+    assert 0 < run["ttft_s"] < run["e2e_s"] <= wall
+    assert run["e2e_s"] >= stamps[-1] - stamps[0]  # the end-to-end time spans every forward pass
+    assert run["e2e_s"] - run["ttft_s"] >= stamps[-1] - stamps[1]  # the decode time spans every step
+    assert run["tpot_s"] * steps == pytest.approx(run["e2e_s"] - run["ttft_s"])
+
+
+def test_run_row_reports_the_measured_runs(model, ids):
+    spec = {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 32}
+    built: list[float] = []
+    start = time.perf_counter()
+    row = run_row(model, "kivi2", spec, ids, 6, 3, 0, 8192, make_cache=stamping(built))
+    wall = time.perf_counter() - start
+    single = generate(model, spec, ids, 6)
+    assert row["error"] is None and row["repeats"] == 3 and row["bucket"] == "0-4k"
+    # One warm-up on the first 256 tokens (2 new) and three measured runs, each a fresh cache.
+    assert len(built) == 2 + 3 * single["new_tokens"]
+    assert row["output_ids"] == single["tokens"] and row["new_tokens"] == single["new_tokens"]
+    assert (row["kv_bytes_prefill"], row["kv_bytes_end"]) == (single["kv_bytes_prefill"], single["kv_bytes_end"])
+    # Three runs fit in the call: the median is at most the larger half, so 2 x median <= their sum.
+    assert 2 * row["e2e_s"] <= wall and row["ttft_s"] < row["e2e_s"]
+    assert all(row[f"{key}_std"] >= 0 for key in ("ttft_s", "tpot_s", "e2e_s"))
 
 
 def test_median_is_the_true_median_and_spread_the_sample_std():

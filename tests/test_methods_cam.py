@@ -125,3 +125,47 @@ def test_cam_decode_schedule_compresses_every_interval_once_over_target():
 def test_cam_needs_a_schedule():
     with pytest.raises(ValueError, match="cam needs keep_ratio or capacity"):
         build_cache({"kind": "cam", "window": 16}, SHAPE)
+
+
+def brute_attention(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Each KV head's attention [H, T] summed over the queries [1, Hq, n, d] (each sees every key),
+    averaged over its GQA group's query heads, by explicit loops."""
+    hq, hkv, d = queries.shape[1], keys.shape[1], keys.shape[-1]
+    out = torch.zeros(hkv, keys.shape[-2])
+    for h in range(hq):
+        for q in queries[0, h]:
+            out[h // (hq // hkv)] += torch.softmax(keys[0, h // (hq // hkv)] @ q / math.sqrt(d), dim=-1) / (hq // hkv)
+    return out
+
+
+def test_cam_decode_schedule_equals_the_straightforward_reference_step_by_step():
+    # A accumulated since the last compression, n = steps since then, the scorer's buffered queries,
+    # the seeded draws and the merged values: all against a straightforward replay of the schedule.
+    spec = {"kind": "cam", "window": 4, "kernel": 3, "interval": 5, "target": 50, "buffer": 16, "merge_budget": 8,
+            "storage": "fp32"}
+    seed, gen = 3, torch.Generator().manual_seed(2)
+    layer = build_cache(spec, SHAPE, seed=seed).layers[0]
+    keys, values = torch.randn(1, 3, 48, 16, generator=gen), torch.randn(1, 3, 48, 16, generator=gen)
+    layer.update(keys, values)
+    attn, steps, recent, compressions = None, 0, [], 0
+    for _ in range(17):  # three compressions
+        q = torch.randn(1, 9, 1, 16, generator=gen)
+        k, v = torch.randn(1, 3, 1, 16, generator=gen), torch.randn(1, 3, 1, 16, generator=gen)
+        layer.queries = q
+        layer.update(k, v)
+        keys, values = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+        step = brute_attention(q, keys)
+        attn = step if attn is None else torch.cat([attn, torch.zeros(3, 1)], dim=-1) + step
+        recent, steps = (recent + [q])[-4:], steps + 1
+        if steps >= 5 and keys.shape[-2] > 50:
+            scores = snapkv_scores(torch.cat(recent, dim=-2), keys, 4, 3, "avg").mean(0, keepdim=True).expand(3, -1)
+            n = min(steps, keys.shape[-2] - 50)
+            draws = torch.rand(3, n, generator=torch.Generator().manual_seed(layer_seed(seed, 0, compressions)))
+            kept, merged = straightforward_cam(values[0], scores, attn, 50, steps, 8, draws)
+            index = kept[..., None].expand(-1, -1, 16)
+            keys, values = keys[0].gather(1, index)[None], merged.gather(1, index)[None]
+            attn, steps, recent, compressions = attn.gather(1, kept), 0, [], compressions + 1
+        assert torch.equal(layer.keys, keys)
+        assert torch.allclose(layer.values, values, atol=1e-5)
+        assert torch.allclose(layer.attn, attn, atol=1e-5)
+    assert layer.compressions == compressions == 3

@@ -183,3 +183,16 @@ def test_hook_queries_are_the_queries_eager_attention_used(model_dir):
 def test_scoring_settings_that_would_fail_mid_run_are_refused(spec, message):
     with pytest.raises(ValueError, match=message):
         build_cache(spec, SHAPE)
+
+
+def test_query_hook_refuses_models_that_norm_their_queries():
+    # Qwen3 applies q_norm before RoPE; the hook recomputes q_proj + RoPE only, so it would hand the
+    # scorer other queries than the model's: refused at attach time (the harness records an error row).
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=32, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    model = Qwen3ForCausalLM(config)
+    cache = build_cache({"kind": "snapkv", "keep_ratio": 0.5}, ModelShape.of(config))
+    with pytest.raises(NotImplementedError, match="q_norm"):
+        cache.attach(model)

@@ -115,7 +115,8 @@ class RoutedLayer:
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         elif n > 1:  # several new tokens: each sees the cache up to itself
             t = scores.shape[-1]
-            scores = scores.masked_fill(torch.arange(t) > torch.arange(t - n, t)[:, None], float("-inf"))
+            later = torch.arange(t, device=scores.device) > torch.arange(t - n, t, device=scores.device)[:, None]
+            scores = scores.masked_fill(later, float("-inf"))
         out = self.weighted_values(scores.softmax(dim=-1)).to(query.dtype)
         self.after_attention()
         return out, None

@@ -61,14 +61,13 @@ class MethodLayer(DynamicLayer):
 
 
 class MethodCache(Cache):
-    """A Cache of MethodLayers; `shared` holds per-layer constants (e.g. rotations), counted once."""
+    """A Cache of MethodLayers."""
 
-    def __init__(self, layers: list[MethodLayer], shared: list[torch.Tensor] | None = None) -> None:
+    def __init__(self, layers: list[MethodLayer]) -> None:
         super().__init__(layers=layers)
-        self.shared = shared or []
 
     def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers) + tensor_bytes(*self.shared)
+        return sum(layer.nbytes() for layer in self.layers)
 
     def attach(self, model: torch.nn.Module) -> list[Any]:
         """Install what the method needs on `model` (query capture, its own attention); returns

@@ -42,13 +42,14 @@ def cam_compress(values: torch.Tensor, scores: torch.Tensor, attn: torch.Tensor,
     and the values [H, T, d] with the merges added (the caller gathers the kept ones)."""
     heads, tokens = scores.shape
     kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values
-    evicted_mask = torch.ones(heads, tokens, dtype=torch.bool).scatter_(1, kept, False)
-    evicted = evicted_mask.nonzero()[:, 1].view(heads, tokens - keep)  # ascending per head
+    evicted_mask = torch.ones(heads, tokens, dtype=torch.int8, device=scores.device).scatter_(1, kept, 0)
+    # Evicted positions first, in position order (a stable sort): ascending per head, [H, T - keep].
+    evicted = evicted_mask.argsort(dim=-1, descending=True, stable=True)[:, : tokens - keep]
     n = min(new, tokens - keep)
     # The n best-scoring evicted tokens; flipping first makes the stable sort prefer later positions.
     order = scores.gather(1, evicted).flip(-1).argsort(dim=-1, descending=True, stable=True)[:, :n]
     merge = evicted.gather(1, tokens - keep - 1 - order).sort(dim=-1).values  # [H, n]
-    window = torch.searchsorted(kept, merge, right=True)[..., None] + torch.arange(merge_budget)  # [H, n, B]
+    window = torch.searchsorted(kept, merge, right=True)[..., None] + torch.arange(merge_budget, device=scores.device)  # [H, n, B]
     valid = window < keep
     targets = kept.gather(1, window.clamp(max=keep - 1).view(heads, -1)).view(heads, n, merge_budget)
     size = valid.sum(dim=-1)  # [H, n]
@@ -128,10 +129,11 @@ class CaMLayer(ScoredLayer):
                   keep: int, new: int) -> torch.Tensor:
         if self.shared:
             scores = scores.mean(dim=0, keepdim=True).expand_as(scores)
+        # Drawn on the CPU and moved to the cache's device: the same draws on every device.
         generator = torch.Generator().manual_seed(layer_seed(self.seed, self.index, self.compressions))
         self.compressions += 1
         kept, merged = cam_compress(values[0].float(), scores, attn, keep, new, self.merge_budget,
-                                    lambda shape: torch.rand(shape, generator=generator))
+                                    lambda shape: torch.rand(shape, generator=generator).to(values.device))
         self.store(gather(keys, kept), gather(merged[None], kept))
         return kept
 

@@ -46,6 +46,9 @@ class EvictionCache(MethodCache):
     def attach(self, model: torch.nn.Module) -> list[Any]:
         handles = []
         for index, block in enumerate(model.model.layers):
+            if getattr(block.self_attn, "q_norm", None) is not None:  # Qwen3-style: normed before RoPE
+                raise NotImplementedError(f"{type(block.self_attn).__name__} normalizes its queries (q_norm), "
+                                          "which the query hook does not reproduce: eviction methods need q_proj + RoPE only")
             handles.append(block.self_attn.register_forward_pre_hook(self.query_hook(index), with_kwargs=True))
         return handles
 
@@ -79,8 +82,8 @@ def head_probs(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     w, t, d = queries.shape[-2], keys.shape[-2], queries.shape[-1]
     k = keys.float().repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
     logits = queries.float() @ k.transpose(-1, -2) / math.sqrt(d)  # [1, Hq, W, T]
-    q_pos = torch.arange(t - w, t)[:, None]
-    logits = logits.masked_fill(torch.arange(t)[None, :] > q_pos, float("-inf"))
+    q_pos = torch.arange(t - w, t, device=keys.device)[:, None]
+    logits = logits.masked_fill(torch.arange(t, device=keys.device)[None, :] > q_pos, float("-inf"))
     return logits.softmax(dim=-1)[0]
 
 

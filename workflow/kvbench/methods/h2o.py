@@ -46,7 +46,7 @@ class H2OLayer(ScoredLayer):
         queries = self.take_queries()
         if queries is None:
             raise RuntimeError("h2o: no queries reached the layer; run the model with the cache attached")
-        new = torch.zeros(keys.shape[1], key_states.shape[-2])
+        new = torch.zeros(keys.shape[1], key_states.shape[-2], device=keys.device)  # fp32 scores
         scores = new if self.scores is None else torch.cat([self.scores, new], dim=-1)
         for start in range(0, queries.shape[-2], QUERY_CHUNK):  # each query's attention, causal
             chunk = queries[..., start:start + QUERY_CHUNK, :]

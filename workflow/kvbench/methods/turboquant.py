@@ -72,7 +72,11 @@ class MseQuantizer:
         centroids, _ = lloyd_max(bits)
         self.codebook = torch.tensor(centroids, dtype=torch.float32) / math.sqrt(d)
         self.edges = (self.codebook[1:] + self.codebook[:-1]) / 2
-        self.levels = tuple(self.codebook.tolist())
+        self.levels, self.edge_values = tuple(self.codebook.tolist()), tuple(self.edges.tolist())
+
+    def to(self, device: torch.device) -> None:
+        """Move the rotation, codebook and edges to `device` (that of the K/V it encodes)."""
+        self.rotation, self.codebook, self.edges = (t.to(device) for t in (self.rotation, self.codebook, self.edges))
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         norms = x.norm(dim=-1, keepdim=True)
@@ -84,7 +88,7 @@ class MseQuantizer:
         if rotated.numel() < 1 << 14:
             return torch.bucketize(rotated, self.edges).to(torch.uint8), norms.to(torch.float16)
         codes = torch.zeros(rotated.shape, dtype=torch.uint8, device=rotated.device)
-        for edge in self.edges.tolist():
+        for edge in self.edge_values:
             codes += rotated > edge
         return codes, norms.to(torch.float16)
 
@@ -178,7 +182,21 @@ class TurboLayer(RoutedLayer, MethodLayer):
         self.key_block: TurboBlock | None = None
         self.value_block: TurboBlock | None = None
 
+    def follow(self, device: torch.device) -> None:
+        """Keep the constants (built on the CPU from the seed, so every device draws the same ones)
+        on the device of the K/V this layer receives."""
+        if self.rotation.device != device:
+            self.rotation = self.rotation.to(device)
+            self.sketch = self.sketch.to(device) if self.sketch is not None else None
+            for mse in (self.key_mse, self.value_mse):
+                mse.to(device)
+                mse.rotation = self.rotation  # one copy per layer, as on the CPU
+
+    def constants(self) -> list[torch.Tensor]:
+        return [t for t in (self.rotation, self.sketch) if t is not None]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        self.follow(key_states.device)
         keys, values = TurboBlock(key_states, self.key_mse, self.sketch), TurboBlock(value_states, self.value_mse, None)
         if not self.is_initialized:  # the prompt attends in full precision; the cache holds the quantized form
             self.lazy_initialization(key_states, value_states)
@@ -234,6 +252,11 @@ class TurboLayer(RoutedLayer, MethodLayer):
 
 
 class TurboCache(MethodCache):
+    def nbytes(self) -> int:
+        """The layers' blocks and codebooks plus their rotations and sketches, each storage once."""
+        constants = {id(t): t for layer in self.layers for t in layer.constants()}
+        return sum(layer.nbytes() for layer in self.layers) + tensor_bytes(*constants.values())
+
     def attach(self, model: torch.nn.Module) -> list[Any]:
         return attach_routed(model, self.layers)
 
@@ -251,6 +274,5 @@ def turboquant(settings: dict[str, Any], shape: ModelShape, seed: int) -> Method
     sketches = [torch.randn(shape.head_dim, shape.head_dim, generator=gen) for _ in range(shape.layers)]
     if variant == "mse":  # drawn anyway: both variants of one seed share their rotations
         sketches = [None] * shape.layers
-    layers = [TurboLayer(r, s, bits) for r, s in zip(rotations, sketches)]
-    # Rotations and sketches are per-layer fp32 constants, held once.
-    return TurboCache(layers, shared=rotations + [s for s in sketches if s is not None])
+    # Rotations and sketches are per-layer fp32 constants, counted once each (see TurboCache.nbytes).
+    return TurboCache([TurboLayer(r, s, bits) for r, s in zip(rotations, sketches)])
