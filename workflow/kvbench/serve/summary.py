@@ -45,7 +45,7 @@ def join_transfers(requests: pd.DataFrame, transfers: pd.DataFrame) -> pd.DataFr
     out["load_failed"] = out.load_error.notna() | (out.failed_chunks.fillna(0) > 0)
     out["kv_failed"] = out.lookup_failed | out.load_failed
     # what vLLM counted as loaded is no evidence (it keeps cached_tokens after a failed load)
-    out["kv_loaded"] = (out.loaded_chunks.fillna(0) > 0) & ~out.kv_failed
+    out["kv_loaded"] = (pd.to_numeric(out.loaded_chunks).fillna(0) > 0) & ~out.kv_failed.astype(bool)
     return out
 
 
