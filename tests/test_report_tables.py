@@ -202,12 +202,14 @@ def test_readme_blocks_are_rewritten_from_the_tables_and_checked(tmp_path):
     built = report({"system": system({"full": {}, "cam": {}})},
                    scenarios={"s": {"limits": {"ttft_s": {"max": 2, "relative": True}}, "prefer": {"max": "ratio"}}})
     prov = {"config_hash": "feedbeef", "git_commit": "0123456789abcdef"}
-    built.claims.assign(**prov).to_parquet(tmp_path / "claims.parquet")
-    built.recommendations.assign(**prov).to_parquet(tmp_path / "recommendations.parquet")
+    (tmp_path / "report").mkdir()
+    built.claims.assign(**prov).to_parquet(tmp_path / "report/claims.parquet")
+    built.recommendations.assign(**prov).to_parquet(tmp_path / "report/recommendations.parquet")
     pipeline_cost(pd.DataFrame([{"stage": "kv", "rule": "r", "job": "j", "wall_s": 1.0, "max_rss_mb": 1.0,
                                  "cpu_s": 1.0, "mean_load": 1.0, "start": 0.0, "end": 1.0}])
-                  ).assign(**prov).to_parquet(tmp_path / "pipeline_cost.parquet")
-    text = "intro\n" + "".join(f"{readme.START.format(name=n)}\nold\n{readme.END.format(name=n)}\n" for n in readme.BLOCKS)
+                  ).assign(**prov).to_parquet(tmp_path / "report/pipeline_cost.parquet")
+    names = ["claims", "recommendations", "pipeline-cost"]  # the blocks of the report stage's tables
+    text = "intro\n" + "".join(f"{readme.START.format(name=n)}\nold\n{readme.END.format(name=n)}\n" for n in names)
     (tmp_path / "README.md").write_text(text)
     args = [str(tmp_path / "README.md"), "--results", str(tmp_path)]
     assert readme.main([*args, "--check"]) == 1
