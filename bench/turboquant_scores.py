@@ -20,8 +20,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvbench.harness import attached, generate
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.harness import attached, generate, teacher_forced
+from kvbench.methods.base import ModelShape
 from kvbench.methods.kivi import QuantizedBlock
 from kvbench.methods.turboquant import MseQuantizer, TurboBlock, random_rotation
 from kvbench.models import load_model, load_tokenizer
@@ -99,21 +99,6 @@ def score_errors(keys: list[torch.Tensor], queries: list[torch.Tensor]) -> pd.Da
         rows.append({"method": name, "score_bias": sum(bias) / len(bias), "score_error_std": sum(spread) / len(spread),
                      "attention_kl": sum(kl) / len(kl), "attention_top1": sum(top) / len(top)})
     return pd.DataFrame(rows)
-
-
-@torch.inference_mode()
-def teacher_forced(model, spec: dict, ids: list[int], answer: list[int], seed: int = 0) -> torch.Tensor:
-    """Log-probabilities [len(answer), V] of the next token at the prompt's end and after each answer token."""
-    cache = build_cache(spec, ModelShape.of(model.config), seed)
-    out = []
-    with attached(cache, model):
-        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        out.append(logits[0, -1].log_softmax(-1))
-        for i, token in enumerate(answer[:-1]):
-            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                           position_ids=torch.tensor([[len(ids) + i]])).logits
-            out.append(logits[0, -1].log_softmax(-1))
-    return torch.stack(out)
 
 
 def next_token_kl(model, ids: list[int], tokens: int) -> pd.DataFrame:

@@ -17,10 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from kvbench.harness import attached, generate
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.harness import generate, teacher_forced
 
 FIXTURE = Path(__file__).parent / "data" / "legal-contract-00.txt"
 TOKENS = 16
@@ -30,21 +28,6 @@ SPECS = {
     "turboquant4": {"kind": "turboquant", "bits": 4},
     "turboquant4-mse": {"kind": "turboquant", "bits": 4, "variant": "mse"},
 }
-
-
-@torch.inference_mode()
-def teacher_forced(model, spec, ids, answer, seed=0) -> torch.Tensor:
-    """Next-token log-probabilities [len(answer), V]: after the prompt, then after each answer token."""
-    cache = build_cache(spec, ModelShape.of(model.config), seed)
-    out = []
-    with attached(cache, model):
-        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        out.append(logits[0, -1].log_softmax(-1))
-        for i, token in enumerate(answer[:-1]):
-            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                           position_ids=torch.tensor([[len(ids) + i]])).logits
-            out.append(logits[0, -1].log_softmax(-1))
-    return torch.stack(out)
 
 
 @pytest.fixture(scope="module")

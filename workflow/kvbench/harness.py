@@ -89,6 +89,23 @@ def attached(cache: MethodCache, model: torch.nn.Module) -> Iterator[MethodCache
 
 
 @torch.inference_mode()
+def teacher_forced(model: torch.nn.Module, spec: dict[str, Any], ids: list[int], answer: list[int],
+                   seed: int = 0) -> torch.Tensor:
+    """Next-token log-probabilities [len(answer), V] through a fresh cache of `spec`: after the
+    prompt, then after each token of `answer` fed in turn (explicit positions, as `generate`)."""
+    cache = build_cache(spec, ModelShape.of(model.config), seed)
+    out = []
+    with attached(cache, model):
+        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        out.append(logits[0, -1].log_softmax(-1))
+        for i, token in enumerate(answer[:-1]):
+            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[len(ids) + i]])).logits
+            out.append(logits[0, -1].log_softmax(-1))
+    return torch.stack(out)
+
+
+@torch.inference_mode()
 def generate(
     model: torch.nn.Module, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int, seed: int = 0,
     make_cache: CacheFactory = build_cache,
