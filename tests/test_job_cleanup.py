@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.servers import free_port
+from test_servers import running
 
 pytestmark = pytest.mark.servers
 
@@ -60,15 +61,6 @@ with job_log(out / "job.log", {"hf_offline": True}):
             request.result()
         time.sleep(600)
 '''
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a container's PID 1 may never reap orphans)."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return not any(line.startswith("State:") and "Z" in line for line in status)
-    except FileNotFoundError:
-        return False
 
 
 def wait_until(check, timeout_s: float) -> bool:
