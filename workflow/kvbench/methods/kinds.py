@@ -66,6 +66,7 @@ class Kind:
 STORAGE = choice("fp16", "bf16", "fp32")  # the dtype the cache holds its kept values in
 # 1/2/4/8-bit codes pack in byte planes (kvbench.methods.packing.PLANE_BITS).
 KIVI_BITS = (1, 2, 4, 8)
+KIVI_GROUP_SIZE, KIVI_RESIDUAL = 32, 128  # the paper's defaults (kivi.py uses them too)
 # Variant prod: keys use b-1 Lloyd-Max bits + 1 QJL bit (so b >= 2), values b bits; variant mse: b
 # bits for both. The packer takes 1-4 bit codes.
 TURBOQUANT_BITS = (1, 2, 3, 4)
@@ -80,7 +81,7 @@ EVICTION = {
 
 
 def kivi_residual(spec: Mapping[str, Any]) -> list[str]:
-    group, residual = spec.get("group_size", 32), spec.get("residual", 128)
+    group, residual = spec.get("group_size", KIVI_GROUP_SIZE), spec.get("residual", KIVI_RESIDUAL)
     if isinstance(group, int) and isinstance(residual, int) and group > 0 < residual and (residual < group or residual % group):
         return [f"residual: {residual} must be a positive multiple of group_size {group} "
                 "(keys are quantized R at a time in per-channel groups of G tokens)"]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, owned, register, tensor_bytes
+from kvbench.methods.kinds import KIVI_GROUP_SIZE, KIVI_RESIDUAL
 from kvbench.methods.packing import pack_planes, unpack_planes_into
 
 
@@ -157,7 +158,7 @@ class KiviLayer(MethodLayer):
 
 @register("kivi")
 def kivi(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
-    bits, group, residual = int(settings["bits"]), int(settings.get("group_size", 32)), int(settings.get("residual", 128))
+    bits, group, residual = int(settings["bits"]), int(settings.get("group_size", KIVI_GROUP_SIZE)), int(settings.get("residual", KIVI_RESIDUAL))
     if shape.head_dim % group:
         raise ValueError(f"kivi: group_size {group} must divide head_dim {shape.head_dim}")
     storage = STORAGE[settings.get("storage", "fp16")]
