@@ -58,7 +58,7 @@ def gpu_plan(tmp_path_factory):
 def test_the_device_rules_are_the_ones_expected():
     # If a new stage loads a model or starts a server, it joins this set and the test below.
     assert device_rules() == {"corpus_realistic", "kv_capture", "kv_memory_probe", "system_method", "serve_server",
-                              "quality_reference", "quality_method"}
+                              "quality_reference", "quality_methods"}
 
 
 def test_every_gpu_bound_job_requests_a_gpu_on_the_gpu_partition(gpu_plan):

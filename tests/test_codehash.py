@@ -45,7 +45,7 @@ def test_a_module_change_changes_the_hash_of_exactly_its_importers(library_copy)
     after = {s.name: codehash.code_hash(s) for s in SCRIPTS.glob("*.py")}
     changed = {name for name in before if before[name] != after[name]}
     # system imports kv.study; serve offloads through the same codecs
-    assert changed == {"kv_capture.py", "kv_memory_probe.py", "system_method.py", "serve_server.py", "quality_method.py"}
+    assert changed == {"kv_capture.py", "kv_memory_probe.py", "system_method.py", "serve_server.py", "quality_job.py"}
 
 
 def rule_extra(script: str) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ def row(method, category, sample, score, kl=None, positions=None, divergence=Non
             "kl_mean": kl, "kl_max": kl, "top1_agreement": None if kl is None else 1 - kl, "fidelity_positions": positions,
             "first_divergence": divergence, "ratio_end": 1.0 if method == "full" else 4.0, "kv_bytes_end": 100,
             "ttft_s": ttft, "tpot_s": 0.1, "forward_s": 2.0, "job_wall_s": 10.0 if method == "full" else 20.0,
-            "job_forward_s": 8.0 if method == "full" else 17.0}
+            "job_forward_s": 8.0 if method == "full" else 17.0, "job_methods": method}
 
 
 @pytest.fixture
@@ -61,8 +61,17 @@ def test_fidelity_pools_positions_and_the_all_row_pools_samples(tables):
 def test_tables_split_scores_and_fidelity(tables):
     assert "kl_mean" not in tables["scores"] and len(tables["scores"]) == 8
     assert set(tables["fidelity"].method) == {"kivi2"} and len(tables["fidelity"]) == 4
-    jobs = tables["jobs"].set_index("method")
+    jobs = tables["jobs"].set_index("job_methods")
     assert jobs.loc["kivi2", "outside_forward_share"] == pytest.approx(3 / 20) and jobs.loc["kivi2", "errors"] == 1
+    assert "job_wall_s" not in tables["scores"] and "job_methods" not in tables["scores"]
+
+
+def test_a_job_of_several_methods_is_one_row_of_the_jobs_table():
+    rows = [row("full", "qa", "s1", 0.5), row("kivi2", "qa", "s1", 0.5, kl=0.1, positions=10)]
+    table = pd.DataFrame(rows).assign(job_methods="full,kivi2", job_wall_s=30.0, job_forward_s=27.0)
+    [job] = summarize(table, "full")["jobs"].to_dict("records")
+    assert job["job_methods"] == "full,kivi2" and job["methods"] == 2 and job["rows"] == 2
+    assert job["outside_forward_s"] == pytest.approx(3.0) and job["outside_forward_share"] == pytest.approx(0.1)
 
 
 def test_figures_are_written(tables, tmp_path):

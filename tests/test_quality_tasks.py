@@ -216,4 +216,4 @@ def test_the_command_line_names_a_bad_method(capsys):
 
     with pytest.raises(SystemExit):
         main(["--method", "kivi9", "--tasks", "results/quality/tasks", "--config", str(REPO / "config" / "config.yaml")])
-    assert "--method 'kivi9' is not a key of methods" in capsys.readouterr().err
+    assert "--method kivi9: not a key of methods" in capsys.readouterr().err

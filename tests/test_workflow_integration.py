@@ -23,6 +23,7 @@ import pytest
 from kvbench.config import system_models
 from kvbench.corpus.synthetic import synthetic_document
 from kvbench.provenance import PROVENANCE_COLUMNS
+from kvbench.quality.batches import batches
 from kvbench.report import build as report_build
 from kvbench.report.claims import CLAIMS
 from kvbench.report.contracts import CONTRACTS, load_tables
@@ -64,7 +65,12 @@ def cluster_jobs(config) -> list[str]:
             *["system_method"] * (len(system_models(config)) * len(config["system"]["methods"])),
             *["serve_server"] * len(serve_servers(config["serve"]["backends"])),
             *["quality_reference"] * n_quality,
-            *["quality_method"] * (n_quality * len(set(quality["methods"]) - {quality["reference"]}))]
+            *["quality_methods"] * (n_quality * (len(quality_jobs(config)) - 1))]
+
+
+def quality_jobs(config) -> list[list[str]]:
+    quality = config["quality"]
+    return batches(quality["methods"], quality["reference"], quality["methods_per_job"])
 
 
 def read(workdir, rel):
@@ -236,8 +242,9 @@ def serve(server):
 
 
 def quality(method, config):
-    rule = "quality_reference" if method == config["quality"]["reference"] else "quality_method"
-    return f"{rule}[model=smol" + ("]" if rule == "quality_reference" else f", method={method}]")
+    """The quality job that runs `method` (job 1, with the reference, is `quality_reference`)."""
+    job = next(i for i, methods in enumerate(quality_jobs(config), start=1) if method in methods)
+    return "quality_reference[model=smol]" if job == 1 else f"quality_methods[model=smol, job={job}]"
 
 
 def params_changed(reason, before, now):
@@ -469,7 +476,10 @@ def test_quality_rows_for_every_method_and_built_sample(run):
     assert (overall.identical_outputs == by_category.identical_outputs.sum()).all()
     assert (overall.fidelity_positions == by_category.fidelity_positions.sum()).all()
     jobs = read(workdir, "results/quality/smol/jobs.parquet")
-    assert set(jobs.method) == set(methods) and jobs.outside_forward_share.between(0, 1).all()
+    # methods_per_job 2: the reference and kivi2 in one process (kivi2 compared with the references
+    # it kept in memory after writing them), the SnapKVs in a second job that reads them from disk
+    assert list(jobs.job_methods) == [",".join(m) for m in quality_jobs(config)] == ["full,kivi2", "snapkv,snapkv50"]
+    assert (jobs.methods == 2).all() and jobs.outside_forward_share.between(0, 1).all()
     for figure in ("scores", "fidelity", "score_vs_ratio"):
         assert (workdir / f"results/quality/smol/{figure}.png").read_bytes()[:4] == b"\x89PNG"
     assert (workdir / "results/quality/smol/reference.safetensors").stat().st_size > 0

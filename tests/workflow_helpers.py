@@ -29,7 +29,7 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
     """The whole DAG in minutes: the real model (a local folder), 6 realistic documents of 160
     tokens, an imported folder (a note and a LongBench line), every method on 2 short prompts,
     the serve stage on one vLLM server and one Valkey, the quality
-    tasks with four methods."""
+    tasks with four methods in two jobs."""
     imported = workdir / "my-docs"
     imported.mkdir(exist_ok=True)
     (imported / "note.txt").write_text("A short imported note about a patient with asthma.")
@@ -50,7 +50,8 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
     config["serve"].update(model="smol", backends=["recompute", "prefix", "valkey", "lmcache"],
                            codecs=["none", "zstd-3+byteplane", "kivi2"], docs_per_corpus=1, doc_tokens=288,
                            block_size=128, repeat_count=2, hit_miss_ratio="1:1", max_tokens=4, fault_round=True)
-    config["quality"].update(models=["smol"], methods=["full", "kivi2", "snapkv", "snapkv50"], max_gen_cap=4, tasks={
+    config["quality"].update(models=["smol"], methods=["full", "kivi2", "snapkv", "snapkv50"], methods_per_job=2,
+                             max_gen_cap=4, tasks={
         "single_doc_qa": {"samples": 1, "context_tokens": [192]},
         "multi_doc_qa": {"samples": 1, "context_tokens": [384], "documents": 2},
         "few_shot": {"samples": 1, "context_tokens": [256]},  # one document per type: no labelled example fits

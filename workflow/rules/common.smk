@@ -11,6 +11,7 @@ from kvbench.codehash import code_hash
 from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
 from kvbench.jobs import usable_cpus
+from kvbench.quality.batches import batches as quality_batches
 from kvbench.serve.backends import CONNECTOR_MODULE, SERVER_OF, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
 

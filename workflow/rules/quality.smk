@@ -1,14 +1,17 @@
 QUALITY = config["quality"]
 QUALITY_REFERENCE = QUALITY["reference"]
-# The reference runs first (its continuations are the others' fidelity targets), whether listed or not.
-QUALITY_METHODS = [QUALITY_REFERENCE] + [m for m in QUALITY["methods"] if m != QUALITY_REFERENCE]
+# Methods per job (quality.methods_per_job): the reference first, in job 1, whether listed or not;
+# jobs 2.. read its references.
+QUALITY_JOBS = {str(i): methods for i, methods in enumerate(
+    quality_batches(QUALITY["methods"], QUALITY_REFERENCE, QUALITY["methods_per_job"]), start=1)}
 
-# What a method job's results depend on besides its method and the task files (so that adding a
-# method or a model does not rerun the others).
+# What a job's results depend on besides its methods and the task files (so that adding a model
+# does not rerun the others).
 QUALITY_RUN = {key: QUALITY[key] for key in (
     "device", "compute_dtype", "max_gen_cap", "max_prompt_tokens", "reference_top_k", "lm_eval_tasks", "lm_eval_limit")}
 # Imported LongBench lines are an input only when a longbench task is configured.
 QUALITY_IMPORTED = {"imported": "results/corpus/imported/docs.parquet"} if "longbench" in QUALITY["tasks"] else {}
+QUALITY_SPECS = {job: {m: config["methods"][m] for m in methods} for job, methods in QUALITY_JOBS.items()}
 
 
 rule quality_tasks:
@@ -38,58 +41,58 @@ rule quality_reference:
         tasks="results/quality/tasks",
         model=lambda wc: model_dir(wc.model),
     output:
-        table=f"results/quality/{{model}}/methods/{QUALITY_REFERENCE}.parquet",
+        table="results/quality/{model}/jobs/1.parquet",
         references="results/quality/{model}/reference.safetensors",
     params:
         cfg=QUALITY_RUN,
-        method=QUALITY_REFERENCE,
-        spec=config["methods"][QUALITY_REFERENCE],
+        methods=QUALITY_JOBS["1"],
+        specs=QUALITY_SPECS["1"],
         seed=config["seed"],
-        code=library_code("quality_method.py"),
+        code=library_code("quality_job.py"),
     wildcard_constraints:
         model="|".join(map(re.escape, QUALITY["models"])),
     # The whole machine per job, as the system stage: every method timed under the same load.
     threads: MACHINE_THREADS
     log:
-        "logs/quality/{model}/reference.log",
+        "logs/quality/{model}/job1.log",
     benchmark:
-        "benchmarks/quality/{model}/reference.tsv"
+        "benchmarks/quality/{model}/job1.tsv"
     conda:
         CONDA_ENV
     script:
-        "../scripts/quality_method.py"
+        "../scripts/quality_job.py"
 
 
-rule quality_method:
+rule quality_methods:
     input:
         tasks="results/quality/tasks",
         references="results/quality/{model}/reference.safetensors",
         model=lambda wc: model_dir(wc.model),
     output:
-        table="results/quality/{model}/methods/{method}.parquet",
+        table="results/quality/{model}/jobs/{job}.parquet",
     params:
         cfg=QUALITY_RUN,
-        method=lambda wc: wc.method,
-        spec=lambda wc: config["methods"][wc.method],
+        methods=lambda wc: QUALITY_JOBS[wc.job],
+        specs=lambda wc: QUALITY_SPECS[wc.job],
         seed=config["seed"],
-        code=library_code("quality_method.py"),
+        code=library_code("quality_job.py"),
     wildcard_constraints:
         model="|".join(map(re.escape, QUALITY["models"])),
-        method="|".join(map(re.escape, QUALITY_METHODS[1:])) or "^$",
+        job="|".join(list(QUALITY_JOBS)[1:]) or "^$",
     threads: MACHINE_THREADS
     log:
-        "logs/quality/{model}/{method}.log",
+        "logs/quality/{model}/job{job}.log",
     benchmark:
-        "benchmarks/quality/{model}/{method}.tsv"
+        "benchmarks/quality/{model}/job{job}.tsv"
     conda:
         CONDA_ENV
     script:
-        "../scripts/quality_method.py"
+        "../scripts/quality_job.py"
 
 
 rule quality_summary:
     input:
-        expand("results/quality/{{model}}/methods/{method}.parquet", method=QUALITY_METHODS),
+        expand("results/quality/{{model}}/jobs/{job}.parquet", job=QUALITY_JOBS),
     output:
         scores=report(
             "results/quality/{model}/scores.parquet",

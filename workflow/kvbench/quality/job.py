@@ -1,13 +1,17 @@
-"""One quality job: load the model, run one method over the task folder, write its table (and, for
-the reference method, the full cache's references). Shared by the Snakemake rule and the CLI."""
+"""One quality job: load the model once, run several methods one after another over the task
+folder, write one table. The job that starts with the reference method also stores the full
+cache's references, which the methods after it (and every other job) are compared with.
+Shared by the Snakemake rules and the CLI."""
 
 from __future__ import annotations
 
+import gc
 import resource
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+import pandas as pd
 import psutil
 import torch
 
@@ -19,11 +23,13 @@ from kvbench.quality.run import evaluate_method
 
 
 def run_job(
-    config: Mapping[str, Any], cfg: Mapping[str, Any], model_name: str, method: str, tasks_dir: str | Path,
-    table_path: str | Path, references_in: str | Path | None = None, references_out: str | Path | None = None,
-    threads: int | None = None,
+    config: Mapping[str, Any], cfg: Mapping[str, Any], model_name: str, methods: Sequence[str],
+    tasks_dir: str | Path, table_path: str | Path, references_in: str | Path | None = None,
+    references_out: str | Path | None = None, threads: int | None = None,
 ) -> None:
-    """`config`: the whole config (models, methods, seed, provenance); `cfg`: the quality settings."""
+    """`config`: the whole config (models, methods, seed, provenance); `cfg`: the quality settings.
+    With `references_out`, the first method's continuations become the references (written there,
+    then read back, so the methods after it compare with exactly what other jobs read)."""
     seed = int(config["seed"])
     if threads:
         torch.set_num_threads(threads)
@@ -33,16 +39,28 @@ def run_job(
     model = load_model(folder, "real", seed, getattr(torch, cfg["compute_dtype"]), cfg["device"])
     print(f"[quality] {model_name} loaded in {time.monotonic() - start:.1f} s")
     references = load_references(references_in) if references_in else None
-    table, lm = evaluate_method(model, tokenizer, method, config["methods"][method], tasks_dir, cfg, seed,
-                                references=references, keep_references=references_out is not None)
-    if references_out is not None:
-        save_references(lm.new_references, references_out)
+    tables = []
+    for i, method in enumerate(methods, start=1):
+        print(f"[quality] method {i}/{len(methods)}: {method}", flush=True)
+        keep = references_out is not None and i == 1
+        began = time.monotonic()
+        table, lm = evaluate_method(model, tokenizer, method, config["methods"][method], tasks_dir, cfg, seed,
+                                    references=None if keep else references, keep_references=keep)
+        if keep:
+            save_references(lm.new_references, references_out)
+            references = load_references(references_out)
+        table["method_wall_s"] = time.monotonic() - began
+        tables.append(table)
+        del lm
+        gc.collect()
+    table = pd.concat(tables, ignore_index=True)
     # The whole job, from process start (imports included), against its forward passes.
+    table["job_methods"] = ",".join(methods)
     table["job_wall_s"] = time.time() - psutil.Process().create_time()
     table["job_forward_s"] = float(table["forward_s"].fillna(0).sum()) if "forward_s" in table else 0.0
     usage = resource.getrusage(resource.RUSAGE_SELF)  # CPU seconds: what the job costs whatever else runs
     table["job_cpu_s"] = usage.ru_utime + usage.ru_stime
     failed = table["error"].notna().sum()
-    print(f"[quality] {method}: {len(table)} rows, {failed} with an error; forward passes "
+    print(f"[quality] {len(methods)} methods: {len(table)} rows, {failed} with an error; forward passes "
           f"{table['job_forward_s'].iloc[0]:.0f} s of {table['job_wall_s'].iloc[0]:.0f} s")
     write_table(table, table_path, provenance(config, model=model_name))

@@ -16,6 +16,8 @@ import pandas as pd
 FIDELITY_COLUMNS = ("kl_first", "kl_mean", "kl_max", "top1_agreement", "first_divergence", "fidelity_positions",
                     "fidelity_note")
 JOB_COLUMNS = ("job_wall_s", "job_forward_s", "job_cpu_s")
+# Per row of a job's table, the same for every row of a method (method_wall_s) or of the job.
+RUN_COLUMNS = ("job_methods", "method_wall_s", *JOB_COLUMNS)
 SAMPLE = ["task", "sample_id"]
 
 
@@ -51,10 +53,25 @@ def _summarize(rows: pd.DataFrame) -> dict[str, object]:
     }
 
 
+def _jobs(table: pd.DataFrame, job_columns: list[str]) -> pd.DataFrame:
+    """One row per job (the methods it ran, one after another in one process): its wall time from
+    process start against the sum of its model forward passes."""
+    jobs = (table.groupby("job_methods", sort=False)
+            .agg(methods=("method", "nunique"), rows=("task", "size"), errors=("score", lambda s: int(s.isna().sum())),
+                 **{c: (c, "first") for c in job_columns}).reset_index())
+    if job_columns:
+        jobs["outside_forward_s"] = jobs["job_wall_s"] - jobs["job_forward_s"]
+        jobs["outside_forward_share"] = jobs["outside_forward_s"] / jobs["job_wall_s"]
+        total = jobs[["job_wall_s", "job_forward_s"]].sum()
+        print(f"[quality] {len(jobs)} jobs: {total.job_wall_s:.0f} s, forward passes {total.job_forward_s:.0f} s, "
+              f"outside them {1 - total.job_forward_s / total.job_wall_s:.1%}", file=sys.stderr)
+    return jobs
+
+
 def summarize(table: pd.DataFrame, reference: str) -> dict[str, pd.DataFrame]:
     table = table.assign(**{c: np.nan for c in FIDELITY_COLUMNS if c not in table})  # only the reference ran
     job_columns = [c for c in JOB_COLUMNS if c in table]
-    scores = table.drop(columns=[*FIDELITY_COLUMNS, *job_columns])
+    scores = table.drop(columns=[*FIDELITY_COLUMNS, *(c for c in RUN_COLUMNS if c in table)])
     fidelity = table.loc[table.method != reference, [
         "method", "kind", "task", "category", "sample_id", "bucket", "context_tokens", "new_tokens", *FIDELITY_COLUMNS,
         "ratio_end", "error"]].reset_index(drop=True)
@@ -66,14 +83,6 @@ def summarize(table: pd.DataFrame, reference: str) -> dict[str, pd.DataFrame]:
             rows.append({"method": method, "kind": kind, "category": category, **_summarize(group)})
         rows.append({"method": method, "kind": kind, "category": "all", **_summarize(mine)})
     summary = pd.DataFrame(rows)
-    jobs = (table.groupby("method", sort=False)
-            .agg(rows=("task", "size"), errors=("score", lambda s: int(s.isna().sum())),
-                 **{c: (c, "first") for c in job_columns}).reset_index())
-    if job_columns:
-        jobs["outside_forward_s"] = jobs["job_wall_s"] - jobs["job_forward_s"]
-        jobs["outside_forward_share"] = jobs["outside_forward_s"] / jobs["job_wall_s"]
-        total = jobs[["job_wall_s", "job_forward_s"]].sum()
-        print(f"[quality] jobs: {total.job_wall_s:.0f} s, forward passes {total.job_forward_s:.0f} s, "
-              f"outside them {1 - total.job_forward_s / total.job_wall_s:.1%}", file=sys.stderr)
+    jobs = _jobs(table, job_columns)
     print(summary.to_string(float_format="%.3f"), file=sys.stderr)
     return {"scores": scores, "fidelity": fidelity, "summary": summary, "jobs": jobs}

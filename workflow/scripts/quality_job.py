@@ -6,5 +6,5 @@ from kvbench.quality.job import run_job
 with job_log(snakemake.log[0], snakemake.config):
     references_out = snakemake.output.references if "references" in snakemake.output.keys() else None
     references_in = snakemake.input.references if "references" in snakemake.input.keys() else None
-    run_job(snakemake.config, snakemake.params.cfg, snakemake.wildcards.model, snakemake.params.method,
+    run_job(snakemake.config, snakemake.params.cfg, snakemake.wildcards.model, snakemake.params.methods,
             snakemake.input.tasks, snakemake.output.table, references_in, references_out, snakemake.threads)
