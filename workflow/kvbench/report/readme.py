@@ -3,7 +3,9 @@ Parquet files between markers, so no number in them is typed by hand.
 
     python -m kvbench.report.readme [--results results] [--check] [README.md]
 
-rewrites every block from the tables (`--check`: exit 1 and name the stale blocks instead).
+rewrites every block from the tables (`--check`: exit 1 and name the stale blocks instead). A
+block whose table is missing is named and makes the command exit 1; blocks not in the README are
+not rendered, so their tables need not exist.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Union
 
 import pandas as pd
 
@@ -75,46 +77,118 @@ def _serve(t: pd.DataFrame) -> pd.DataFrame:
     return t[[c for c in cols if c in t.columns]]
 
 
-# block -> (tables it reads, relative to results/, globbed and concatenated; how it is shown)
-BLOCKS: dict[str, tuple[str, Callable[[pd.DataFrame], pd.DataFrame]]] = {
-    "claims": ("report/claims.parquet", _claims),
-    "recommendations": ("report/recommendations.parquet", _recommendations),
-    "pipeline-cost": ("report/pipeline_cost.parquet", _costs),
-    "corpus": ("corpus/stats_summary.parquet", _corpus),
-    "kv": ("kv/summary.parquet", _kv),
-    "system": ("system/metrics.parquet", _system),
-    "quality": ("quality/*/summary.parquet", _quality),
-    "serve": ("serve/offload.parquet", _serve),
+def _peers(pairs: pd.DataFrame) -> pd.DataFrame:
+    """bench/side_by_side.py's pairs: ratios ours / peer (medians over rounds of same-round
+    ratios), each side's overhead over its own side's full, both sides' measured bytes."""
+    pct = lambda col: (100 * pairs[col]).round(1)  # noqa: E731
+    return pd.DataFrame({
+        "prompt": pairs.prompt_id, "tokens": pairs.context_tokens, "ours": pairs.ours, "peer": pairs.peer,
+        "TTFT ours/peer": pairs.ttft_ratio, "TPOT ours/peer": pairs.tpot_ratio,
+        "TTFT vs full, ours %": pct("ttft_overhead_ours"), "TTFT vs full, peer %": pct("ttft_overhead_peer"),
+        "TPOT vs full, ours %": pct("tpot_overhead_ours"), "TPOT vs full, peer %": pct("tpot_overhead_peer"),
+        "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6, "rounds": pairs.rounds})
+
+
+def _snapkv_agreement(t: pd.DataFrame) -> pd.DataFrame:
+    """Per prompt, over its (layer, KV head) pairs: the share of kvpress's kept positions ours keeps."""
+    out = t.groupby("prompt_id", sort=False).agg(
+        tokens=("context_tokens", "first"), heads=("shared", "size"), mean_shared=("shared", "mean"),
+        min_shared=("shared", "min"), below_100=("shared", lambda s: int((s < 1).sum())),
+        max_gap=("max_relative_score_gap", "max")).reset_index()
+    out[["mean_shared", "min_shared"]] = (100 * out[["mean_shared", "min_shared"]]).round(2)
+    return out.rename(columns={"prompt_id": "prompt", "heads": "(layer, head) pairs", "mean_shared": "mean shared %",
+                               "min_shared": "min shared %", "below_100": "pairs below 100 %",
+                               "max_gap": "max relative score gap"})
+
+
+def _decode_overhead(t: pd.DataFrame) -> pd.DataFrame:
+    """Per method: the median over steps of the step's time over the same step's `full` time
+    (the bench interleaves methods within a step), wall clock and process CPU time."""
+    columns = {}
+    for clock, label in (("seconds", "wall"), ("cpu_seconds", "CPU")):
+        per_step = t.pivot(index="step", columns="method", values=clock)
+        columns[f"TPOT / full ({label})"] = per_step.div(per_step["full"], axis=0).median()
+    per_method = t.sort_values("step").groupby("method")
+    out = pd.DataFrame({"tokens": per_method.context_tokens.first(), "steps": per_method.step.nunique(),
+                        "TPOT (s, wall)": per_method.seconds.median(), **columns,
+                        "KV MB": per_method.kv_bytes.last() / 1e6})
+    return out.sort_values("TPOT / full (wall)").rename_axis("method").reset_index()
+
+
+def _kill_resume(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
+    """Per kill: the stage, when, what snakemake held incomplete, what survived it; then the
+    comparison of every final table with the uninterrupted run's."""
+    def outputs(value: object) -> str:
+        return ", ".join(f"`{o}`" for o in value) if value is not None and len(value) else ""
+
+    shown = pd.DataFrame({
+        "stage": kills.stage, "killed": kills.killed, "killed after (s)": kills.get("killed_after_s"),
+        "incomplete outputs": kills.incomplete_jobs.map(outputs),
+        "processes after 120 s": kills.get("processes_after_120s"), "unlock return code": kills.get("unlock_returncode"),
+        "note": kills.note})
+    equal = int(tables.equal.sum())
+    differing = ", ".join(f"`{t}` ({c})" for t, c in zip(tables.table[~tables.equal], tables.differing_columns[~tables.equal]))
+    summary = (f"{equal}/{len(tables)} final tables equal to the uninterrupted run's (timing columns aside)"
+               + (f"; differing: {differing}" if differing else "")
+               + f". Uninterrupted run {kills.reference_run_s.iloc[0]:.0f} s; interrupted run "
+               f"({int(kills.killed.sum())} kills, unlocks and the final rerun) {kills.interrupted_run_s.iloc[0]:.0f} s.")
+    return f"{markdown_table(shown)}\n\n{summary}"
+
+
+Shown = Union[pd.DataFrame, str]  # a table, or markdown already rendered
+# block -> (tables it reads, relative to results/, each globbed and concatenated; how they are shown)
+BLOCKS: dict[str, tuple[tuple[str, ...], Callable[..., Shown]]] = {
+    "claims": (("report/claims.parquet",), _claims),
+    "recommendations": (("report/recommendations.parquet",), _recommendations),
+    "pipeline-cost": (("report/pipeline_cost.parquet",), _costs),
+    "corpus": (("corpus/stats_summary.parquet",), _corpus),
+    "kv": (("kv/summary.parquet",), _kv),
+    "system": (("system/metrics.parquet",), _system),
+    "quality": (("quality/*/summary.parquet",), _quality),
+    "serve": (("serve/offload.parquet",), _serve),
+    "peers": (("bench/side_by_side_pairs.parquet",), _peers),
+    "snapkv-agreement": (("bench/snapkv_agreement.parquet",), _snapkv_agreement),
+    "decode-overhead": (("bench/decode_overhead.parquet",), _decode_overhead),
+    "kill-resume": (("bench/kill_resume.parquet", "bench/kill_resume_tables.parquet"), _kill_resume),
 }
 
 
 def render_block(name: str, results: Path) -> str:
-    pattern, table_of = BLOCKS[name]
-    paths = sorted(results.glob(pattern))
-    if not paths:
-        raise FileNotFoundError(f"block {name}: no table {results / pattern} (run `make run` first)")
-    table = pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True)
-    prov = table[["config_hash", "git_commit"]].iloc[:1]
-    where = ", ".join(f"`{p.as_posix()}`" for p in paths)
-    origin = (f"_Generated from {where} (config {prov.config_hash.iloc[0]}, commit "
+    patterns, show = BLOCKS[name]
+    tables, where = [], []
+    for pattern in patterns:
+        paths = sorted(results.glob(pattern))
+        if not paths:
+            raise FileNotFoundError(f"block {name}: no table {results / pattern} (run the stage or bench that writes it)")
+        tables.append(pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True))
+        where += paths
+    prov = tables[0][["config_hash", "git_commit"]].iloc[:1]
+    listed = ", ".join(f"`{p.as_posix()}`" for p in where)
+    origin = (f"_Generated from {listed} (config {prov.config_hash.iloc[0]}, commit "
               f"{prov.git_commit.iloc[0][:12]}) by `python -m kvbench.report.readme`._" if len(prov) else "")
-    return f"{origin}\n\n{markdown_table(table_of(table))}"
+    shown = show(*tables)
+    return f"{origin}\n\n{shown if isinstance(shown, str) else markdown_table(shown)}"
 
 
-def update(text: str, results: Path) -> tuple[str, list[str]]:
-    """The text with every block it holds rewritten, and the names of blocks that changed (the
-    README holds them all: tests/test_report_tables.py)."""
-    changed = []
+def update(text: str, results: Path) -> tuple[str, list[str], list[str]]:
+    """The text with every block it holds rewritten, the names of blocks that changed, and the
+    reasons of blocks left as they were because a table is missing (the README holds every block:
+    tests/test_report_tables.py)."""
+    changed, missing = [], []
     for name in BLOCKS:
         pattern = re.compile(re.escape(START.format(name=name)) + r"(.*?)" + re.escape(END.format(name=name)), re.S)
         found = pattern.search(text)
         if not found:
             continue
-        body = f"\n{render_block(name, results)}\n"
+        try:
+            body = f"\n{render_block(name, results)}\n"
+        except FileNotFoundError as err:
+            missing.append(str(err))
+            continue
         if found.group(1) != body:
             changed.append(name)
             text = text[:found.start(1)] + body + text[found.end(1):]
-    return text, changed
+    return text, changed, missing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,14 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=Path("results"), type=Path)
     parser.add_argument("--check", action="store_true", help="exit 1 if a block differs from the tables")
     args = parser.parse_args(argv)
-    text, changed = update(args.readme.read_text(), args.results)
+    text, changed, missing = update(args.readme.read_text(), args.results)
+    for reason in missing:
+        print(f"{args.readme}: {reason}", file=sys.stderr)
     if args.check:
         if changed:
             print(f"{args.readme}: stale generated block(s): {', '.join(changed)}", file=sys.stderr)
-        return 1 if changed else 0
+        return 1 if changed or missing else 0
     args.readme.write_text(text)
-    print(f"{args.readme}: rewrote {', '.join(changed) or 'nothing (up to date)'}")
-    return 0
+    print(f"{args.readme}: rewrote {', '.join(changed) or 'nothing (up to date)'}"
+          + (f"; {len(missing)} block(s) left as they were, their tables missing" if missing else ""))
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

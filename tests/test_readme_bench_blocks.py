@@ -1,0 +1,148 @@
+"""The README blocks of the benchmark tables (peers, SnapKV agreement, decode overhead, kill and
+resume), rendered from small hand-built tables whose right answer differs from the likely wrong
+ones (an inverted ratio, a ratio of medians instead of a median of same-round ratios)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvbench.report import readme
+from workflow_helpers import REPO
+
+PROV = {"config_hash": "feedbeef", "git_commit": "0123456789abcdef"}
+
+
+def rendered(tmp_path, name: str, tables: dict[str, pd.DataFrame]) -> str:
+    """The block `name` as `make readme` writes it, from `tables` (path under results/ -> table)."""
+    for rel, table in tables.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        table.assign(**PROV).to_parquet(tmp_path / rel)
+    path = tmp_path / "README.md"
+    path.write_text(f"x\n{readme.START.format(name=name)}\n{readme.END.format(name=name)}\n")
+    assert readme.main([str(path), "--results", str(tmp_path)]) == 0
+    text = path.read_text()
+    assert "config feedbeef, commit 0123456789ab" in text
+    return text
+
+
+def row_of(text: str, first_cell: str) -> list[str]:
+    """The cells of the markdown row whose first cell is `first_cell`."""
+    rows = [line for line in text.splitlines() if line.startswith(f"| {first_cell} |")]
+    assert len(rows) == 1, (first_cell, text)
+    return [c.strip() for c in rows[0].strip("|").split("|")]
+
+
+def header_of(text: str) -> list[str]:
+    return [c.strip() for c in next(line for line in text.splitlines() if line.startswith("| ")).strip("|").split("|")]
+
+
+def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(tmp_path):
+    # full's steps 1, 2, 10 s. "skew": 3, 2, 10 -> same-step ratios 3, 1, 1: median 1 (the ratio of
+    # medians would be 1.5). "slow": 2, 4, 30 -> ratios 2, 2, 3: median 2 (inverted: 0.5).
+    seconds = {"full": [1, 2, 10], "skew": [3, 2, 10], "slow": [2, 4, 30]}
+    rows = [{"step": step, "method": m, "seconds": float(s), "cpu_seconds": 2.0 * s, "kv_bytes": 1e6 * (step + 1),
+             "context_tokens": 4096} for m, times in seconds.items() for step, s in enumerate(times)]
+    text = rendered(tmp_path, "decode-overhead", {"bench/decode_overhead.parquet": pd.DataFrame(rows[::-1])})
+    header = header_of(text)
+    skew, slow = dict(zip(header, row_of(text, "skew"))), dict(zip(header, row_of(text, "slow")))
+    assert skew["TPOT / full (wall)"] == "1" and skew["TPOT / full (CPU)"] == "1"
+    assert slow["TPOT / full (wall)"] == "2" and slow["TPOT / full (CPU)"] == "2"
+    assert slow["TPOT (s, wall)"] == "4" and slow["steps"] == "3" and slow["tokens"] == "4096"
+    assert slow["KV MB"] == "3"  # the bytes after the last step (rows were given in reverse)
+    assert text.rstrip().splitlines()[-2].startswith("| slow |")  # rows by ratio: the slowest last
+
+
+@pytest.fixture
+def side_by_side(monkeypatch):
+    monkeypatch.chdir(REPO)  # the bench reads config/config.yaml from the repository root
+    spec = importlib.util.spec_from_file_location("side_by_side", REPO / "bench" / "side_by_side.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(tmp_path, side_by_side):
+    # Three rounds. kivi2 vs quanto-int2 TTFT: 1/2, 4/2, 3/3 -> same-round ratios 0.5, 2, 1: median
+    # 1 (ratio of medians: 3/2 = 1.5; inverted ratios' median: 1 too, so TPOT checks the direction:
+    # 1/2, 1/2, 2/1 -> median 0.5, inverted 2).
+    ttft = {"full": [1, 1, 1], "peer-full": [2, 2, 2], "kivi2": [1, 4, 3], "quanto-int2": [2, 2, 3]}
+    tpot = {"full": [1, 1, 1], "peer-full": [1, 1, 1], "kivi2": [0.1, 0.1, 0.2], "quanto-int2": [0.2, 0.2, 0.1]}
+    rows = []
+    for method in ["full", "snapkv", "snapkv-fp32", "kivi2", "kivi4", "peer-full", "kvpress-snapkv", "quanto-int2",
+                   "quanto-int4"]:
+        side = "peer" if method in side_by_side.PEERS else "kvbench"
+        for round_ in range(3):
+            rows.append({"implementation": side, "method": method, "round": round_, "prompt_id": "p1k",
+                         "context_tokens": 1024, "ttft_s": float(ttft.get(method, [1, 1, 1])[round_]),
+                         "tpot_s": float(tpot.get(method, [1, 1, 1])[round_]), "kv_bytes_prefill": 1,
+                         "kv_bytes_end": 7_000_000 if method == "kivi2" else 8_000_000, "output_ids": [1]})
+    pairs = side_by_side.pairs(side_by_side.add_overheads(pd.DataFrame(rows)))
+    text = rendered(tmp_path, "peers", {"bench/side_by_side_pairs.parquet": pairs})
+    header = header_of(text)
+    kivi2 = dict(zip(header, next(r for r in (row_of_all(text, "p1k")) if r[2] == "kivi2")))
+    assert kivi2["peer"] == "quanto-int2" and kivi2["tokens"] == "1024" and kivi2["rounds"] == "3"
+    assert kivi2["TTFT ours/peer"] == "1" and kivi2["TPOT ours/peer"] == "0.5"
+    # Overheads over each side's own full: ours TTFT 1/1, 4/1, 3/1 - 1 -> median +200 %; the peer's
+    # 2/2, 2/2, 3/2 - 1 -> median 0 %.
+    assert kivi2["TTFT vs full, ours %"] == "200" and kivi2["TTFT vs full, peer %"] == "0"
+    assert kivi2["KV MB ours"] == "7" and kivi2["KV MB peer"] == "8"
+    assert len(row_of_all(text, "p1k")) == len(side_by_side.PEER_OF)
+
+
+def row_of_all(text: str, first_cell: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith(f"| {first_cell} |")]
+
+
+def test_snapkv_agreement_is_summarised_per_prompt_over_its_layer_head_pairs(tmp_path):
+    shared = {"a": [1.0, 1.0, 0.5, 1.0], "b": [0.75, 1.0, 1.0, 1.0]}
+    gaps = {"a": [0, 0, 0.2, 0], "b": [0.01, 0, 0, 0]}
+    rows = [{"prompt_id": p, "context_tokens": 100 * (i + 1), "layer": j // 2, "head": j % 2, "kept_ours": 4,
+             "kept_kvpress": 4, "shared": shared[p][j], "max_relative_score_gap": gaps[p][j]}
+            for i, p in enumerate(shared) for j in range(4)]
+    text = rendered(tmp_path, "snapkv-agreement", {"bench/snapkv_agreement.parquet": pd.DataFrame(rows)})
+    header = header_of(text)
+    a, b = dict(zip(header, row_of(text, "a"))), dict(zip(header, row_of(text, "b")))
+    assert a["tokens"] == "100" and a["(layer, head) pairs"] == "4"
+    assert a["mean shared %"] == "87.5" and a["min shared %"] == "50" and a["pairs below 100 %"] == "1"
+    assert a["max relative score gap"] == "0.2"
+    assert b["mean shared %"] == "93.8" and b["min shared %"] == "75" and b["max relative score gap"] == "0.01"
+
+
+def test_kill_resume_block_lists_each_kill_and_counts_equal_tables(tmp_path):
+    kills = pd.DataFrame([
+        {"stage": "quality", "killed": True, "killed_after_s": 41.0, "processes_after_120s": 0, "unlock_returncode": 0,
+         "incomplete_jobs": ["results/quality/smol/methods/kivi2.parquet", "results/serve/servers/main/requests.parquet"],
+         "note": ""},
+        {"stage": "report", "killed": False, "killed_after_s": np.nan, "processes_after_120s": np.nan,
+         "unlock_returncode": np.nan, "incomplete_jobs": [], "note": "snakemake ended (code 0) after report's mark"},
+    ]).assign(reference_run_s=600.4, interrupted_run_s=1234.0)
+    tables = pd.DataFrame({"table": ["results/a.parquet", "results/b.parquet", "results/c.parquet"], "rows": [3, 4, 5],
+                           "equal": [True, False, True], "differing_columns": ["", "score", ""]})
+    text = rendered(tmp_path, "kill-resume", {"bench/kill_resume.parquet": kills,
+                                              "bench/kill_resume_tables.parquet": tables})
+    header = header_of(text)
+    quality = dict(zip(header, row_of(text, "quality")))
+    assert quality["incomplete outputs"] == ("`results/quality/smol/methods/kivi2.parquet`, "
+                                             "`results/serve/servers/main/requests.parquet`")
+    assert quality["killed after (s)"] == "41" and quality["processes after 120 s"] == "0"
+    assert dict(zip(header, row_of(text, "report")))["killed"] == "False"
+    assert "2/3 final tables equal" in text and "`results/b.parquet` (score)" in text
+    assert re.search(r"Uninterrupted run 600 s; interrupted run \(1 kills, .*\) 1234 s", text)
+    assert "`bench/kill_resume_tables.parquet`" in text.replace(str(tmp_path) + "/", "")
+
+
+def test_a_missing_bench_table_fails_only_where_the_readme_holds_its_block(tmp_path, capsys):
+    path = tmp_path / "README.md"
+    path.write_text(f"x\n{readme.START.format(name='peers')}\nold\n{readme.END.format(name='peers')}\n")
+    assert readme.main([str(path), "--results", str(tmp_path)]) == 1
+    assert "block peers: no table" in capsys.readouterr().err and "old" in path.read_text()
+    assert readme.main([str(path), "--results", str(tmp_path), "--check"]) == 1
+    path.write_text("no blocks here\n")  # every bench table is missing, and nothing asks for one
+    assert readme.main([str(path), "--results", str(tmp_path)]) == 0
+    assert readme.main([str(path), "--results", str(tmp_path), "--check"]) == 0
