@@ -3,11 +3,14 @@ our SnapKV vs kvpress SnapKVPress, our KIVI vs transformers' QuantizedCache (opt
 is not KIVI: per-token groups with fp32 scale and shift, whole cache re-quantized every
 `residual` tokens), plus each method's overhead against `full`.
 
-Like for like: both sides prefill with `logits_to_keep=1`; each side's overhead is taken against a
+Like for like: both sides prefill with `logits_to_keep=1` and stop at end of sequence (each row
+records its `new_tokens`); each process first runs one untimed full-length prefill per prompt (the
+peer's is a fresh process every round, ours lives on), then one 256-token warm-up per method; each side's overhead is taken against a
 `full` run in its own venv (ours: the fp32 `{kind: full}`, as a DynamicCache keeps it; the peer's:
 a plain DynamicCache); our SnapKV is also run at fp32 storage, kvpress's equal bytes; quanto runs
 with groups of `--quanto-group` values (default 64: fp32 scale + shift per 64 values cost what
-KIVI's fp16 scale + zero point per 32 do), and the table shows both sides' measured bytes.
+KIVI's fp16 scale + zero point per 32 do; quanto's residual tokens stay at the model's fp32 where
+KIVI's are fp16, so bytes are never exactly equal), and the table shows both sides' measured bytes.
 Timings on a small shared CPU drift, so the run is interleaved: each round runs every peer (one
 subprocess) and every one of our methods once per prompt, in an order shuffled per round (seeded),
 and the summary takes medians over rounds of same-round ratios.
@@ -62,13 +65,15 @@ def build_all_prompts(tokenizer: Any, contexts: list[int]) -> list[dict[str, Any
 
 def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_: int, rng: random.Random) -> list[dict]:
     rows = []
+    for prompt in prompts:  # every prompt length touched once, untimed, as the peer's fresh process does
+        generate(model, OURS["full"], prompt["input_ids"], 2)
     for name in rng.sample(list(OURS), len(OURS)):
         for prompt in prompts:
             generate(model, OURS[name], prompt["input_ids"][:256], 2)  # warm-up, excluded
             run = generate(model, OURS[name], prompt["input_ids"], new_tokens)
             rows.append({"implementation": "kvbench", "method": name, "round": round_, "prompt_id": prompt["prompt_id"],
-                         "context_tokens": run["context_tokens"], "ttft_s": run["ttft_s"], "tpot_s": run["tpot_s"],
-                         "kv_bytes_prefill": run["kv_bytes_prefill"], "kv_bytes_end": run["kv_bytes_end"],
+                         "context_tokens": run["context_tokens"], "new_tokens": run["new_tokens"], "ttft_s": run["ttft_s"],
+                         "tpot_s": run["tpot_s"], "kv_bytes_prefill": run["kv_bytes_prefill"], "kv_bytes_end": run["kv_bytes_end"],
                          "output_ids": run["tokens"]})
             print(f"round {round_} {name} {prompt['prompt_id']}: TTFT {run['ttft_s']:.2f} s, TPOT {run['tpot_s']:.3f} s",
                   flush=True)
@@ -92,7 +97,7 @@ def run_peer(mode: str, setup: dict) -> dict:
 def peer_round(prompts, new_tokens: int, quanto_group: int, round_: int, rng: random.Random) -> tuple[list[dict], dict]:
     peers = run_peer("run", peer_setup(prompts, new_tokens, quanto_group, rng.sample(PEERS, len(PEERS))))
     rows = [{"implementation": "peer", "method": p["method"], "round": round_, "prompt_id": p["prompt_id"],
-             "context_tokens": p["context_tokens"], "ttft_s": p["ttft_s"], "tpot_s": p["tpot_s"],
+             "context_tokens": p["context_tokens"], "new_tokens": p["new_tokens"], "ttft_s": p["ttft_s"], "tpot_s": p["tpot_s"],
              "kv_bytes_prefill": p["kv_bytes_prefill"], "kv_bytes_end": p["kv_bytes_end"],
              "output_ids": p["output_ids"]} for p in peers["rows"]]
     return rows, peers["versions"]
@@ -120,7 +125,9 @@ def pairs(table: pd.DataFrame) -> pd.DataFrame:
                          "ttft_overhead_ours": a.ttft_overhead.median(), "ttft_overhead_peer": b.ttft_overhead.median(),
                          "tpot_overhead_ours": a.tpot_overhead.median(), "tpot_overhead_peer": b.tpot_overhead.median(),
                          "bytes_ours": int(a.kv_bytes_end.iloc[0]), "bytes_peer": int(b.kv_bytes_end.iloc[0]),
-                         "bytes_ratio": a.kv_bytes_end.iloc[0] / b.kv_bytes_end.iloc[0], "rounds": len(a)})
+                         "bytes_ratio": a.kv_bytes_end.iloc[0] / b.kv_bytes_end.iloc[0], "rounds": len(a),
+                         # TPOT averages over these steps: equal counts, or the pair says it is not
+                         "new_tokens_ours": int(a.new_tokens.median()), "new_tokens_peer": int(b.new_tokens.median())})
     return pd.DataFrame(rows)
 
 
