@@ -16,6 +16,7 @@ The prefill keeps only the last position's logits (`logits_to_keep=1`), as kvben
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -44,22 +45,22 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def prefill(model, ids: list[int], cache, press):
-    input_ids = torch.tensor([ids])
-    if press is None:
-        return model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    with press(model):
-        return model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+def prefill(model, ids: list[int], cache):
+    return model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
 @torch.inference_mode()
 def run(model, ids: list[int], make_cache, press, new_tokens: int) -> dict:
+    """As kvbench's harness.generate: TTFT is the prefill (kvpress's hooks installed before the
+    timer, as ours are attached before it), TPOT the decode steps after the byte count."""
     cache = make_cache()
-    start = time.perf_counter()
-    out = prefill(model, ids, cache, press)
-    token = int(out.logits[0, -1].argmax())
-    ttft = time.perf_counter() - start
+    with press(model) if press is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        out = prefill(model, ids, cache)
+        token = int(out.logits[0, -1].argmax())
+        ttft = time.perf_counter() - start
     bytes_prefill = cache_bytes(cache)
+    decode_start = time.perf_counter()
     tokens, position = [token], len(ids)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
@@ -69,8 +70,8 @@ def run(model, ids: list[int], make_cache, press, new_tokens: int) -> dict:
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
         position += 1
-    total = time.perf_counter() - start
-    return {"ttft_s": ttft, "tpot_s": (total - ttft) / max(1, len(tokens) - 1), "kv_bytes_prefill": bytes_prefill,
+    decode = time.perf_counter() - decode_start
+    return {"ttft_s": ttft, "tpot_s": decode / max(1, len(tokens) - 1), "kv_bytes_prefill": bytes_prefill,
             "kv_bytes_end": cache_bytes(cache), "output_ids": tokens}
 
 
@@ -113,8 +114,9 @@ def kept_positions(model, setup: dict) -> list[dict]:
     rows = []
     for prompt in setup["prompts"]:
         full, pressed = DynamicCache(), DynamicCache()
-        prefill(model, prompt["input_ids"], full, None)
-        prefill(model, prompt["input_ids"], pressed, press)
+        prefill(model, prompt["input_ids"], full)
+        with press(model):
+            prefill(model, prompt["input_ids"], pressed)
         for index, (a, b) in enumerate(zip(full.layers, pressed.layers)):
             for head in range(a.keys.shape[1]):
                 where = {row.numpy().tobytes(): p for p, row in enumerate(a.keys[0, head])}
@@ -127,8 +129,9 @@ def main() -> None:
     mode, model_dir, setup_path, out_path = sys.argv[1:5]
     transformers_logging.disable_progress_bar()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     setup = json.load(open(setup_path))
+    torch.set_num_threads(setup["threads"])  # as ours: every CPU the bench may use
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = timings(model, setup) if mode == "run" else kept_positions(model, setup)
     versions = {p: metadata.version(p) for p in ("torch", "transformers", "kvpress", "optimum-quanto")}
     json.dump({"versions": versions, "rows": rows}, open(out_path, "w"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 from pathlib import Path
@@ -43,7 +44,8 @@ CONFIG_METHODS = yaml.safe_load(Path("config/config.yaml").read_text())["methods
 OURS = {name: CONFIG_METHODS[name] for name in ("snapkv", "kivi2", "kivi4")}
 OURS["full"] = {"kind": "full"}  # fp32, as the peer's DynamicCache
 OURS["snapkv-fp32"] = OURS["snapkv"] | {"storage": "fp32"}
-PEER_OF = {"snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv", "kivi2": "quanto-int2", "kivi4": "quanto-int4"}
+# full vs peer-full: the two venvs' transformers versions alone (the base of every raw ratio).
+PEER_OF = {"full": "peer-full", "snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv", "kivi2": "quanto-int2", "kivi4": "quanto-int4"}
 PEERS = ["peer-full", "kvpress-snapkv", "quanto-int2", "quanto-int4"]
 
 
@@ -83,7 +85,7 @@ def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_
 def peer_setup(prompts: list[dict[str, Any]], new_tokens: int, quanto_group: int, order: list[str]) -> dict:
     # The peers get our settings: SnapKV's window, kernel and keep ratio; KIVI's residual.
     return {"snapkv": OURS["snapkv"], "quanto": {"group_size": quanto_group, "residual": OURS["kivi2"]["residual"]},
-            "new_tokens": new_tokens, "order": order,
+            "new_tokens": new_tokens, "order": order, "threads": torch.get_num_threads(),
             "prompts": [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"]} for p in prompts]}
 
 
@@ -114,16 +116,23 @@ def add_overheads(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def pairs(table: pd.DataFrame) -> pd.DataFrame:
-    """Ours vs peer, per prompt: medians over rounds of the same-round ratios ours / peer."""
+    """Ours vs peer, per prompt: medians over rounds of the same-round ratios ours / peer, raw and
+    normalized by each side's own full (the two venvs run different transformers versions, so the
+    raw ratio includes their base speed; the normalized one compares the methods' own costs)."""
     rows = []
     by = table.set_index(["method", "round", "prompt_id"])
     for ours, peer in PEER_OF.items():
         for prompt_id in table.prompt_id.unique():
             a, b = by.xs((ours, prompt_id), level=("method", "prompt_id")), by.xs((peer, prompt_id), level=("method", "prompt_id"))
+            tpot_norm = (1 + a.tpot_overhead) / (1 + b.tpot_overhead)
             rows.append({"ours": ours, "peer": peer, "prompt_id": prompt_id, "context_tokens": int(a.context_tokens.iloc[0]),
                          "ttft_ratio": (a.ttft_s / b.ttft_s).median(), "tpot_ratio": (a.tpot_s / b.tpot_s).median(),
+                         "ttft_norm_ratio": ((1 + a.ttft_overhead) / (1 + b.ttft_overhead)).median(),
+                         "tpot_norm_ratio": tpot_norm.median(), "tpot_norm_ratio_min": tpot_norm.min(),
+                         "tpot_norm_ratio_max": tpot_norm.max(),
                          "ttft_overhead_ours": a.ttft_overhead.median(), "ttft_overhead_peer": b.ttft_overhead.median(),
                          "tpot_overhead_ours": a.tpot_overhead.median(), "tpot_overhead_peer": b.tpot_overhead.median(),
+                         "bytes_prefill_ours": int(a.kv_bytes_prefill.iloc[0]), "bytes_prefill_peer": int(b.kv_bytes_prefill.iloc[0]),
                          "bytes_ours": int(a.kv_bytes_end.iloc[0]), "bytes_peer": int(b.kv_bytes_end.iloc[0]),
                          "bytes_ratio": a.kv_bytes_end.iloc[0] / b.kv_bytes_end.iloc[0], "rounds": len(a),
                          # TPOT averages over these steps: equal counts, or the pair says it is not
@@ -141,15 +150,15 @@ def main() -> None:
     args = parser.parse_args()
     Path(".bench").mkdir(exist_ok=True)
     torch.manual_seed(args.seed)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # both sides: every CPU the bench may use
     tokenizer = load_tokenizer(MODEL)
     prompts = build_all_prompts(tokenizer, args.contexts)
     model = load_model(MODEL)
     rng = random.Random(args.seed)
     rows, versions = [], {}
     for round_ in range(args.rounds):
-        sides = ["peer", "ours"]
-        rng.shuffle(sides)
-        for side in sides:
+        # Sides alternate which goes first (a coin flip over 3 rounds need not balance).
+        for side in (["peer", "ours"] if round_ % 2 == 0 else ["ours", "peer"]):
             if side == "peer":
                 peer_rows, versions = peer_round(prompts, args.new_tokens, args.quanto_group, round_, rng)
                 rows += peer_rows
@@ -165,6 +174,7 @@ def main() -> None:
     compared = pairs(table)
     print(compared.to_string(index=False, float_format="%.3f"))
     table["peer_versions"] = json.dumps(versions, sort_keys=True)
+    table["threads"] = torch.get_num_threads()
     config = {"seed": args.seed, "bench": "side_by_side", "rounds": args.rounds, "new_tokens": args.new_tokens,
               "contexts": args.contexts, "quanto_group": args.quanto_group}
     write_table(table, "results/bench/side_by_side.parquet", provenance(config, model="smollm2-135m"))

@@ -142,3 +142,42 @@ def test_a_job_whose_parent_dies_terminates_itself_cleanly(tmp_path):
         for pid in [job_pid, *(map(int, (tmp_path / "pids").read_text().split()) if (tmp_path / "pids").exists() else [])]:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+SLOW_IMPORTS_JOB = '''
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import _kvbench_path  # noqa: F401 (first, as in every workflow script: notes the parent)
+out = Path(sys.argv[1])
+(out / "importing").write_text("")
+while not (out / "go").exists():  # heavy imports (torch, pandas) take seconds: the parent dies meanwhile
+    time.sleep(0.05)
+from kvbench.jobs import job_log
+with job_log(out / "job.log", {"hf_offline": True}):
+    time.sleep(600)
+'''
+
+
+def test_a_job_whose_parent_died_during_its_imports_terminates_once_it_starts(tmp_path):
+    # snakemake killed with -9 while a job still imports: the job's parent is already init when
+    # job_log starts watching it, so only the parent noted at the first import tells.
+    script = tmp_path / "job.py"
+    script.write_text(SLOW_IMPORTS_JOB)
+    scripts = Path(__file__).resolve().parents[1] / "workflow" / "scripts"
+    launcher = (f"import subprocess, sys; p = subprocess.Popen({[sys.executable, str(script), str(tmp_path), str(scripts)]!r}); "
+                "print(p.pid, flush=True); import time; time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    job_pid = int(parent.stdout.readline())
+    try:
+        assert wait_until(lambda: (tmp_path / "importing").exists(), 60)
+        parent.kill()
+        parent.wait()
+        (tmp_path / "go").write_text("")
+        assert wait_until(lambda: not running(job_pid), 40)
+        assert "job terminated by signal 15; cleaned up" in (tmp_path / "job.log").read_text()
+    finally:
+        parent.kill()
+        if running(job_pid):
+            os.kill(job_pid, signal.SIGKILL)

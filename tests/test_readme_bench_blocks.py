@@ -80,13 +80,17 @@ def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(tmp_path, 
             rows.append({"implementation": side, "method": method, "round": round_, "prompt_id": "p1k",
                          "context_tokens": 1024, "ttft_s": float(ttft.get(method, [1, 1, 1])[round_]),
                          "tpot_s": float(tpot.get(method, [1, 1, 1])[round_]), "kv_bytes_prefill": 1,
-                         "kv_bytes_end": 7_000_000 if method == "kivi2" else 8_000_000, "output_ids": [1]})
+                         "new_tokens": 24, "kv_bytes_end": 7_000_000 if method == "kivi2" else 8_000_000, "output_ids": [1]})
     pairs = side_by_side.pairs(side_by_side.add_overheads(pd.DataFrame(rows)))
     text = rendered(tmp_path, "peers", {"bench/side_by_side_pairs.parquet": pairs})
     header = header_of(text)
     kivi2 = dict(zip(header, next(r for r in (row_of_all(text, "p1k")) if r[2] == "kivi2")))
     assert kivi2["peer"] == "quanto-int2" and kivi2["tokens"] == "1024" and kivi2["rounds"] == "3"
     assert kivi2["TTFT ours/peer"] == "1" and kivi2["TPOT ours/peer"] == "0.5"
+    # Divided by each side's full first: TTFT (1/1)/(2/2), (4/1)/(2/2), (3/1)/(3/2) -> 1, 4, 2: median 2
+    # (the raw ratio's 1 hides that the peer's full is twice as slow as ours).
+    assert kivi2["TTFT ours/peer ÷ fulls"] == "2" and kivi2["TPOT ours/peer ÷ fulls"] == "0.5"
+    assert kivi2["TPOT ÷ fulls range"] == "0.5–2.0" and kivi2["new tokens ours/peer"] == "24/24"
     # Overheads over each side's own full: ours TTFT 1/1, 4/1, 3/1 - 1 -> median +200 %; the peer's
     # 2/2, 2/2, 3/2 - 1 -> median 0 %.
     assert kivi2["TTFT vs full, ours %"] == "200" and kivi2["TTFT vs full, peer %"] == "0"

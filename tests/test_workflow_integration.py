@@ -477,7 +477,7 @@ def test_quality_rows_for_every_method_and_built_sample(run):
     assert (overall.fidelity_positions == by_category.fidelity_positions.sum()).all()
     jobs = read(workdir, "results/quality/smol/jobs.parquet")
     # methods_per_job 2: the reference and kivi2 in one process (kivi2 compared with the references
-    # it kept in memory after writing them), the SnapKVs in a second job that reads them from disk
+    # the job wrote and read back), the SnapKVs in a second job that reads the same file
     assert list(jobs.job_methods) == [",".join(m) for m in quality_jobs(config)] == ["full,kivi2", "snapkv,snapkv50"]
     assert (jobs.methods == 2).all() and jobs.outside_forward_share.between(0, 1).all()
     for figure in ("scores", "fidelity", "score_vs_ratio"):

@@ -4,8 +4,14 @@ Snakemake runs a script with its folder on sys.path but strips PYTHONPATH from j
 `--use-conda`, and an installed kvbench may belong to another checkout: this makes the scripts
 import the library they ship with, in any environment, with no install."""
 
+import os
 import sys
 from pathlib import Path
+
+# The job's parent (snakemake, or the jobstep), read before the heavy imports: if it dies while
+# they run, kvbench.jobs.job_log still sees the change and ends the job (an orphan would race the
+# rerun for its outputs).
+os.environ["KVBENCH_JOB_PARENT"] = str(os.getppid())
 
 LIBRARY = str(Path(__file__).resolve().parents[1])
 if sys.path[:1] != [LIBRARY]:

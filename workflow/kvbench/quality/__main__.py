@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [m for m in args.method if m not in config["methods"]]
     if unknown:
         parser.error(f"--method {', '.join(unknown)}: not a key of methods ({', '.join(config['methods'])})")
+    if args.save_references and args.method[0] != config["quality"]["reference"]:
+        parser.error(f"--save-references stores the first --method's continuations: put the reference "
+                     f"({config['quality']['reference']}) first")
     if config["hf_offline"]:
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     from kvbench.quality.job import run_job

@@ -102,6 +102,13 @@ def read_manifest(folder: str | Path) -> list[dict[str, Any]]:
     return list(json.loads(path.read_text()))
 
 
+def read_samples(folder: str | Path) -> list[dict[str, Any]]:
+    """Every built sample: its task's manifest entry with the sample's `_id` and `context`."""
+    return [{**task, "sample_id": record["_id"], "context": record["context"]}
+            for task in read_manifest(folder) if task["samples"]
+            for record in map(json.loads, (Path(folder) / f"{task['task']}.jsonl").read_text().splitlines())]
+
+
 def text_tokenizer(model_dir: str | Path) -> Any:
     """The model's fast tokenizer alone (tokenizer.json), without importing torch or transformers."""
     from tokenizers import Tokenizer

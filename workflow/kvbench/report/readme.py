@@ -78,15 +78,21 @@ def _serve(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _peers(pairs: pd.DataFrame) -> pd.DataFrame:
-    """bench/side_by_side.py's pairs: ratios ours / peer (medians over rounds of same-round
-    ratios), each side's overhead over its own side's full, both sides' measured bytes."""
+    """bench/side_by_side.py's pairs: ratios ours / peer (medians over rounds of same-round ratios),
+    raw and divided by each side's own full (`÷ fulls`: the methods' own costs, without the two
+    venvs' base speeds; the range is over rounds), each side's overhead over its own full, both
+    sides' measured bytes and decode steps."""
     pct = lambda col: (100 * pairs[col]).round(1)  # noqa: E731
     return pd.DataFrame({
         "prompt": pairs.prompt_id, "tokens": pairs.context_tokens, "ours": pairs.ours, "peer": pairs.peer,
         "TTFT ours/peer": pairs.ttft_ratio, "TPOT ours/peer": pairs.tpot_ratio,
+        "TTFT ours/peer ÷ fulls": pairs.ttft_norm_ratio, "TPOT ours/peer ÷ fulls": pairs.tpot_norm_ratio,
+        "TPOT ÷ fulls range": pairs.tpot_norm_ratio_min.round(3).astype(str) + "–" + pairs.tpot_norm_ratio_max.round(3).astype(str),
         "TTFT vs full, ours %": pct("ttft_overhead_ours"), "TTFT vs full, peer %": pct("ttft_overhead_peer"),
         "TPOT vs full, ours %": pct("tpot_overhead_ours"), "TPOT vs full, peer %": pct("tpot_overhead_peer"),
-        "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6, "rounds": pairs.rounds})
+        "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6,
+        "new tokens ours/peer": pairs.new_tokens_ours.astype(str) + "/" + pairs.new_tokens_peer.astype(str),
+        "rounds": pairs.rounds})
 
 
 def _snapkv_agreement(t: pd.DataFrame) -> pd.DataFrame:
