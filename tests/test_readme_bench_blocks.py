@@ -120,10 +120,10 @@ def test_snapkv_agreement_is_summarised_per_prompt_over_its_layer_head_pairs(tmp
 
 def test_kill_resume_block_lists_each_kill_and_counts_equal_tables(tmp_path):
     kills = pd.DataFrame([
-        {"stage": "quality", "killed": True, "killed_after_s": 41.0, "processes_after_120s": 0, "unlock_returncode": 0,
+        {"stage": "quality", "killed": True, "interrupted": True, "killed_after_s": 41.0, "processes_after_120s": 0, "unlock_returncode": 0,
          "incomplete_jobs": ["results/quality/smol/methods/kivi2.parquet", "results/serve/servers/main/requests.parquet"],
          "note": ""},
-        {"stage": "report", "killed": False, "killed_after_s": np.nan, "processes_after_120s": np.nan,
+        {"stage": "report", "killed": False, "interrupted": False, "killed_after_s": np.nan, "processes_after_120s": np.nan,
          "unlock_returncode": np.nan, "incomplete_jobs": [], "note": "snakemake ended (code 0) after report's mark"},
     ]).assign(reference_run_s=600.4, interrupted_run_s=1234.0)
     tables = pd.DataFrame({"table": ["results/a.parquet", "results/b.parquet", "results/c.parquet"], "rows": [3, 4, 5],

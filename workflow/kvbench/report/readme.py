@@ -128,13 +128,16 @@ def _kill_resume(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
         return ", ".join(f"`{o}`" for o in value) if value is not None and len(value) else ""
 
     shown = pd.DataFrame({
-        "stage": kills.stage, "killed": kills.killed, "killed after (s)": kills.get("killed_after_s"),
-        "incomplete outputs": kills.incomplete_jobs.map(outputs),
+        "stage": kills.stage, "killed": kills.killed, "mid-job": kills.get("interrupted"),
+        "killed after (s)": kills.get("killed_after_s"), "incomplete outputs": kills.incomplete_jobs.map(outputs),
+        "jobs that logged their cleanup": kills.get("jobs_cleaned_up"),
         "processes after 120 s": kills.get("processes_after_120s"), "unlock return code": kills.get("unlock_returncode"),
         "note": kills.note})
     equal = int(tables.equal.sum())
+    mid_job = int(kills.interrupted.sum()) if "interrupted" in kills else 0
     differing = ", ".join(f"`{t}` ({c})" for t, c in zip(tables.table[~tables.equal], tables.differing_columns[~tables.equal]))
-    summary = (f"{equal}/{len(tables)} final tables equal to the uninterrupted run's (timing columns aside)"
+    summary = (f"{mid_job}/{len(kills)} stages killed mid-job; "
+               f"{equal}/{len(tables)} final tables equal to the uninterrupted run's (timing columns aside)"
                + (f"; differing: {differing}" if differing else "")
                + f". Uninterrupted run {kills.reference_run_s.iloc[0]:.0f} s; interrupted run "
                f"({int(kills.killed.sum())} kills, unlocks and the final rerun) {kills.interrupted_run_s.iloc[0]:.0f} s.")
