@@ -195,3 +195,38 @@ def test_the_model_decodes_the_same_through_the_rotated_domain(model_dir, tokeni
     for ours, ref in zip(rotated_logits, logits):
         assert torch.allclose(ours, ref, atol=2e-3, rtol=0)
     assert any(not torch.equal(a, b) for a, b in zip(rotated_logits, logits))  # two paths, not one
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_byte_scores_equal_unpacked_codes_times_the_query(bits):
+    """Per-query byte tables score the packed bytes as the unpacked codes would: distinct values
+    per code and a random query, so a wrong bit order or byte position changes every score."""
+    from kvbench.methods.packing import byte_scores, pack, unpack_as
+
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (2, 3, 50, D), generator=gen)
+    packed = pack(codes, bits).view(2, 3, 50, -1)
+    values = tuple(float(v) for v in torch.randn(2**bits, generator=gen))
+    query = torch.randn(2, 3, 4, D, generator=gen)
+    expected = query @ unpack_as(packed, bits, codes.numel(), values).view(codes.shape).transpose(-1, -2)
+    assert torch.allclose(byte_scores(packed, bits, values, query), expected, atol=1e-5)
+    flipped = torch.flip(packed, dims=[-1])  # bytes of a row in the wrong order
+    assert not torch.allclose(byte_scores(flipped, bits, values, query), expected, atol=1e-2)
+
+
+@pytest.mark.parametrize("variant", ["prod", "mse"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_layer_scores_equal_rotated_query_times_unpacked_codes(bits, variant):
+    """The decode scores (byte tables where the codes are 1-bit) equal the plain formula
+    n_t (R q) . levels_t + sqrt(pi/2)/d |r_t| (S q) . signs_t over the unpacked codes."""
+    shape = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=D)
+    layer = attached_layer({"kind": "turboquant", "bits": bits, "variant": variant}, shape, 3)
+    layer.update(torch.randn(1, 3, 60, D), torch.randn(1, 3, 60, D))
+    layer.update(torch.randn(1, 3, 1, D), torch.randn(1, 3, 1, D))
+    query = torch.randn(1, 9, 1, D)
+    rotated, sketched = (x.view(1, 3, 3, D) if x is not None else None for x in layer.rotate_query(query))
+    block = layer.key_block
+    expected = (rotated @ block.levels(layer.key_mse).transpose(-1, -2)) * block.norms.float()[..., 0][:, :, None]
+    if variant == "prod":
+        expected += (sketched @ block.qjl_signs().transpose(-1, -2)) * block.qjl_weights()[:, :, None]
+    assert torch.allclose(layer.scores(query), expected.view(1, 9, 1, 61), atol=1e-5)
