@@ -91,6 +91,7 @@ def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(tmp_path, 
     # (the raw ratio's 1 hides that the peer's full is twice as slow as ours).
     assert kivi2["TTFT ours/peer ÷ fulls"] == "2" and kivi2["TPOT ours/peer ÷ fulls"] == "0.5"
     assert kivi2["TPOT ÷ fulls range"] == "0.5–2.0" and kivi2["new tokens ours/peer"] == "24/24"
+    assert kivi2["ours ≤ peer"] == "yes"
     # Overheads over each side's own full: ours TTFT 1/1, 4/1, 3/1 - 1 -> median +200 %; the peer's
     # 2/2, 2/2, 3/2 - 1 -> median 0 %.
     assert kivi2["TTFT vs full, ours %"] == "200" and kivi2["TTFT vs full, peer %"] == "0"

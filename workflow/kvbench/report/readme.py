@@ -92,7 +92,7 @@ def _peers(pairs: pd.DataFrame) -> pd.DataFrame:
         "TPOT vs full, ours %": pct("tpot_overhead_ours"), "TPOT vs full, peer %": pct("tpot_overhead_peer"),
         "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6,
         "new tokens ours/peer": pairs.new_tokens_ours.astype(str) + "/" + pairs.new_tokens_peer.astype(str),
-        "rounds": pairs.rounds})
+        "rounds": pairs.rounds, "ours ≤ peer": (pairs.tpot_norm_ratio <= 1).map({True: "yes", False: "no"})})
 
 
 def _snapkv_agreement(t: pd.DataFrame) -> pd.DataFrame:
