@@ -156,7 +156,8 @@ def test_rule_of_prefers_fixed_names():
 
 def test_cost_table_sums_job_seconds_per_rule_and_stage(tmp_path):
     for rel, s, rss in [("kv/realistic.real.tsv", 10, 900), ("kv/synthetic.real.tsv", 30, 1200),
-                        ("kv/summary.tsv", 5, 300), ("system/full.tsv", 55, 2000)]:
+                        ("kv/summary.tsv", 5, 300), ("system/full.tsv", 55, 2000),
+                        ("other/stale.tsv", 999, 1)]:  # no rule writes it: skipped
         path = tmp_path / "benchmarks" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(TSV.format(s=s, rss=rss, cpu=s / 2))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Mapping
 
@@ -36,11 +37,15 @@ def rule_of(path: str, patterns: Mapping[str, str]) -> str:
 def read_benchmarks(
     workdir: str | os.PathLike, patterns: Mapping[str, str], folder: str = "benchmarks",
 ) -> pd.DataFrame:
-    """One row per benchmark file (mean over its repeats)."""
+    """One row per benchmark file (mean over its repeats). A file no rule of the workflow writes
+    (left by a renamed or removed rule) is skipped and named: it would count a job twice."""
     rows = []
     root = Path(workdir)
     for path in sorted((root / folder).rglob("*.tsv")):
         rel = path.relative_to(root).as_posix()
+        if rule_of(rel, patterns) == "?":
+            print(f"pipeline cost: skipped {rel} (no rule writes it: left by an earlier version)", file=sys.stderr)
+            continue
         runs = pd.read_csv(path, sep="\t", na_values=["NA", "-"])
         if runs.empty:
             continue
