@@ -71,6 +71,15 @@ def _quality(t: pd.DataFrame) -> pd.DataFrame:
     return t[[c for c in cols if c in t.columns]]
 
 
+def _quality_categories(t: pd.DataFrame) -> pd.DataFrame:
+    """Mean task score per model × method (rows) and category (columns, samples in the header)."""
+    t = t[t.category != "all"]
+    samples = t.groupby("category", sort=False).samples.max()
+    out = t.pivot_table(index=["model", "method"], columns="category", values="score_mean", sort=False)
+    out = out[[c for c in samples.index if c in out.columns]]
+    return out.rename(columns={c: f"{c} ({samples[c]})" for c in out.columns}).reset_index()
+
+
 def _serve(t: pd.DataFrame) -> pd.DataFrame:
     cols = ["backend", "codec", "corpus", "status", "ratio", "predicted_ratio", "ttft_hit_mean_s",
             "ttft_miss_mean_s", "query_hits", "outputs_identical_share"]
@@ -154,6 +163,7 @@ BLOCKS: dict[str, tuple[tuple[str, ...], Callable[..., Shown]]] = {
     "kv": (("kv/summary.parquet",), _kv),
     "system": (("system/metrics.parquet",), _system),
     "quality": (("quality/*/summary.parquet",), _quality),
+    "quality-categories": (("quality/*/summary.parquet",), _quality_categories),
     "serve": (("serve/offload.parquet",), _serve),
     "peers": (("bench/side_by_side_pairs.parquet",), _peers),
     "snapkv-agreement": (("bench/snapkv_agreement.parquet",), _snapkv_agreement),
