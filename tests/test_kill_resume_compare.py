@@ -17,20 +17,29 @@ def bench():
     return module
 
 
-def requests(run_ids, ttfts, outputs):
-    return pd.DataFrame({"run_id": run_ids, "doc_id": ["a", "b"], "ttft_s": ttfts, "start": [1.0, 2.0],
-                         "output": outputs, "cached_tokens": [0, 128]})
+def requests(run_id, ttfts, outputs, port=6379):
+    return pd.DataFrame({"run_id": [run_id] * 2, "doc_id": ["a", "b"], "ttft_s": ttfts, "start": [1.0, 2.0],
+                         "output": outputs, "cached_tokens": [0, 128],
+                         "tag": [f"{run_id}.valkey.none.realistic.query.0", f"{run_id}.valkey.none.realistic.query.1"],
+                         "cache_salt": [f"prefix-{run_id}-realistic", None],
+                         "error": [None, f"lookup: ConnectionError: Error 111 connecting to 127.0.0.1:{port}."]})
 
 
-def test_timings_run_ids_and_row_order_may_differ(bench):
-    a = requests(["r1", "r1"], [0.1, 0.2], ["x", "y"])
-    b = requests(["r9", "r9"], [0.3, 0.1], ["x", "y"]).iloc[::-1]  # another run id, other timings, rows swapped
+def test_timings_run_ids_ports_and_row_order_may_differ(bench):
+    a = requests("837d2079f4", [0.1, 0.2], ["x", "y"])
+    b = requests("9890b5740a", [0.3, 0.1], ["x", "y"], port=50123).iloc[::-1]  # another run, rows swapped
     row = bench.compare_table("results/serve/requests.parquet", a, b)
     assert row["equal"] and set(row["volatile_differing"].split(",")) == {"run_id", "ttft_s"}
 
 
+def test_a_tag_of_another_request_is_a_difference(bench):
+    a, b = requests("837d2079f4", [0.1, 0.2], ["x", "y"]), requests("9890b5740a", [0.1, 0.2], ["x", "y"])
+    b.loc[1, "tag"] = "9890b5740a.valkey.none.realistic.query.7"
+    assert bench.compare_table("results/serve/requests.parquet", a, b)["differing_columns"] == "tag"
+
+
 def test_a_deterministic_column_that_differs_is_named(bench):
-    a, b = requests(["r1", "r1"], [0.1, 0.2], ["x", "y"]), requests(["r1", "r1"], [0.1, 0.2], ["x", "z"])
+    a, b = requests("837d2079f4", [0.1, 0.2], ["x", "y"]), requests("837d2079f4", [0.1, 0.2], ["x", "z"])
     row = bench.compare_table("results/serve/requests.parquet", a, b)
     assert not row["equal"] and row["differing_columns"] == "output"
 

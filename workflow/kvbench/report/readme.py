@@ -149,7 +149,8 @@ def _kill_resume(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
                f"{equal}/{len(tables)} final tables equal to the uninterrupted run's (timing columns aside)"
                + (f"; differing: {differing}" if differing else "")
                + f". Uninterrupted run {kills.reference_run_s.iloc[0]:.0f} s; interrupted run "
-               f"({int(kills.killed.sum())} kills, unlocks and the final rerun) {kills.interrupted_run_s.iloc[0]:.0f} s.")
+               f"({int(kills.killed.sum())} kills, unlocks and the final rerun) {kills.interrupted_run_s.iloc[0]:.0f} s."
+               + (f" Both runs ran commit {kills.code_commit.iloc[0][:12]}." if "code_commit" in kills else ""))
     return f"{markdown_table(shown)}\n\n{summary}"
 
 
