@@ -54,3 +54,10 @@ def test_unpack_as_maps_every_code_to_its_value(bits):
     values = tuple(float(v) for v in torch.linspace(-1.5, 2.0, 2**bits).tolist())
     decoded = unpack_as(pack(codes, bits), bits, codes.numel(), values)
     assert torch.equal(decoded, torch.tensor(values)[codes])
+
+
+def test_byte_scores_refuse_codes_that_straddle_bytes():
+    from kvbench.methods.packing import byte_scores
+
+    with pytest.raises(ValueError, match="3-bit"):
+        byte_scores(torch.zeros(1, 4, 24, dtype=torch.uint8), 3, tuple(range(8)), torch.zeros(1, 1, 64))

@@ -160,7 +160,7 @@ class TurboBlock:
 
     def level_scores(self, mse: MseQuantizer, x: torch.Tensor) -> torch.Tensor:
         """x @ levels^T: [..., R, d] -> [..., R, tokens]. 1-bit codes by per-query byte tables
-        (`byte_scores`, half the time there); wider codes unpacked then a matmul (as fast or faster)."""
+        (`byte_scores`); wider codes unpacked then a matmul (see `byte_scores` for why)."""
         if self.bits == 1:
             return byte_scores(self.packed, 1, mse.levels, x)
         return x @ self.levels(mse).transpose(-1, -2)
