@@ -143,8 +143,8 @@ def test_timings_cover_what_they_name(model, ids):
     assert steps >= 2 and len(stamps) == 1 + steps  # one prefill, one forward per decode step
     assert 0 < run["ttft_s"] < run["e2e_s"] <= wall
     assert run["e2e_s"] >= stamps[-1] - stamps[0]  # the end-to-end time spans every forward pass
-    assert run["e2e_s"] - run["ttft_s"] >= stamps[-1] - stamps[1]  # the decode time spans every step
-    assert run["tpot_s"] * steps == pytest.approx(run["e2e_s"] - run["ttft_s"])
+    # The decode time spans every step, and leaves out the cache's byte count after the prefill.
+    assert run["e2e_s"] - run["ttft_s"] >= run["tpot_s"] * steps >= stamps[-1] - stamps[1]
 
 
 def test_run_row_reports_the_measured_runs(model, ids):
