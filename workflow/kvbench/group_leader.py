@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36  # orphaned descendants are reparented to us, so we can reap them
 
@@ -30,6 +31,10 @@ class _Stop(Exception):
 
 
 def _on_signal(signum: int, _frame: object) -> None:
+    # Once: a second signal (the parent's death can arrive next to a SIGTERM) must not interrupt
+    # the group's ending that the first one starts.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise _Stop(signum)
 
 
@@ -62,7 +67,7 @@ def _reap() -> None:
 def end_group(grace_s: float) -> None:
     """SIGTERM every other member of our group, wait up to `grace_s`, then SIGKILL the rest."""
     me = os.getpid()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         others = [p for p in group_members(me) if p != me]
@@ -84,7 +89,7 @@ def main(argv: list[str]) -> int:
     if sep != "--" or not cmd:
         print("usage: group_leader.py PARENT_PID GRACE_S -- CMD...", file=sys.stderr)
         return 2
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _on_signal)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -99,7 +104,10 @@ def main(argv: list[str]) -> int:
     except _Stop as stop:
         code = 128 + stop.signum
     finally:
-        end_group(grace_s)
+        try:
+            end_group(grace_s)
+        except _Stop:  # a signal as the server's own exit began the ending: now all are ignored
+            end_group(grace_s)
     return code
 
 

@@ -49,10 +49,17 @@ def _terminate(signum: int, _frame: object) -> None:
     raise JobTerminated(128 + signum)
 
 
+def _noted_parent() -> int:
+    """The parent noted by the scripts' first import (workflow/scripts/_kvbench_path.py) when it
+    was this process's; otherwise (a child that inherited the variable, a test) the current one."""
+    pid, _, parent = os.environ.get("KVBENCH_JOB_PARENT", "").partition(":")
+    return int(parent) if pid == str(os.getpid()) else os.getppid()
+
+
 def _watch_parent(stop: threading.Event) -> None:
     """SIGTERM ourselves when the process that started us (snakemake, the jobstep) dies, even by
     SIGKILL: an orphaned job would otherwise race the rerun for its outputs and the CPU."""
-    parent = int(os.environ.get("KVBENCH_JOB_PARENT") or os.getppid())  # set by the scripts' first import
+    parent = _noted_parent()
     while os.getppid() == parent and not stop.wait(PARENT_POLL_S):
         pass
     if not stop.is_set():

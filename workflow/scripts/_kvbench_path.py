@@ -11,7 +11,7 @@ from pathlib import Path
 # The job's parent (snakemake, or the jobstep), read before the heavy imports: if it dies while
 # they run, kvbench.jobs.job_log still sees the change and ends the job (an orphan would race the
 # rerun for its outputs).
-os.environ["KVBENCH_JOB_PARENT"] = str(os.getppid())
+os.environ["KVBENCH_JOB_PARENT"] = f"{os.getpid()}:{os.getppid()}"  # for this process only, not its children
 
 LIBRARY = str(Path(__file__).resolve().parents[1])
 if sys.path[:1] != [LIBRARY]:
