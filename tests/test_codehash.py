@@ -24,6 +24,7 @@ def test_each_script_depends_on_the_modules_it_imports_transitively():
     assert not {p for p in kv if p.startswith(("methods/", "corpus/"))}
     system = names("system_method.py")
     assert {"harness.py", "methods/kivi.py", "methods/catalog.py", "prompts.py"} <= system  # catalog's imports too
+    assert "methods/lut_kernels.c" in system  # the C source native.py builds
     assert "data/medical.yaml" in names("corpus_realistic.py")  # fact-sheet vocabularies, read as data
     assert "data/medical.yaml" not in system
 

@@ -62,7 +62,20 @@ def test_hardware_names_cpu_cores_features_memory_and_gpu():
     assert f"{os.cpu_count()} cores" in desc
     assert re.search(r"(avx2|avx512f|amx_tile|no AVX2/AVX-512/AMX)", desc)
     assert re.search(r"\d+\.\d GiB RAM", desc)
-    assert desc.endswith("GPU") or "x " in desc.split(", ")[-1]
+    machine = desc.split(", CPU decode kernels: ")[0]
+    assert machine.endswith("GPU") or "x " in machine.split(", ")[-1]
+
+
+def test_hardware_names_the_decode_kernels_where_methods_ran():
+    import subprocess
+    import sys
+
+    script = ("from kvbench.provenance import hardware\n"
+              "assert 'kernels' not in hardware()\n"  # a stage that runs no method
+              "from kvbench.methods import native\n"
+              "assert hardware().endswith('CPU decode kernels: ' + native.status()), hardware()\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775)])

@@ -4,7 +4,8 @@ Snakemake reruns a job when its script changes, not when a library module behind
 pass `code_hash(script)` as a param: the kvbench modules the script imports, transitively (read
 from the source, nothing is imported), plus modules a rule names by hand (`extra`: what another
 program imports by name, e.g. the connector vLLM loads for serve_server), plus the package's data
-files when one of those modules names the `data` folder (the fact-sheet vocabularies).
+files when one of those modules names the `data` folder (the fact-sheet vocabularies), plus C
+sources a module names next to itself (the decode kernels native.py builds).
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ def _package_inits(name: str) -> list[Path]:
 
 
 @lru_cache(maxsize=None)
-def _direct_imports(path: Path) -> tuple[tuple[str, ...], bool]:
-    """kvbench modules `path` imports (anywhere in it, lazy imports too), and whether it names
-    the package's `data` folder."""
+def _direct_imports(path: Path) -> tuple[tuple[str, ...], bool, tuple[Path, ...]]:
+    """kvbench modules `path` imports (anywhere in it, lazy imports too), whether it names the
+    package's `data` folder, and the C sources it names next to itself."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: list[str] = []
     uses_data = False
+    sources: list[Path] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
@@ -50,7 +52,9 @@ def _direct_imports(path: Path) -> tuple[tuple[str, ...], bool]:
             names += [f"{node.module}.{alias.name}" for alias in node.names]  # submodules, if any
         elif isinstance(node, ast.Constant) and node.value == "data":
             uses_data = True
-    return tuple(n for n in names if n.split(".")[0] == PACKAGE), uses_data
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith(".c"):
+            sources += [f for f in [path.parent / node.value] if f.is_file()]
+    return tuple(n for n in names if n.split(".")[0] == PACKAGE), uses_data, tuple(sources)
 
 
 def library_files(script: str | Path, extra: tuple[str, ...] = ()) -> list[Path]:
@@ -60,10 +64,11 @@ def library_files(script: str | Path, extra: tuple[str, ...] = ()) -> list[Path]
     todo = [Path(script).resolve()]
     while todo:
         path = todo.pop()
-        names, uses_data = _direct_imports(path)
+        names, uses_data, sources = _direct_imports(path)
         if path == Path(script).resolve():
             names += extra
         data |= uses_data and path != Path(script).resolve()
+        seen.update(sources)
         for name in names:
             for found in [*_package_inits(name), _module_file(name)]:
                 if found is not None and found not in seen:

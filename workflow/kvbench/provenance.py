@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -89,8 +90,7 @@ def _gpus() -> str | None:
 
 
 @lru_cache(maxsize=1)
-def hardware() -> str:
-    """e.g. 'AMD EPYC, x86_64, 2 cores (2 usable), avx2 avx512f, 23.5 GiB RAM, no GPU'."""
+def _machine() -> str:
     model = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown CPU"
     flags = set((_proc_field("/proc/cpuinfo", "flags") or "").split())
     memory = _proc_field("/proc/meminfo", "MemTotal")
@@ -100,6 +100,14 @@ def hardware() -> str:
              f"{int(memory.split()[0]) / 2**20:.1f} GiB RAM" if memory else "RAM unknown",
              _gpus() or "no GPU"]
     return ", ".join(parts)
+
+
+def hardware() -> str:
+    """e.g. 'AMD EPYC, x86_64, 2 cores (2 usable), avx2 avx512f, 23.5 GiB RAM, no GPU'; in a process
+    that ran KV methods, then ', CPU decode kernels: native AVX-512 (...)' or 'torch (...)': which
+    decode kernels the quantized caches used (not imported here, so no other stage depends on them)."""
+    kernels = sys.modules.get("kvbench.methods.native")
+    return _machine() + (f", CPU decode kernels: {kernels.status()}" if kernels is not None else "")
 
 
 def provenance(config: Mapping[str, Any], model: str | None) -> dict[str, Any]:

@@ -10,6 +10,13 @@ policy is the reference's (`models/llama_kivi.py`), with R a multiple of G:
 A decode step attends to the new token at full precision and the cache flushes after it, as the
 reference does. Codes are packed in byte planes; scales and zero points are fp16; "full
 precision" is the `storage` dtype (fp16, the reference's model dtype).
+
+Decode attends through the cache's own attention (installed by `attach`), as the reference's fused
+kernels do: scores q.k = sum_d (q_d s_d) c_d + sum_d q_d z_d with each key group's per-channel scale
+s and zero point z folded into the query, and sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t
+with each token's per-channel-group scale folded into its weight, both computed straight from the
+packed codes (`packing.lut_dots`/`lut_sums`); no K or V is rebuilt. Without the native kernels
+(or not attached) the quantized blocks are dequantized instead, to the same values.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ from typing import Any
 
 import torch
 
+from kvbench.methods.attention import RoutedLayer, attach_routed
 from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, owned, register, tensor_bytes
 from kvbench.methods.kinds import KIVI_GROUP_SIZE, KIVI_RESIDUAL
-from kvbench.methods.packing import pack_planes, unpack_planes_into
+from kvbench.methods.packing import lut_dots, lut_sums, pack_planes, unpack_planes_into
 
 
 def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,6 +86,27 @@ class QuantizedBlock:
         self.dequantize_into(out)
         return out
 
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ dequantize()^T for a per-channel block (keys): x [..., R, d] -> [..., R, tokens]."""
+        scale, zero = (t.float()[..., 0, :] for t in (self.scale, self.zero))  # [..., groups, d]
+        folded = x[..., None, :, :] * scale[..., None, :]  # [..., groups, R, d]: one query per group
+        native = lut_dots(self.packed, self.bits, self.codes(), folded, planes=True, span=self.group)
+        if native is None:
+            return x @ self.dequantize().transpose(-1, -2)
+        offsets = (x[..., None, :, :] * zero[..., None, :]).sum(-1)  # [..., groups, R]
+        return native.add_(offsets.transpose(-1, -2).repeat_interleave(self.group, dim=-1))
+
+    def weighted(self, p: torch.Tensor) -> torch.Tensor:
+        """p @ dequantize() for a per-token block (values): p [..., R, tokens] -> [..., R, d]."""
+        scale, zero = (t.float()[..., 0] for t in (self.scale, self.zero))  # [..., tokens, d / G]
+        native = lut_sums(self.packed, self.bits, self.codes(), p[..., None] * scale[..., None, :, :], planes=True)
+        if native is None:
+            return p @ self.dequantize()
+        return native.add_((p @ zero).repeat_interleave(self.group, dim=-1))
+
+    def codes(self) -> tuple[float, ...]:
+        return tuple(float(c) for c in range(2**self.bits))
+
     def nbytes(self) -> int:
         return tensor_bytes(self.packed, self.scale, self.zero)
 
@@ -89,7 +118,7 @@ def _extend(block: QuantizedBlock | None, later: QuantizedBlock) -> QuantizedBlo
     return block
 
 
-class KiviLayer(MethodLayer):
+class KiviLayer(RoutedLayer, MethodLayer):
     """`keys`/`values` (the DynamicLayer fields) hold the full-precision residuals; the quantized
     tokens are in `key_block`/`value_block`."""
 
@@ -110,8 +139,11 @@ class KiviLayer(MethodLayer):
         self.keys = torch.cat([self.keys, key_states.to(self.storage)], dim=-2)
         self.values = torch.cat([self.values, value_states.to(self.storage)], dim=-2)
         # This step attends to the quantized blocks plus the residuals with the new token in full
-        # precision, rebuilt into one buffer (no shadow copy is kept); then the residuals flush.
-        compute = key_states.dtype
+        # precision; then the residuals flush (`after_attention`).
+        if self.attached:
+            self.pending = True
+            return key_states, value_states  # unused: `attend` reads the blocks and residuals
+        compute = key_states.dtype  # not attached: rebuilt into one buffer for the model's attention
         out = self._rebuild(self.key_block, self.keys, compute), self._rebuild(self.value_block, self.values, compute)
         self._flush()
         return out
@@ -133,6 +165,28 @@ class KiviLayer(MethodLayer):
             self.value_block = _extend(self.value_block, QuantizedBlock(self.values[..., :values, :].float(), self.bits,
                                                                         self.group, False))
             self.values = owned(self.values[..., values:, :])
+
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        """q.k for every cached key: query [b, Hq, n, d] (GQA: consecutive query heads share a KV
+        head) -> [b, Hq, n, T]; quantized keys first, then the residual."""
+        b, hq, n, d = query.shape
+        x = query.float().reshape(b, self.keys.shape[1], -1, d)
+        parts = [self.key_block.scores(x)] if self.key_block is not None else []
+        parts.append(x @ self.keys.float().transpose(-1, -2))
+        return torch.cat(parts, dim=-1).view(b, hq, n, -1)
+
+    def weighted_values(self, probs: torch.Tensor) -> torch.Tensor:
+        """sum_t p_t v_t for probs [b, Hq, n, T] -> [b, n, Hq, d]."""
+        b, hq, n, t = probs.shape
+        p = probs.reshape(b, self.values.shape[1], -1, t)
+        quantized = self.value_block.tokens() if self.value_block is not None else 0
+        out = p[..., quantized:] @ self.values.float()
+        if quantized:
+            out += self.value_block.weighted(p[..., :quantized].contiguous())
+        return out.view(b, hq, n, -1).transpose(1, 2)
+
+    def after_attention(self) -> None:
+        self._flush()
 
     def quantized_tokens(self) -> tuple[int, int]:
         """(keys, values) held quantized."""
@@ -162,4 +216,9 @@ def kivi(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
     if shape.head_dim % group:
         raise ValueError(f"kivi: group_size {group} must divide head_dim {shape.head_dim}")
     storage = STORAGE[settings.get("storage", "fp16")]
-    return MethodCache([KiviLayer(bits, group, residual, storage) for _ in range(shape.layers)])
+    return KiviCache([KiviLayer(bits, group, residual, storage) for _ in range(shape.layers)])
+
+
+class KiviCache(MethodCache):
+    def attach(self, model: torch.nn.Module) -> list[Any]:
+        return attach_routed(model, self.layers)

@@ -8,6 +8,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from kvbench.methods import native
+
 
 PLANE_BITS = (1, 2, 4, 8)  # widths that fill a byte with whole codes, as `pack_planes` needs
 
@@ -176,3 +178,56 @@ def unpack_sign_magnitude_as(magnitude: torch.Tensor, signs: torch.Tensor, n_cod
     nibbles = torch.stack([s & 15, s >> 4], dim=1).reshape(-1)[: m.numel()]
     table = _sign_magnitude_table(values, str(magnitude.device))
     return gather_rows(table, m | (nibbles << 8))[:n_codes]
+
+
+@lru_cache(maxsize=64)
+def _codebook16(values: tuple[float, ...], sign_magnitude: bool) -> torch.Tensor:
+    """The kernels' 16-entry table: values by code; for sign-magnitude codes by (magnitude | sign << 2),
+    as `pack_sign_magnitude` stores a code."""
+    if sign_magnitude:
+        m, s = torch.arange(8) % 4, torch.arange(8) // 4
+        values = tuple(values[c] for c in torch.where(s.bool(), m + 4, 3 - m).tolist())
+    return torch.tensor(values + (0.0,) * (16 - len(values)), dtype=torch.float32)
+
+
+def _native(name: str, packed: torch.Tensor, bits: int, values: tuple[float, ...], x: torch.Tensor, extent: int,
+            out_shape: tuple[int, ...], signs: torch.Tensor | None, planes: bool) -> torch.Tensor | None:
+    library = native.library()
+    if library is None or packed.device.type != "cpu":
+        return None
+    layout = 2 if planes else 1 if signs is not None else 0  # PLANES, SIGN_MAGNITUDE, FLAT
+    *lead, t, nb = packed.shape
+    dim = nb * 4 if signs is not None else nb * 8 // bits
+    packed, x = packed.contiguous(), x.float().contiguous()
+    signs = signs.contiguous() if signs is not None else None
+    codebook = _codebook16(values, signs is not None)
+    out = torch.empty(*lead, *out_shape)
+    code = getattr(library, name)(packed[..., 0, 0].numel(), t, out_shape[0], dim, layout, bits, packed.data_ptr(),
+                                  signs.data_ptr() if signs is not None else None, codebook.data_ptr(),
+                                  x.data_ptr(), extent, out.data_ptr(), torch.get_num_threads())
+    if code == native.NO_MEMORY:
+        raise MemoryError(f"{name}: out of memory")
+    return None if code == native.UNSUPPORTED else out
+
+
+def lut_dots(packed: torch.Tensor, bits: int, values: tuple[float, ...], query: torch.Tensor, *,
+             signs: torch.Tensor | None = None, planes: bool = False, span: int | None = None) -> torch.Tensor | None:
+    """query @ codes^T with codes as `values[code]`, by the native kernel straight from the packed
+    rows: packed [..., T, B] from `pack` (or `pack_planes` with `planes`, or the magnitude rows of
+    `pack_sign_magnitude` with its sign rows `signs`); query [..., R, D], or [..., T / span, R, D]
+    for one query per `span` tokens -> [..., R, T] fp32. None where the kernels do not run (not
+    built here, not on the CPU, a shape they do not take): the caller's torch path runs instead."""
+    t = packed.shape[-2]
+    return _native("level_dots", packed, bits, values, query, span or t, (query.shape[-2], t), signs, planes)
+
+
+def lut_sums(packed: torch.Tensor, bits: int, values: tuple[float, ...], weights: torch.Tensor, *,
+             signs: torch.Tensor | None = None, planes: bool = False) -> torch.Tensor | None:
+    """weights @ codes with codes as `values[code]` -> [..., R, D] fp32, by the native kernel; weights
+    [..., R, T], or [..., R, T, C] for one weight per group of D / C channels. None where the kernel
+    does not run (see `lut_dots`)."""
+    nb = packed.shape[-1]
+    dim = nb * 4 if signs is not None else nb * 8 // bits
+    grouped = weights.dim() == packed.dim() + 1
+    return _native("level_sums", packed, bits, values, weights, weights.shape[-1] if grouped else 1,
+                   (weights.shape[-3 if grouped else -2], dim), signs, planes)

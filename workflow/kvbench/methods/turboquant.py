@@ -28,8 +28,11 @@ import torch
 from kvbench.methods.attention import RoutedLayer, attach_routed
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register, tensor_bytes
 from kvbench.methods.packing import (
-    byte_scores, pack, pack_sign_magnitude, unpack, unpack_as, unpack_sign_magnitude, unpack_sign_magnitude_as,
+    byte_scores, lut_dots, lut_sums, pack, pack_sign_magnitude, unpack, unpack_as, unpack_sign_magnitude,
+    unpack_sign_magnitude_as,
 )
+
+QJL_SIGNS = (-1.0, 1.0)  # a sign bit's value
 
 
 
@@ -156,18 +159,28 @@ class TurboBlock:
 
     def qjl_signs(self) -> torch.Tensor:
         """The QJL signs as +-1: [..., tokens, d] fp32."""
-        return unpack_as(self.signs, 1, self.shape.numel(), (-1.0, 1.0)).view(self.shape)
+        return unpack_as(self.signs, 1, self.shape.numel(), QJL_SIGNS).view(self.shape)
 
     def level_scores(self, mse: MseQuantizer, x: torch.Tensor) -> torch.Tensor:
-        """x @ levels^T: [..., R, d] -> [..., R, tokens]. 1-bit codes by per-query byte tables
-        (`byte_scores`); wider codes unpacked then a matmul (see `byte_scores` for why)."""
+        """x @ levels^T: [..., R, d] -> [..., R, tokens], by the native kernel from the packed bytes;
+        without it, 1-bit codes by per-query byte tables (`byte_scores`), wider codes unpacked then
+        a matmul (see `byte_scores` for why)."""
+        native = lut_dots(self.packed, self.bits, mse.levels, x, signs=self.code_signs)
+        if native is not None:
+            return native
         if self.bits == 1:
             return byte_scores(self.packed, 1, mse.levels, x)
         return x @ self.levels(mse).transpose(-1, -2)
 
+    def level_sums(self, mse: MseQuantizer, weights: torch.Tensor) -> torch.Tensor:
+        """weights @ levels: [..., R, tokens] -> [..., R, d] (native kernel, else unpack and matmul)."""
+        native = lut_sums(self.packed, self.bits, mse.levels, weights, signs=self.code_signs)
+        return native if native is not None else weights @ self.levels(mse)
+
     def qjl_scores(self, x: torch.Tensor) -> torch.Tensor:
         """x @ qjl_signs^T from the packed sign bits: [..., R, d] -> [..., R, tokens]."""
-        return byte_scores(self.signs, 1, (-1.0, 1.0), x)
+        native = lut_dots(self.signs, 1, QJL_SIGNS, x)
+        return native if native is not None else byte_scores(self.signs, 1, QJL_SIGNS, x)
 
     def qjl_weights(self) -> torch.Tensor:
         """sqrt(pi/2)/d |r| per token: [..., tokens]."""
@@ -244,7 +257,7 @@ class TurboLayer(RoutedLayer, MethodLayer):
         block = self.value_block
         hkv = block.shape[1]
         p = probs.reshape(b, hkv, hq // hkv * n, t) * block.norms.float()[..., 0][:, :, None]
-        out = p @ block.levels(self.value_mse)
+        out = block.level_sums(self.value_mse, p)
         return (out @ self.rotation).view(b, hq, n, -1).transpose(1, 2)
 
     def decoded(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

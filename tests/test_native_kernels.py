@@ -1,0 +1,97 @@
+"""The compiled decode kernels (lut_kernels.c): every layout and width equals the unpacked formula,
+on this CPU's vector width and on AVX2; the torch fallback is taken where they cannot run."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.methods import native
+from kvbench.methods.packing import lut_dots, lut_sums, pack, pack_planes, pack_sign_magnitude
+
+CPU_FLAGS = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                     "").split())
+HERE = Path(__file__)
+# (layout, bits): FLAT (`pack`), SIGN_MAGNITUDE (3-bit, `pack_sign_magnitude`), PLANES (`pack_planes`)
+CASES = [("flat", 1), ("flat", 2), ("flat", 4), ("sign_magnitude", 3), ("planes", 2), ("planes", 4)]
+
+
+def packed_case(layout: str, bits: int, gen: torch.Generator, groups: int = 3, tokens: int = 300, dim: int = 64):
+    """Random codes, their packed form and kernel keywords, and distinct random values per code (a
+    wrong bit order, byte position or table entry changes the results)."""
+    codes = torch.randint(0, 2**bits, (groups, tokens, dim), generator=gen)
+    values = tuple(float(v) for v in torch.randn(2**bits, generator=gen))
+    if layout == "sign_magnitude":
+        magnitude, signs = pack_sign_magnitude(codes)
+        return codes, values, magnitude.view(groups, tokens, -1), {"signs": signs.view(groups, tokens, -1)}
+    if layout == "planes":
+        return codes, values, pack_planes(codes, bits), {"planes": True}
+    return codes, values, pack(codes, bits).view(groups, tokens, -1), {}
+
+
+def check_against_formula(layout: str, bits: int) -> None:
+    gen = torch.Generator().manual_seed(bits)
+    codes, values, packed, kw = packed_case(layout, bits, gen)
+    levels = torch.tensor(values)[codes]  # [G, T, D]
+    query, weights = torch.randn(3, 4, 64, generator=gen), torch.randn(3, 4, 300, generator=gen)
+    assert torch.allclose(lut_dots(packed, bits, values, query, **kw), query @ levels.transpose(-1, -2), atol=1e-4)
+    assert torch.allclose(lut_sums(packed, bits, values, weights, **kw), weights @ levels, atol=1e-3)
+    # One query per 20 tokens (KIVI's per-group scales folded in); one weight per 32 channels.
+    blocks = torch.randn(3, 15, 4, 64, generator=gen)
+    expected = torch.einsum("gtrd,gtd->grt", blocks.repeat_interleave(20, dim=1), levels)
+    assert torch.allclose(lut_dots(packed, bits, values, blocks, span=20, **kw), expected, atol=1e-4)
+    grouped = torch.randn(3, 4, 300, 2, generator=gen)
+    expected = torch.einsum("grtd,gtd->grd", grouped.repeat_interleave(32, dim=-1), levels)
+    assert torch.allclose(lut_sums(packed, bits, values, grouped, **kw), expected, atol=1e-3)
+
+
+@pytest.mark.skipif(not shutil.which(os.environ.get("CC", "cc")) or "avx2" not in CPU_FLAGS,
+                    reason="needs a C compiler and AVX2")
+def test_the_kernels_build_and_load_on_this_machine():
+    """Where they can run they do: a silent fallback would leave the decode budgets unmet unseen."""
+    assert native.status().startswith("native"), native.status()
+    assert native.status().startswith("native AVX-512" if "avx512f" in CPU_FLAGS else "native AVX2")
+
+
+@pytest.mark.parametrize("layout, bits", CASES)
+def test_kernels_equal_the_unpacked_formula(layout, bits):
+    if native.library() is None:
+        pytest.skip(native.status())
+    check_against_formula(layout, bits)
+
+
+@pytest.mark.skipif("avx512f" not in CPU_FLAGS or "avx2" not in CPU_FLAGS, reason="AVX2 is the only path here")
+def test_the_avx2_build_equals_the_formula_too(tmp_path):
+    """Built without AVX-512 (as on the AVX2 machines), in a process of its own."""
+    script = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import test_native_kernels as t\n"
+              "from kvbench.methods import native\n"
+              "assert native.status().startswith('native AVX2'), native.status()\n"
+              "for layout, bits in t.CASES + [('planes', 1)]:\n"
+              "    t.check_against_formula(layout, bits)\n")
+    env = os.environ | {"KVBENCH_KERNEL_FLAGS": "-mno-avx512f", "KVBENCH_KERNEL_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_switched_off_the_callers_get_none_and_the_status_says_so(tmp_path):
+    script = ("import torch\n"
+              "from kvbench.methods import native\n"
+              "from kvbench.methods.packing import lut_dots, pack\n"
+              "assert native.status().startswith('torch'), native.status()\n"
+              "packed = pack(torch.zeros(2, 8, 64, dtype=torch.int64), 2).view(2, 8, -1)\n"
+              "assert lut_dots(packed, 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64)) is None\n")
+    env = os.environ | {"KVBENCH_NATIVE_KERNELS": "0", "KVBENCH_KERNEL_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_shapes_the_vector_code_does_not_take_fall_back():
+    if native.library() is None:
+        pytest.skip(native.status())
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 4, (2, 10, 12), generator=gen)  # 12 channels: not a whole vector
+    assert lut_dots(pack(codes, 2).view(2, 10, -1), 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 12)) is None

@@ -1,0 +1,101 @@
+"""The compiled decode kernels (`lut_kernels.c`): built on first use with the host's C compiler for
+the CPU it runs on, cached, loaded with ctypes. No torch import here: provenance reports `status()`.
+
+The build is keyed by the source, the compiler, its flags and the CPU's feature flags, so a cache
+directory shared between machines (a cluster's home) never hands one CPU another's binary.
+Without a compiler, without AVX2 or AVX-512, or with KVBENCH_NATIVE_KERNELS=0, methods fall back to
+their torch path, which computes the same values; `status()` says which one a process uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("lut_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# (groups, tokens, rows, dim, layout, bits, packed, signs, values, query|weights, span|cols, out, threads)
+SIGNATURE = [_I64, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _INT]
+UNSUPPORTED, NO_MEMORY = -1, -2  # the kernels' return codes besides 0
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KVBENCH_KERNEL_CACHE"):
+        return Path(os.environ["KVBENCH_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvbench" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _compiler() -> tuple[str, str]:
+    """(path, version line) of the C compiler ($CC or cc); raises OSError if there is none."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    return cc, version.split("\n", 1)[0].strip()
+
+
+def _flags() -> tuple[str, ...]:
+    """FLAGS plus KVBENCH_KERNEL_FLAGS (e.g. `-mno-avx512f`: tests build the AVX2 path on an AVX-512 CPU)."""
+    return FLAGS + tuple(os.environ.get("KVBENCH_KERNEL_FLAGS", "").split())
+
+
+def _build(cc: str, key: str) -> Path:
+    target = cache_dir() / f"lut_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        run = subprocess.run([cc, *_flags(), str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300)
+        if run.returncode:
+            raise OSError(f"{cc} failed ({run.returncode}): {run.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
+    return target
+
+
+@lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("KVBENCH_NATIVE_KERNELS", "1") == "0":
+        return None, "torch (native kernels off: KVBENCH_NATIVE_KERNELS=0)"
+    try:
+        cc, version = _compiler()
+        key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_flags()), version, platform.machine(),
+                                        _cpu_flags()]).encode()).hexdigest()[:16]
+        library = ctypes.CDLL(str(_build(cc, key)))
+    except (OSError, subprocess.SubprocessError) as error:
+        print(f"kvbench: native decode kernels unavailable, using the torch path: {error}", file=sys.stderr)
+        return None, f"torch (native kernels unavailable: {str(error)[:200]})"
+    isa = library.kernel_isa()
+    if not isa:
+        return None, "torch (native kernels need AVX2 or AVX-512; this CPU has neither)"
+    for name in ("level_dots", "level_sums"):
+        function = getattr(library, name)
+        function.argtypes, function.restype = SIGNATURE, _INT
+    return library, f"native {'AVX-512' if isa == 512 else 'AVX2'} ({version}, {' '.join(_flags()[:3] + _flags()[5:])})"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot be built (callers use their torch path)."""
+    return _load()[0]
+
+
+def status() -> str:
+    """Which decode kernels this process uses, for provenance."""
+    return _load()[1]
