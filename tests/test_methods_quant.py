@@ -131,33 +131,40 @@ def test_kivi_decode_attends_like_the_reference():
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("kernels", ["native", "torch"])
-def test_kivi_attention_over_packed_codes_equals_attention_over_rebuilt_kv(bits, kernels, monkeypatch):
-    """Decode through the cache's own attention (scales and zero points folded into the query and the
-    weights, codes read packed; or, without the native kernels, the blocks dequantized) gives softmax
-    attention over the K/V an unattached layer rebuilds, step after step across key flushes."""
-    from kvbench.methods import native
+@pytest.mark.parametrize("kernels", ["native", "dequantized"])
+@pytest.mark.parametrize("new_tokens", [1, 3])
+def test_kivi_attention_over_packed_codes_equals_attention_over_rebuilt_kv(bits, kernels, new_tokens, monkeypatch):
+    """Decode through the cache's own attention (scales folded into the query and the weights, codes
+    read packed; or the blocks dequantized, as for a shape the kernels do not take) gives causal
+    softmax attention over the K/V an unattached twin rebuilds, step after step across key flushes."""
+    from kvbench.methods import kivi, native
 
-    if kernels == "native" and native.library() is None:
-        pytest.skip(native.status())
-    if kernels == "torch":
-        monkeypatch.setattr(native, "library", lambda: None)
+    if native.library() is None:
+        pytest.skip(native.status())  # the cache routes its attention only where the kernels run
+    if kernels == "dequantized":
+        monkeypatch.setattr(kivi, "lut_dots", lambda *args, **kwargs: None)
+        monkeypatch.setattr(kivi, "lut_sums", lambda *args, **kwargs: None)
     spec = {"kind": "kivi", "bits": bits, "group_size": 32, "residual": 64}
     routed, rebuilt = (build_cache(spec, SHAPE).layers[0] for _ in range(2))
     routed.attached = True  # as cache.attach(model) marks it; the test calls its attention directly
     prompt_keys, prompt_values = kv(150), kv(150, scale=2.0)
     routed.update(prompt_keys, prompt_values)
     rebuilt.update(prompt_keys, prompt_values)
-    for _ in range(70):  # 150 + 70 tokens: the keys flush at 192
-        step_keys, step_values = kv(1), kv(1, scale=2.0)
+    calls = native.CALLS["native"]
+    for _ in range(70 // new_tokens):  # 150 + 70 tokens: the keys flush at 192
+        step_keys, step_values = kv(new_tokens), kv(new_tokens, scale=2.0)
         routed.update(step_keys, step_values)
         keys, values = rebuilt.update(step_keys, step_values)
-        query = torch.randn(1, SHAPE.q_heads, 1, SHAPE.head_dim, generator=GEN)
+        query = torch.randn(1, SHAPE.q_heads, new_tokens, SHAPE.head_dim, generator=GEN)
         out, _ = routed.attend(None, None, query, None, None, None, scaling=0.125)
-        probs = (query @ keys.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.125).softmax(-1)
-        assert torch.allclose(out, (probs @ values.repeat_interleave(3, dim=1)).transpose(1, 2), atol=1e-5)
+        t = keys.shape[-2]
+        later = torch.arange(t) > torch.arange(t - new_tokens, t)[:, None]  # each new token sees up to itself
+        logits = (query @ keys.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.125).masked_fill(later, float("-inf"))
+        expected = (logits.softmax(-1) @ values.repeat_interleave(3, dim=1)).transpose(1, 2)
+        assert torch.allclose(out, expected, atol=1e-5)
         assert routed.quantized_tokens() == rebuilt.quantized_tokens()
     assert routed.quantized_tokens()[0] == 192
+    assert (native.CALLS["native"] > calls) == (kernels == "native")  # the path named is the path taken
 
 
 def test_kivi_refuses_bits_it_cannot_pack_in_planes_and_misaligned_residuals():
@@ -251,22 +258,33 @@ def test_every_bit_width_the_config_accepts_holds_exactly_its_packed_bytes():
 
 def test_kivi_attention_on_the_real_model_equals_the_models_own_over_rebuilt_kv(model_dir, tokenizer):
     """On the real model's queries and K/V, every decode step of every layer: KIVI's attention over
-    its packed codes (the native kernels here) equals the model's own attention function over the
-    K/V rebuilt from the same cache state. (Comparing two whole generations instead would compare
-    different caches: float-order differences of ~1e-6 flip 2-bit codes on rounding edges.)"""
+    its packed codes (the native kernels) equals the model's own attention function over the K/V an
+    unattached twin cache rebuilds from the same inputs. (Comparing two whole generations instead
+    would compare different caches: float-order differences of ~1e-6 flip 2-bit codes on rounding
+    edges.)"""
     from kvbench.harness import generate
     from kvbench.methods.kivi import KiviLayer
     from kvbench.models import load_model
 
+    from kvbench.methods import native
+
+    if native.library() is None:
+        pytest.skip(native.status())
     gaps: list[float] = []
 
     class Checked(KiviLayer):
+        """Steps an unattached twin in lockstep (it rebuilds K/V, then flushes, in its own update)."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not hasattr(self, "twin"):
+                self.twin = KiviLayer(self.bits, self.group, self.residual, self.storage)
+            self.twin_kv = self.twin.update(key_states, value_states)
+            return super().update(key_states, value_states, *args, **kwargs)
+
         def attend(self, original, module, query, key, value, attention_mask, *args, scaling=None, **kwargs):
             expected = None
             if self.pending:
-                keys, values = (self._rebuild(b, r, query.dtype) for b, r in ((self.key_block, self.keys),
-                                                                              (self.value_block, self.values)))
-                expected, _ = original(module, query, keys, values, attention_mask, *args, scaling=scaling, **kwargs)
+                expected, _ = original(module, query, *self.twin_kv, attention_mask, *args, scaling=scaling, **kwargs)
             out, weights = super().attend(original, module, query, key, value, attention_mask, *args,
                                           scaling=scaling, **kwargs)
             if expected is not None:
@@ -282,6 +300,8 @@ def test_kivi_attention_on_the_real_model_equals_the_models_own_over_rebuilt_kv(
     model = load_model(model_dir)
     ids = tokenizer((Path(__file__).parent / "data" / "legal-contract-00.txt").read_text()).input_ids[:500]
     spec = {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 128}
+    calls = native.CALLS["native"]
     generate(model, spec, ids, 16, make_cache=checked)  # 500 + 16 tokens: the keys flush at 512
     assert len(gaps) == 15 * model.config.num_hidden_layers  # every decode step of every layer checked
+    assert native.CALLS["native"] - calls == 2 * len(gaps)  # key scores and value sums each step: no fallback
     assert max(gaps) < 1e-4 and max(gaps) > 0  # fp32 summation order only; two paths, not one

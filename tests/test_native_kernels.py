@@ -33,20 +33,25 @@ def packed_case(layout: str, bits: int, gen: torch.Generator, groups: int = 3, t
     return codes, values, pack(codes, bits).view(groups, tokens, -1), {}
 
 
-def check_against_formula(layout: str, bits: int) -> None:
+def check_against_formula(layout: str, bits: int, dim: int = 64, rows: int = 4) -> None:
+    """Dots and sums, one query or one per 20 tokens, one weight per token or per 32 channels."""
+    from kvbench.methods import native
+
     gen = torch.Generator().manual_seed(bits)
-    codes, values, packed, kw = packed_case(layout, bits, gen)
+    codes, values, packed, kw = packed_case(layout, bits, gen, dim=dim)
     levels = torch.tensor(values)[codes]  # [G, T, D]
-    query, weights = torch.randn(3, 4, 64, generator=gen), torch.randn(3, 4, 300, generator=gen)
+    calls = native.CALLS["native"]
+    query, weights = torch.randn(3, rows, dim, generator=gen), torch.randn(3, rows, 300, generator=gen)
     assert torch.allclose(lut_dots(packed, bits, values, query, **kw), query @ levels.transpose(-1, -2), atol=1e-4)
     assert torch.allclose(lut_sums(packed, bits, values, weights, **kw), weights @ levels, atol=1e-3)
     # One query per 20 tokens (KIVI's per-group scales folded in); one weight per 32 channels.
-    blocks = torch.randn(3, 15, 4, 64, generator=gen)
+    blocks = torch.randn(3, 15, rows, dim, generator=gen)
     expected = torch.einsum("gtrd,gtd->grt", blocks.repeat_interleave(20, dim=1), levels)
     assert torch.allclose(lut_dots(packed, bits, values, blocks, span=20, **kw), expected, atol=1e-4)
-    grouped = torch.randn(3, 4, 300, 2, generator=gen)
+    grouped = torch.randn(3, rows, 300, dim // 32, generator=gen)
     expected = torch.einsum("grtd,gtd->grd", grouped.repeat_interleave(32, dim=-1), levels)
     assert torch.allclose(lut_sums(packed, bits, values, grouped, **kw), expected, atol=1e-3)
+    assert native.CALLS["native"] - calls == 4  # each ran natively, none fell back
 
 
 @pytest.mark.skipif(not shutil.which(os.environ.get("CC", "cc")) or "avx2" not in CPU_FLAGS,
@@ -64,6 +69,45 @@ def test_kernels_equal_the_unpacked_formula(layout, bits):
     check_against_formula(layout, bits)
 
 
+@pytest.mark.parametrize("dim, rows", [(128, 4), (64, 1), (64, 17), (64, 40)])
+def test_other_head_dims_and_more_query_rows_than_one_pass_takes(dim, rows):
+    """head_dim 128 (the seeds' GPU models); 17 and 40 query rows per KV head take several passes
+    of 16 (many query heads per KV head, or several new tokens)."""
+    if native.library() is None:
+        pytest.skip(native.status())
+    for layout, bits in (("flat", 4), ("sign_magnitude", 3), ("planes", 2)):
+        check_against_formula(layout, bits, dim=dim, rows=rows)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    if native.library() is None:
+        pytest.skip(native.status())
+    gen = torch.Generator().manual_seed(7)
+    _, values, packed, kw = packed_case("sign_magnitude", 3, gen, tokens=3000)
+    query, weights = torch.randn(3, 3, 64, generator=gen), torch.randn(3, 3, 3000, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append((lut_dots(packed, 3, values, query, **kw), lut_sums(packed, 3, values, weights, **kw)))
+    finally:
+        torch.set_num_threads(threads)
+    for dots, sums in results[1:]:
+        assert torch.equal(dots, results[0][0]) and torch.equal(sums, results[0][1])
+
+
+def test_a_query_that_does_not_match_the_codes_is_refused():
+    """The kernels read raw memory: a broadcastable but smaller query must not reach them."""
+    if native.library() is None:
+        pytest.skip(native.status())
+    codes, values, packed, _ = packed_case("flat", 2, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="expected x"):
+        lut_dots(packed, 2, values, torch.ones(1, 4, 64))
+    with pytest.raises(ValueError, match="expected x"):
+        lut_dots(packed, 2, values, torch.ones(3, 7, 4, 64), span=20)  # 15 blocks of 20 tokens needed
+
+
 @pytest.mark.skipif("avx512f" not in CPU_FLAGS or "avx2" not in CPU_FLAGS, reason="AVX2 is the only path here")
 def test_the_avx2_build_equals_the_formula_too(tmp_path):
     """Built without AVX-512 (as on the AVX2 machines), in a process of its own."""
@@ -71,7 +115,8 @@ def test_the_avx2_build_equals_the_formula_too(tmp_path):
               "from kvbench.methods import native\n"
               "assert native.status().startswith('native AVX2'), native.status()\n"
               "for layout, bits in t.CASES + [('planes', 1)]:\n"
-              "    t.check_against_formula(layout, bits)\n")
+              "    t.check_against_formula(layout, bits)\n"
+              "    t.check_against_formula(layout, bits, dim=128, rows=17)\n")
     env = os.environ | {"KVBENCH_KERNEL_FLAGS": "-mno-avx512f", "KVBENCH_KERNEL_CACHE": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

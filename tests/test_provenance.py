@@ -70,10 +70,16 @@ def test_hardware_names_the_decode_kernels_where_methods_ran():
     import subprocess
     import sys
 
-    script = ("from kvbench.provenance import hardware\n"
+    script = ("import re, torch\n"
+              "from kvbench.provenance import hardware\n"
               "assert 'kernels' not in hardware()\n"  # a stage that runs no method
-              "from kvbench.methods import native\n"
-              "assert hardware().endswith('CPU decode kernels: ' + native.status()), hardware()\n")
+              "from kvbench.methods.packing import lut_dots, pack\n"
+              "assert re.search(r'CPU decode kernels: (native AVX|torch).*; no kernel calls$', hardware()), hardware()\n"
+              "packed = pack(torch.zeros(2, 8, 64, dtype=torch.int64), 2).view(2, 8, -1)\n"
+              "native = lut_dots(packed, 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64)) is not None\n"
+              "lut_dots(packed.to('meta'), 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64))\n"
+              "ran = '1 native, ' if native else ''\n"
+              "assert hardware().endswith(f'; kernel calls: {ran}1 torch (not on the CPU)') or not native, hardware()\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
 

@@ -485,6 +485,33 @@ def test_quality_rows_for_every_method_and_built_sample(run):
     assert (workdir / "results/quality/smol/reference.safetensors").stat().st_size > 0
 
 
+def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(run, tmp_path):
+    """kivi2 ran in job 1 after the reference (compared with the references that job wrote and read
+    back); run alone in a new process (the CLI) against the same file it gets the same outputs,
+    bytes and fidelity: sharing a process with the reference changes no number but timings."""
+    import sys
+
+    workdir, config = run
+    out = tmp_path / "kivi2.parquet"
+    cli = [sys.executable, "-m", "kvbench.quality", "--method", "kivi2", "--model", "smol",
+           "--config", str(workdir / "config.yaml"), "--tasks", str(workdir / "results/quality/tasks"),
+           "--references", str(workdir / "results/quality/smol/reference.safetensors"), "--out", str(out),
+           "--threads", str(len(os.sched_getaffinity(0)))]  # as the rule (MACHINE_THREADS)
+    done = subprocess.run(cli, cwd=workdir, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    key = ["task", "sample_id"]
+    alone = pd.read_parquet(out).sort_values(key).reset_index(drop=True)
+    together = read(workdir, "results/quality/smol/jobs/1.parquet")
+    together = together[together.method == "kivi2"].sort_values(key).reset_index(drop=True)
+    assert len(alone) == len(together) > 0 and alone.error.isna().all()
+    exact = ["sample_id", "prediction", "score", "new_tokens", "kv_bytes_prefill", "kv_bytes_end", "first_divergence",
+             "fidelity_positions"]
+    pd.testing.assert_frame_equal(alone[exact], together[exact])
+    assert [list(a) for a in alone.output_ids] == [list(t) for t in together.output_ids]
+    for column in ("kl_first", "kl_mean", "kl_max", "top1_agreement"):
+        pd.testing.assert_series_equal(alone[column], together[column], rtol=1e-4, atol=1e-6)
+
+
 def test_report_tables_check_every_claim_and_recommend(run):
     workdir, config = run
     claims = read(workdir, "results/report/claims.parquet")

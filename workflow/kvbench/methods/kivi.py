@@ -11,12 +11,15 @@ A decode step attends to the new token at full precision and the cache flushes a
 reference does. Codes are packed in byte planes; scales and zero points are fp16; "full
 precision" is the `storage` dtype (fp16, the reference's model dtype).
 
-Decode attends through the cache's own attention (installed by `attach`), as the reference's fused
-kernels do: scores q.k = sum_d (q_d s_d) c_d + sum_d q_d z_d with each key group's per-channel scale
-s and zero point z folded into the query, and sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t
-with each token's per-channel-group scale folded into its weight, both computed straight from the
-packed codes (`packing.lut_dots`/`lut_sums`); no K or V is rebuilt. Without the native kernels
-(or not attached) the quantized blocks are dequantized instead, to the same values.
+On the CPU with the native kernels, decode attends through the cache's own attention (installed by
+`attach`) over the packed codes, without rebuilding K or V: scores q.k = sum_d (q_d s_d) c_d +
+sum_d q_d z_d, each key group's per-channel scales folded into a copy of the query and the zero
+points added as a separate term; values sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t z_t, each
+token's per-channel-group scales folded into its attention weight (`packing.lut_dots`/`lut_sums`).
+The reference's kernels instead dequantize each code in registers (code * scale + zero): the same
+arithmetic, reordered. Elsewhere (no kernels, a GPU, or not attached) each step rebuilds K/V into one
+buffer for the model's own attention, as before; a shape the kernels do not take dequantizes the
+blocks inside the cache's attention.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kvbench.methods import native
 from kvbench.methods.attention import RoutedLayer, attach_routed
 from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, owned, register, tensor_bytes
 from kvbench.methods.kinds import KIVI_GROUP_SIZE, KIVI_RESIDUAL
@@ -140,10 +144,10 @@ class KiviLayer(RoutedLayer, MethodLayer):
         self.values = torch.cat([self.values, value_states.to(self.storage)], dim=-2)
         # This step attends to the quantized blocks plus the residuals with the new token in full
         # precision; then the residuals flush (`after_attention`).
-        if self.attached:
+        if self.attached and key_states.device.type == "cpu" and native.library() is not None:
             self.pending = True
             return key_states, value_states  # unused: `attend` reads the blocks and residuals
-        compute = key_states.dtype  # not attached: rebuilt into one buffer for the model's attention
+        compute = key_states.dtype  # rebuilt into one buffer for the model's own attention
         out = self._rebuild(self.key_block, self.keys, compute), self._rebuild(self.value_block, self.values, compute)
         self._flush()
         return out

@@ -29,8 +29,7 @@ enum { FLAT = 0, SIGN_MAGNITUDE = 1, PLANES = 2 };
 enum { OK = 0, UNSUPPORTED = -1, NO_MEMORY = -2 };
 
 #define CHUNK 256    /* tokens per work item */
-#define MAX_ROWS 16  /* query rows per KV head */
-#define MAX_DIM 512
+#define MAX_ROWS 16  /* query rows scored per pass over a token (more take several passes) */
 
 #if defined(__AVX512F__)
 #define W 16
@@ -124,8 +123,7 @@ static int64_t row_bytes(const codes_t *c) { return c->layout == SIGN_MAGNITUDE 
 static int supported(const codes_t *c) {
     const int bits_ok = c->layout == SIGN_MAGNITUDE ? c->bits == 3 : (c->bits == 1 || c->bits == 2 || c->bits == 4);
     const int64_t w = c->dim * c->bits / 8;
-    return bits_ok && c->dim % W == 0 && c->dim <= MAX_DIM && c->rows <= MAX_ROWS &&
-           (c->layout != PLANES || w % W == 0);
+    return bits_ok && c->dim % W == 0 && (c->layout != PLANES || w % W == 0);
 }
 
 /* One token's dot products with R query rows. Expanded per (layout, bits) so each is compiled with
@@ -191,11 +189,15 @@ int level_dots(int64_t groups, int64_t tokens, int64_t rows, int64_t dim, int la
             const int64_t end = (k + 1) * CHUNK < tokens ? (k + 1) * CHUNK : tokens;
             for (int64_t t = k * CHUNK; t < end; t++) {
                 const int64_t token = g * tokens + t;
-                vf acc[MAX_ROWS];
-                for (int64_t r = 0; r < rows; r++) acc[r] = zero();
-                token_dots(&c, packed + token * rb, signs ? signs + token * sb : NULL,
-                           query + (g * blocks + t / span) * rows * dim, acc);
-                for (int64_t r = 0; r < rows; r++) out[(g * rows + r) * tokens + t] = sum(acc[r]);
+                const float *q = query + (g * blocks + t / span) * rows * dim;
+                for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) { /* MAX_ROWS accumulators at a time */
+                    codes_t part = c;
+                    part.rows = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
+                    vf acc[MAX_ROWS];
+                    for (int64_t r = 0; r < part.rows; r++) acc[r] = zero();
+                    token_dots(&part, packed + token * rb, signs ? signs + token * sb : NULL, q + r0 * dim, acc);
+                    for (int64_t r = 0; r < part.rows; r++) out[(g * rows + r0 + r) * tokens + t] = sum(acc[r]);
+                }
             }
         }
     return OK;

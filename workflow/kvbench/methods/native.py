@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +27,8 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # (groups, tokens, rows, dim, layout, bits, packed, signs, values, query|weights, span|cols, out, threads)
 SIGNATURE = [_I64, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _INT]
 UNSUPPORTED, NO_MEMORY = -1, -2  # the kernels' return codes besides 0
+# What the kernel calls of this process did: "native", or the reason they ran in torch instead.
+CALLS: Counter[str] = Counter()
 
 
 def cache_dir() -> Path:
@@ -70,10 +73,34 @@ def _build(cc: str, key: str) -> Path:
     return target
 
 
+def _mapped_file(address: int) -> str | None:
+    """The file mapped at `address` in this process."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def _shares_torch_openmp(library: ctypes.CDLL) -> bool:
+    """Whether the kernels' OpenMP runtime is the one torch runs (found by soname, so not a given:
+    a torch on another runtime would put two thread pools on the same cores)."""
+    try:
+        ours = _mapped_file(ctypes.cast(library.omp_get_max_threads, ctypes.c_void_p).value)
+        with open("/proc/self/maps") as maps:
+            torch_dir = next((Path(f).parent for f in (line.split()[-1] for line in maps) if f.endswith("libtorch_cpu.so")),
+                             None)
+    except (AttributeError, OSError, ValueError):
+        return False
+    return ours is not None and torch_dir is not None and Path(ours).parent == torch_dir
+
+
 @lru_cache(maxsize=1)
-def _load() -> tuple[ctypes.CDLL | None, str]:
+def _load() -> tuple[ctypes.CDLL | None, str, bool]:
     if os.environ.get("KVBENCH_NATIVE_KERNELS", "1") == "0":
-        return None, "torch (native kernels off: KVBENCH_NATIVE_KERNELS=0)"
+        return None, "torch (native kernels off: KVBENCH_NATIVE_KERNELS=0)", False
     try:
         cc, version = _compiler()
         key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_flags()), version, platform.machine(),
@@ -81,14 +108,17 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         library = ctypes.CDLL(str(_build(cc, key)))
     except (OSError, subprocess.SubprocessError) as error:
         print(f"kvbench: native decode kernels unavailable, using the torch path: {error}", file=sys.stderr)
-        return None, f"torch (native kernels unavailable: {str(error)[:200]})"
+        return None, f"torch (native kernels unavailable: {str(error)[:200]})", False
     isa = library.kernel_isa()
     if not isa:
-        return None, "torch (native kernels need AVX2 or AVX-512; this CPU has neither)"
+        return None, "torch (native kernels need AVX2 or AVX-512; this CPU has neither)", False
     for name in ("level_dots", "level_sums"):
         function = getattr(library, name)
         function.argtypes, function.restype = SIGNATURE, _INT
-    return library, f"native {'AVX-512' if isa == 512 else 'AVX2'} ({version}, {' '.join(_flags()[:3] + _flags()[5:])})"
+    shared = _shares_torch_openmp(library)
+    threads = "torch's threads" if shared else "1 thread: its OpenMP runtime is not torch's"
+    flags = " ".join(_flags()[:3] + _flags()[5:])
+    return library, f"native {'AVX-512' if isa == 512 else 'AVX2'} ({version}, {flags}, {threads})", shared
 
 
 def library() -> ctypes.CDLL | None:
@@ -96,6 +126,13 @@ def library() -> ctypes.CDLL | None:
     return _load()[0]
 
 
+def threads(wanted: int) -> int:
+    """Threads for a kernel call: torch's count when both share one OpenMP runtime, else 1."""
+    return wanted if _load()[2] else 1
+
+
 def status() -> str:
-    """Which decode kernels this process uses, for provenance."""
-    return _load()[1]
+    """Which decode kernels this process has, and what its kernel calls did, for provenance."""
+    if not CALLS:
+        return f"{_load()[1]}; no kernel calls"
+    return f"{_load()[1]}; kernel calls: " + ", ".join(f"{n} {what}" for what, n in sorted(CALLS.items()))

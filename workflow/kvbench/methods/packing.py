@@ -191,22 +191,29 @@ def _codebook16(values: tuple[float, ...], sign_magnitude: bool) -> torch.Tensor
 
 
 def _native(name: str, packed: torch.Tensor, bits: int, values: tuple[float, ...], x: torch.Tensor, extent: int,
-            out_shape: tuple[int, ...], signs: torch.Tensor | None, planes: bool) -> torch.Tensor | None:
+            x_lead: tuple[int, ...], out_shape: tuple[int, ...], signs: torch.Tensor | None,
+            planes: bool) -> torch.Tensor | None:
+    """Run kernel `name`; x must be exactly [*packed lead, *x_lead] (no broadcasting: the kernel
+    reads raw memory). None, counted with its reason in `native.CALLS`, where the torch path runs."""
     library = native.library()
     if library is None or packed.device.type != "cpu":
+        native.CALLS["torch (no native kernels)" if library is None else "torch (not on the CPU)"] += 1
         return None
-    layout = 2 if planes else 1 if signs is not None else 0  # PLANES, SIGN_MAGNITUDE, FLAT
     *lead, t, nb = packed.shape
+    if tuple(x.shape) != (*lead, *x_lead) or (signs is not None and tuple(signs.shape) != (*lead, t, nb // 2)):
+        raise ValueError(f"{name}: packed {tuple(packed.shape)} with x {tuple(x.shape)}: expected x {(*lead, *x_lead)}")
+    layout = 2 if planes else 1 if signs is not None else 0  # PLANES, SIGN_MAGNITUDE, FLAT
     dim = nb * 4 if signs is not None else nb * 8 // bits
-    packed, x = packed.contiguous(), x.float().contiguous()
+    packed, x = packed.contiguous(), x.to(torch.float32).contiguous()
     signs = signs.contiguous() if signs is not None else None
     codebook = _codebook16(values, signs is not None)
-    out = torch.empty(*lead, *out_shape)
+    out = torch.empty(*lead, *out_shape, dtype=torch.float32)
     code = getattr(library, name)(packed[..., 0, 0].numel(), t, out_shape[0], dim, layout, bits, packed.data_ptr(),
                                   signs.data_ptr() if signs is not None else None, codebook.data_ptr(),
-                                  x.data_ptr(), extent, out.data_ptr(), torch.get_num_threads())
+                                  x.data_ptr(), extent, out.data_ptr(), native.threads(torch.get_num_threads()))
     if code == native.NO_MEMORY:
         raise MemoryError(f"{name}: out of memory")
+    native.CALLS["torch (a shape the kernels do not take)" if code == native.UNSUPPORTED else "native"] += 1
     return None if code == native.UNSUPPORTED else out
 
 
@@ -218,7 +225,9 @@ def lut_dots(packed: torch.Tensor, bits: int, values: tuple[float, ...], query: 
     for one query per `span` tokens -> [..., R, T] fp32. None where the kernels do not run (not
     built here, not on the CPU, a shape they do not take): the caller's torch path runs instead."""
     t = packed.shape[-2]
-    return _native("level_dots", packed, bits, values, query, span or t, (query.shape[-2], t), signs, planes)
+    blocks = () if span is None else (-(-t // span),)
+    rows, dim = query.shape[-2], query.shape[-1]
+    return _native("level_dots", packed, bits, values, query, span or t, (*blocks, rows, dim), (rows, t), signs, planes)
 
 
 def lut_sums(packed: torch.Tensor, bits: int, values: tuple[float, ...], weights: torch.Tensor, *,
@@ -229,5 +238,7 @@ def lut_sums(packed: torch.Tensor, bits: int, values: tuple[float, ...], weights
     nb = packed.shape[-1]
     dim = nb * 4 if signs is not None else nb * 8 // bits
     grouped = weights.dim() == packed.dim() + 1
-    return _native("level_sums", packed, bits, values, weights, weights.shape[-1] if grouped else 1,
-                   (weights.shape[-3 if grouped else -2], dim), signs, planes)
+    rows, t = weights.shape[-3 if grouped else -2], packed.shape[-2]
+    cols = weights.shape[-1] if grouped else 1
+    return _native("level_sums", packed, bits, values, weights, cols, (rows, t, cols) if grouped else (rows, t),
+                   (rows, dim), signs, planes)
