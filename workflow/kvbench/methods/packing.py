@@ -195,9 +195,12 @@ def _native(name: str, packed: torch.Tensor, bits: int, values: tuple[float, ...
             planes: bool) -> torch.Tensor | None:
     """Run kernel `name`; x must be exactly [*packed lead, *x_lead] (no broadcasting: the kernel
     reads raw memory). None, counted with its reason in `native.CALLS`, where the torch path runs."""
+    if packed.device.type != "cpu":  # checked first: a GPU host builds nothing
+        native.CALLS["torch (not on the CPU)"] += 1
+        return None
     library = native.library()
-    if library is None or packed.device.type != "cpu":
-        native.CALLS["torch (no native kernels)" if library is None else "torch (not on the CPU)"] += 1
+    if library is None:
+        native.CALLS["torch (no native kernels)"] += 1
         return None
     *lead, t, nb = packed.shape
     if tuple(x.shape) != (*lead, *x_lead) or (signs is not None and tuple(signs.shape) != (*lead, t, nb // 2)):
