@@ -54,6 +54,14 @@ def check_against_formula(layout: str, bits: int, dim: int = 64, rows: int = 4) 
     assert native.CALLS["native"] - calls == 4  # each ran natively, none fell back
 
 
+def in_own_process(script: str, cache: Path, **env: str) -> None:
+    """Run `script` in a fresh interpreter (the kernels load once per process) with `env` set and
+    a kernel cache of its own; it must exit 0."""
+    env = os.environ | env | {"KVBENCH_KERNEL_CACHE": str(cache)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.skipif(not shutil.which(os.environ.get("CC", "cc")) or "avx2" not in CPU_FLAGS,
                     reason="needs a C compiler and AVX2")
 def test_the_kernels_build_and_load_on_this_machine():
@@ -117,9 +125,7 @@ def test_the_avx2_build_equals_the_formula_too(tmp_path):
               "for layout, bits in t.CASES + [('planes', 1)]:\n"
               "    t.check_against_formula(layout, bits)\n"
               "    t.check_against_formula(layout, bits, dim=128, rows=17)\n")
-    env = os.environ | {"KVBENCH_KERNEL_FLAGS": "-mno-avx512f", "KVBENCH_KERNEL_CACHE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    in_own_process(script, tmp_path, KVBENCH_KERNEL_FLAGS="-mno-avx512f")
 
 
 def test_switched_off_the_callers_get_none_and_the_status_says_so(tmp_path):
@@ -129,9 +135,7 @@ def test_switched_off_the_callers_get_none_and_the_status_says_so(tmp_path):
               "assert native.status().startswith('torch'), native.status()\n"
               "packed = pack(torch.zeros(2, 8, 64, dtype=torch.int64), 2).view(2, 8, -1)\n"
               "assert lut_dots(packed, 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64)) is None\n")
-    env = os.environ | {"KVBENCH_NATIVE_KERNELS": "0", "KVBENCH_KERNEL_CACHE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    in_own_process(script, tmp_path, KVBENCH_NATIVE_KERNELS="0")
 
 
 def test_shapes_the_vector_code_does_not_take_fall_back():
