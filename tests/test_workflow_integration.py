@@ -506,7 +506,7 @@ def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(r
     assert len(alone) == len(together) > 0 and alone.error.isna().all()
     exact = ["sample_id", "prediction", "score", "new_tokens", "kv_bytes_prefill", "kv_bytes_end", "first_divergence",
              "fidelity_positions"]
-    pd.testing.assert_frame_equal(alone[exact], together[exact])
+    pd.testing.assert_frame_equal(alone[exact], together[exact], check_dtype=False)  # job 1 has NaN rows (its reference)
     assert [list(a) for a in alone.output_ids] == [list(t) for t in together.output_ids]
     for column in ("kl_first", "kl_mean", "kl_max", "top1_agreement"):
         pd.testing.assert_series_equal(alone[column], together[column], rtol=1e-4, atol=1e-6)
