@@ -4,15 +4,15 @@ is not KIVI: per-token groups with fp32 scale and shift, whole cache re-quantize
 `residual` tokens), plus each method's overhead against `full`.
 
 Like for like: both sides prefill with `logits_to_keep=1` and stop at end of sequence (each row
-records its `new_tokens`); each process first runs one untimed full-length prefill per prompt (the
-peer's is a fresh process every round, ours lives on), then one 256-token warm-up per method; each side's overhead is taken against a
+records its `new_tokens`); each side runs every round in a fresh process (model loaded, one untimed full-length prefill per
+prompt), then one 256-token warm-up per method; each side's overhead is taken against a
 `full` run in its own venv (ours: the fp32 `{kind: full}`, as a DynamicCache keeps it; the peer's:
 a plain DynamicCache); our SnapKV is also run at fp32 storage, kvpress's equal bytes; quanto runs
 with groups of `--quanto-group` values (default 64: fp32 scale + shift per 64 values cost what
 KIVI's fp16 scale + zero point per 32 do; quanto's residual tokens stay at the model's fp32 where
 KIVI's are fp16, so bytes are never exactly equal), and the table shows both sides' measured bytes.
 Timings on a small shared CPU drift, so the run is interleaved: each round runs every peer (one
-subprocess) and every one of our methods once per prompt, in an order shuffled per round (seeded),
+subprocess) and every one of our methods (another) once per prompt, in an order shuffled per round (seeded),
 and the summary takes medians over rounds of same-round ratios.
 
     .venv/bin/python bench/side_by_side.py [--rounds 3] [--new-tokens 24] [--contexts 1024 4096]
@@ -25,6 +25,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,11 @@ def build_all_prompts(tokenizer: Any, contexts: list[int]) -> list[dict[str, Any
     return prompts
 
 
-def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_: int, rng: random.Random) -> list[dict]:
+def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_: int, order: list[str]) -> list[dict]:
     rows = []
     for prompt in prompts:  # every prompt length touched once, untimed, as the peer's fresh process does
         generate(model, OURS["full"], prompt["input_ids"], 2)
-    for name in rng.sample(list(OURS), len(OURS)):
+    for name in order:
         for prompt in prompts:
             generate(model, OURS[name], prompt["input_ids"][:256], 2)  # warm-up, excluded
             run = generate(model, OURS[name], prompt["input_ids"], new_tokens)
@@ -80,6 +81,22 @@ def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_
             print(f"round {round_} {name} {prompt['prompt_id']}: TTFT {run['ttft_s']:.2f} s, TPOT {run['tpot_s']:.3f} s",
                   flush=True)
     return rows
+
+
+def run_ours(prompts: list[dict[str, Any]], new_tokens: int, round_: int, order: list[str]) -> list[dict]:
+    """One round of ours in a fresh process, as each peer round runs (`--our-round`)."""
+    setup = {"prompts": [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"]} for p in prompts],
+             "new_tokens": new_tokens, "round": round_, "order": order}
+    Path(".bench/ours_setup.json").write_text(json.dumps(setup))
+    subprocess.run([sys.executable, __file__, "--our-round", ".bench/ours_setup.json", ".bench/ours.json"], check=True)
+    return json.loads(Path(".bench/ours.json").read_text())
+
+
+def our_round_process(setup_path: str, out_path: str) -> None:
+    setup = json.loads(Path(setup_path).read_text())
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    rows = our_round(load_model(MODEL), setup["prompts"], setup["new_tokens"], setup["round"], setup["order"])
+    Path(out_path).write_text(json.dumps(rows))
 
 
 def peer_setup(prompts: list[dict[str, Any]], new_tokens: int, quanto_group: int, order: list[str]) -> dict:
@@ -147,13 +164,15 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--quanto-group", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--our-round", nargs=2, metavar=("SETUP", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.our_round:
+        return our_round_process(*args.our_round)
     Path(".bench").mkdir(exist_ok=True)
     torch.manual_seed(args.seed)
     torch.set_num_threads(len(os.sched_getaffinity(0)))  # both sides: every CPU the bench may use
     tokenizer = load_tokenizer(MODEL)
     prompts = build_all_prompts(tokenizer, args.contexts)
-    model = load_model(MODEL)
     rng = random.Random(args.seed)
     rows, versions = [], {}
     for round_ in range(args.rounds):
@@ -163,7 +182,7 @@ def main() -> None:
                 peer_rows, versions = peer_round(prompts, args.new_tokens, args.quanto_group, round_, rng)
                 rows += peer_rows
             else:
-                rows += our_round(model, prompts, args.new_tokens, round_, rng)
+                rows += run_ours(prompts, args.new_tokens, round_, rng.sample(list(OURS), len(OURS)))
     table = add_overheads(pd.DataFrame(rows))
     pd.set_option("display.width", 250)
     summary = table.groupby(["implementation", "method", "prompt_id"], sort=False).agg(
