@@ -74,6 +74,7 @@ $(PEER_VENV)/.installed: envs/peers.txt
 
 bench-peers: setup $(PEER_VENV)/.installed
 	$(BIN)/python bench/side_by_side.py
+	$(BIN)/python bench/decode_side_by_side.py
 	$(BIN)/python bench/snapkv_agreement.py
 
 # Report stage cost (3 reruns), and the HTML report as a reader sees it: Debian's chromium,

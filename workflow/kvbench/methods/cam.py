@@ -99,9 +99,8 @@ class CaMLayer(ScoredLayer):
                 self._compress(key_states, value_states, scores, attn, keep, tokens)
             return key_states, value_states  # the prefill itself attends to the whole prompt
         compute = key_states.dtype
-        keys = torch.cat([self.keys, key_states.to(self.storage)], dim=-2)
-        values = torch.cat([self.values, value_states.to(self.storage)], dim=-2)
-        self.store(keys, values)
+        keys = self.append("keys", key_states.to(self.storage))
+        values = self.append("values", value_states.to(self.storage))
         out = keys.to(compute), values.to(compute)  # this step attends to everything; compression follows
         if self.target is not None:
             self._decode_schedule(queries, out[0], key_states.shape[-2])

@@ -44,27 +44,33 @@ class ScoredLayer(MethodLayer):
 
 class EvictionCache(MethodCache):
     def attach(self, model: torch.nn.Module) -> list[Any]:
-        handles = []
+        """A query hook on each attention module whose layer still needs queries: every layer before
+        its prefill, only H2O-like layers (`decode_queries`) after it."""
+        handles: dict[int, Any] = {}
         for index, block in enumerate(model.model.layers):
             if getattr(block.self_attn, "q_norm", None) is not None:  # Qwen3-style: normed before RoPE
                 raise NotImplementedError(f"{type(block.self_attn).__name__} normalizes its queries (q_norm), "
                                           "which the query hook does not reproduce: eviction methods need q_proj + RoPE only")
-            handles.append(block.self_attn.register_forward_pre_hook(self.query_hook(index), with_kwargs=True))
-        return handles
+            if self.wants_queries(index):
+                handles[index] = block.self_attn.register_forward_pre_hook(self.query_hook(index, handles), with_kwargs=True)
+        return list(handles.values())
 
-    def query_hook(self, index: int):
-        """The forward pre-hook of attention module `index`: hands layer `index` its queries."""
+    def wants_queries(self, index: int) -> bool:
+        layer = self.layers[index]
+        return not layer.is_initialized or layer.decode_queries
+
+    def query_hook(self, index: int, handles: dict[int, Any]):
+        """The forward pre-hook of attention module `index`: hands layer `index` its queries, and
+        removes itself once the layer needs none (a hook on a module slows every call through it)."""
 
         def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             layer = self.layers[index]
-            if layer.is_initialized:
-                if not layer.decode_queries:
-                    return
-                window = None
-            else:
-                window = layer.prefill_queries
-                if window == 0:
-                    return
+            if not self.wants_queries(index):
+                handles[index].remove()  # safe inside the call: torch iterates over a copy of the hooks
+                return
+            window = None if layer.is_initialized else layer.prefill_queries
+            if window == 0:
+                return
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             cos, sin = kwargs["position_embeddings"]
             if window is not None:

@@ -36,8 +36,8 @@ class Fp8Layer(MethodLayer):
             self.keys = to_fp8_bytes(key_states)
             self.values = to_fp8_bytes(value_states)
             return key_states, value_states
-        self.keys = torch.cat([self.keys, to_fp8_bytes(key_states)], dim=-2)
-        self.values = torch.cat([self.values, to_fp8_bytes(value_states)], dim=-2)
+        self.append("keys", to_fp8_bytes(key_states))
+        self.append("values", to_fp8_bytes(value_states))
         return from_fp8_bytes(self.keys).to(key_states.dtype), from_fp8_bytes(self.values).to(value_states.dtype)
 
 

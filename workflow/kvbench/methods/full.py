@@ -7,24 +7,25 @@ from typing import Any
 
 import torch
 
-from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, register
+from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, register, stored
 
 
 class StoredLayer(MethodLayer):
     """Full cache held at a storage dtype, computed with at the incoming dtype. The prefill attends
-    to the K/V it was given, as every method's prefill does; decode reads the stored cache."""
+    to the K/V it was given, as every method's prefill does; decode appends in place (`append`) and
+    reads the stored cache."""
 
     def __init__(self, storage: torch.dtype | None) -> None:
         super().__init__()
         self.storage = storage
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if self.storage is None:
-            return super().update(key_states, value_states)
-        prefill = not self.is_initialized
-        keys, values = super().update(key_states.to(self.storage), value_states.to(self.storage))
-        if prefill:
+        storage = self.storage or key_states.dtype
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = stored(key_states, storage), stored(value_states, storage)
             return key_states, value_states
+        keys, values = self.append("keys", key_states.to(storage)), self.append("values", value_states.to(storage))
         return keys.to(key_states.dtype), values.to(value_states.dtype)
 
 

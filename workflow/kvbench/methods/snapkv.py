@@ -27,9 +27,9 @@ class SnapKVLayer(ScoredLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if self.is_initialized:  # decode: append at the storage dtype, attend at the compute dtype
-            self.store(torch.cat([self.keys, key_states.to(self.storage)], dim=-2),
-                       torch.cat([self.values, value_states.to(self.storage)], dim=-2))
-            return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
+            keys = self.append("keys", key_states.to(self.storage))
+            values = self.append("values", value_states.to(self.storage))
+            return keys.to(key_states.dtype), values.to(value_states.dtype)
         self.lazy_initialization(key_states, value_states)
         queries = self.take_queries()
         index = self.select(queries, key_states)

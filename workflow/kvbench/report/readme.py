@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Union
 
+import numpy as np
 import pandas as pd
 
 from kvbench.report.render import markdown_table
@@ -87,21 +88,40 @@ def _serve(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _peers(pairs: pd.DataFrame) -> pd.DataFrame:
-    """bench/side_by_side.py's pairs: ratios ours / peer (medians over rounds of same-round ratios),
-    raw and divided by each side's own full (`÷ fulls`: the methods' own costs, without the two
-    venvs' base speeds; the range is over rounds), each side's overhead over its own full, both
-    sides' measured bytes and decode steps."""
+    """bench/side_by_side.py's pairs (whole generations): ratios ours / peer (medians over rounds of
+    same-round ratios), raw and divided by each side's DynamicCache run (`÷ DynamicCache`: without
+    the two venvs' base speeds; the range is over rounds), each side's overhead over its DynamicCache
+    run, both sides' measured bytes and decode steps."""
     pct = lambda col: (100 * pairs[col]).round(1)  # noqa: E731
     return pd.DataFrame({
         "prompt": pairs.prompt_id, "tokens": pairs.context_tokens, "ours": pairs.ours, "peer": pairs.peer,
         "TTFT ours/peer": pairs.ttft_ratio, "TPOT ours/peer": pairs.tpot_ratio,
-        "TTFT ours/peer ÷ fulls": pairs.ttft_norm_ratio, "TPOT ours/peer ÷ fulls": pairs.tpot_norm_ratio,
-        "TPOT ÷ fulls range": pairs.tpot_norm_ratio_min.round(3).astype(str) + "–" + pairs.tpot_norm_ratio_max.round(3).astype(str),
-        "TTFT vs full, ours %": pct("ttft_overhead_ours"), "TTFT vs full, peer %": pct("ttft_overhead_peer"),
-        "TPOT vs full, ours %": pct("tpot_overhead_ours"), "TPOT vs full, peer %": pct("tpot_overhead_peer"),
+        "TTFT ours/peer ÷ DynamicCache": pairs.ttft_norm_ratio, "TPOT ours/peer ÷ DynamicCache": pairs.tpot_norm_ratio,
+        "TPOT ÷ DynamicCache range": pairs.tpot_norm_ratio_min.round(3).astype(str) + "–" + pairs.tpot_norm_ratio_max.round(3).astype(str),
+        "TTFT vs DynamicCache, ours %": pct("ttft_overhead_ours"), "TTFT vs DynamicCache, peer %": pct("ttft_overhead_peer"),
+        "TPOT vs DynamicCache, ours %": pct("tpot_overhead_ours"), "TPOT vs DynamicCache, peer %": pct("tpot_overhead_peer"),
         "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6,
         "new tokens ours/peer": pairs.new_tokens_ours.astype(str) + "/" + pairs.new_tokens_peer.astype(str),
-        "rounds": pairs.rounds, "ours ≤ peer": (pairs.tpot_norm_ratio <= 1).map({True: "yes", False: "no"})})
+        "rounds": pairs.rounds})
+
+
+def _peers_decode(pairs: pd.DataFrame) -> pd.DataFrame:
+    """bench/decode_side_by_side.py's pairs (ours and the peers in one process, decode steps
+    interleaved): the median over rounds of ours / peer TPOT on the same steps, and its range; each
+    side's TPOT over the process's DynamicCache and over its own full cache; both sides' bytes after
+    the last step; how often the two predict the same next token; the verdict: `yes` only where ours
+    is at least as fast while holding at most the peer's bytes."""
+    faster, fewer = pairs.tpot_ratio <= 1, pairs.bytes_ours <= pairs.bytes_peer
+    verdict = np.select([faster & fewer, faster], ["yes", "faster, more bytes"], "no")
+    return pd.DataFrame({
+        "prompt": pairs.prompt_id, "tokens": pairs.context_tokens, "ours": pairs.ours, "peer": pairs.peer,
+        "steps": pairs.steps, "rounds": pairs.rounds, "TPOT ours/peer": pairs.tpot_ratio,
+        "range over rounds": pairs.tpot_ratio_min.round(3).astype(str) + "–" + pairs.tpot_ratio_max.round(3).astype(str),
+        "TPOT / DynamicCache, ours": pairs.tpot_vs_dynamic_ours, "TPOT / DynamicCache, peer": pairs.tpot_vs_dynamic_peer,
+        "TPOT / own full, ours": pairs.tpot_vs_own_full_ours, "TPOT / own full, peer": pairs.tpot_vs_own_full_peer,
+        "TPOT ours (s)": pairs.tpot_ours_s, "TPOT peer (s)": pairs.tpot_peer_s,
+        "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6,
+        "same next token %": (100 * pairs.next_token_agreement).round(1), "ours ≤ peer at ≤ its bytes": verdict})
 
 
 def _snapkv_agreement(t: pd.DataFrame) -> pd.DataFrame:
@@ -167,6 +187,7 @@ BLOCKS: dict[str, tuple[tuple[str, ...], Callable[..., Shown]]] = {
     "quality-categories": (("quality/*/summary.parquet",), _quality_categories),
     "serve": (("serve/offload.parquet",), _serve),
     "peers": (("bench/side_by_side_pairs.parquet",), _peers),
+    "peers-decode": (("bench/decode_side_by_side_pairs.parquet",), _peers_decode),
     "snapkv-agreement": (("bench/snapkv_agreement.parquet",), _snapkv_agreement),
     "decode-overhead": (("bench/decode_overhead.parquet",), _decode_overhead),
     "kill-resume": (("bench/kill_resume.parquet", "bench/kill_resume_tables.parquet"), _kill_resume),

@@ -1,0 +1,125 @@
+"""Decode cost of our methods and their peers in one process, step by step interleaved
+(`make bench-peers`).
+
+`bench/side_by_side.py` times whole generations, each side in its own venv, one method after
+another: on this small shared CPU a round's methods run seconds apart, drift swings single-round
+TPOT ratios by ±30 %, and the two venvs' transformers versions differ. Here one process per round,
+in the peer venv (`.bench/peer-venv`, with our methods imported from `workflow/`), prefills every
+method's cache for a prompt, ours and the peers', on the same model object, then decodes the same
+tokens (our `full`'s greedy answer, teacher-forced) one step per method, in an order shuffled per
+step (seeded): the two sides share the transformers, the torch, the threads and the moment, and
+drift cancels in the ratio of their summed step times (TPOT over the same steps). Each step's
+predicted next token is kept, so the table also says how often ours and the peer agree.
+
+What differs from `make run`: our methods run on the peer venv's transformers (kvpress pins < 5.3),
+not on ours. Each round is a fresh process.
+
+    .venv/bin/python bench/decode_side_by_side.py [--rounds 5] [--steps 32] [--contexts 1024 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from kvbench.harness import generate
+from kvbench.models import load_model, load_tokenizer
+from kvbench.provenance import provenance, write_table
+from side_by_side import MODEL, OURS, PEER_PYTHON, build_all_prompts
+
+# Ours against its peer; `full` against `peer-full` (a plain DynamicCache) shows what appending in
+# place saves over concatenating.
+PEER_OF = {"full": "peer-full", "snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv",
+           "kivi2": "quanto-int2", "kivi4": "quanto-int4"}
+OWN_FULL = {"ours": "full", "peer": "peer-full"}
+
+
+def run_round(setup: dict[str, Any]) -> dict:
+    Path(".bench/steps_setup.json").write_text(json.dumps(setup))
+    env = os.environ | {"PYTHONPATH": "workflow"}
+    subprocess.run([PEER_PYTHON, "bench/peer_methods.py", "steps", MODEL, ".bench/steps_setup.json", ".bench/steps.json"],
+                   check=True, env=env)
+    return json.loads(Path(".bench/steps.json").read_text())
+
+
+def per_round(table: pd.DataFrame) -> pd.DataFrame:
+    """Per round, prompt and method: TPOT (mean step time) and its ratios to the same process's
+    DynamicCache (`peer-full`) and to the method's own side's full cache, over the same steps."""
+    sums = table.groupby(["round", "prompt_id", "method"], sort=False).agg(
+        context_tokens=("context_tokens", "first"), steps=("step", "nunique"), seconds=("seconds", "sum"),
+        kv_bytes=("kv_bytes", "last")).reset_index()
+    sums["tpot_s"] = sums.seconds / sums.steps
+    ref = sums.set_index(["round", "prompt_id", "method"]).seconds
+    for column, base in (("tpot_vs_dynamic", sums.method.map(lambda m: "peer-full")),
+                         ("tpot_vs_own_full", sums.method.map(lambda m: OWN_FULL["ours" if m in PEER_OF else "peer"]))):
+        sums[column] = sums.seconds.to_numpy() / ref.reindex(pd.MultiIndex.from_arrays([sums["round"], sums.prompt_id, base])).to_numpy()
+    return sums
+
+
+def pairs(table: pd.DataFrame) -> pd.DataFrame:
+    """Ours vs peer per prompt: medians (and range) over rounds of ours / peer TPOT over the same
+    steps of the same process; each side over the DynamicCache and over its own full; bytes after
+    the last step; the share of steps whose predicted next token is the same on both sides."""
+    rounds = per_round(table).set_index(["method", "prompt_id"]).sort_index()
+    tokens = table.set_index(["method", "prompt_id", "round", "step"]).next_token.sort_index()
+    rows = []
+    for ours, peer in PEER_OF.items():
+        for prompt_id in table.prompt_id.unique():
+            a = rounds.loc[[(ours, prompt_id)]].set_index("round")
+            b = rounds.loc[[(peer, prompt_id)]].set_index("round")
+            ratio = a.tpot_s / b.tpot_s
+            same = (tokens.loc[(ours, prompt_id)] == tokens.loc[(peer, prompt_id)]).mean()
+            rows.append({"ours": ours, "peer": peer, "prompt_id": prompt_id, "context_tokens": int(a.context_tokens.iloc[0]),
+                         "steps": int(a.steps.iloc[0]), "rounds": len(ratio),
+                         "tpot_ratio": ratio.median(), "tpot_ratio_min": ratio.min(), "tpot_ratio_max": ratio.max(),
+                         "tpot_vs_dynamic_ours": a.tpot_vs_dynamic.median(), "tpot_vs_dynamic_peer": b.tpot_vs_dynamic.median(),
+                         "tpot_vs_own_full_ours": a.tpot_vs_own_full.median(), "tpot_vs_own_full_peer": b.tpot_vs_own_full.median(),
+                         "tpot_ours_s": a.tpot_s.median(), "tpot_peer_s": b.tpot_s.median(),
+                         "bytes_ours": int(a.kv_bytes.iloc[0]), "bytes_peer": int(b.kv_bytes.iloc[0]),
+                         "next_token_agreement": float(same)})
+    return pd.DataFrame(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--quanto-group", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    Path(".bench").mkdir(exist_ok=True)
+    threads = len(os.sched_getaffinity(0))  # every CPU the bench may use
+    torch.set_num_threads(threads)
+    tokenizer, model = load_tokenizer(MODEL), load_model(MODEL)
+    prompts = [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"],
+                "tokens": generate(model, {"kind": "full"}, p["input_ids"], args.steps)["tokens"]}
+               for p in build_all_prompts(tokenizer, args.contexts)]
+    del model
+    rows, versions = [], {}
+    for round_ in range(args.rounds):
+        setup = {"prompts": prompts, "seed": args.seed * 1000 + round_, "threads": threads,
+                 "snapkv": OURS["snapkv"], "quanto": {"group_size": args.quanto_group, "residual": OURS["kivi2"]["residual"]},
+                 "ours": {name: OURS[name] for name in PEER_OF}}
+        out = run_round(setup)
+        versions = out["versions"]
+        rows += [r | {"round": round_, "implementation": "ours" if r["method"] in PEER_OF else "peer"} for r in out["rows"]]
+    table = pd.DataFrame(rows).assign(peer_versions=json.dumps(versions, sort_keys=True), threads=threads)
+    compared = pairs(table)
+    pd.set_option("display.width", 250)
+    print(compared.to_string(index=False, float_format="%.3f"))
+    config = {"seed": args.seed, "bench": "decode_side_by_side", "rounds": args.rounds, "steps": args.steps,
+              "contexts": args.contexts, "quanto_group": args.quanto_group}
+    write_table(table, "results/bench/decode_side_by_side.parquet", provenance(config, model="smollm2-135m"))
+    write_table(compared, "results/bench/decode_side_by_side_pairs.parquet", provenance(config, model="smollm2-135m"))
+
+
+if __name__ == "__main__":
+    main()
