@@ -128,7 +128,8 @@ def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(tmp_path
     # over our own full (2, then 1): 1, 1 -> 1.
     assert snapkv["TPOT / DynamicCache, ours"] == "0.75" and snapkv["TPOT / own full, ours"] == "1"
     assert snapkv["KV MB ours"] == "6"  # after the last step
-    assert kivi2["TPOT ours/peer"] == "0.5" and kivi2["ours ≤ peer at ≤ its bytes"] == "faster, more bytes"
+    # kivi2 holds 6 MB after the last step, quanto-int2 5 MB: faster, with 20 % more bytes.
+    assert kivi2["TPOT ours/peer"] == "0.5" and kivi2["ours ≤ peer at ≤ its bytes"] == "faster, +20.0 % bytes"
     assert len(rows_of) == len(bench.PEER_OF)
 
 

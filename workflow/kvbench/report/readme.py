@@ -110,9 +110,10 @@ def _peers_decode(pairs: pd.DataFrame) -> pd.DataFrame:
     interleaved): the median over rounds of ours / peer TPOT on the same steps, and its range; each
     side's TPOT over the process's DynamicCache and over its own full cache; both sides' bytes after
     the last step; how often the two predict the same next token; the verdict: `yes` only where ours
-    is at least as fast while holding at most the peer's bytes."""
-    faster, fewer = pairs.tpot_ratio <= 1, pairs.bytes_ours <= pairs.bytes_peer
-    verdict = np.select([faster & fewer, faster], ["yes", "faster, more bytes"], "no")
+    is at least as fast while holding at most the peer's bytes (faster with more: by how much)."""
+    faster, extra = pairs.tpot_ratio <= 1, 100 * (pairs.bytes_ours / pairs.bytes_peer - 1)
+    more = "faster, +" + extra.round(1).astype(str) + " % bytes"
+    verdict = np.select([faster & (extra <= 0), faster], ["yes", more], "no")
     return pd.DataFrame({
         "prompt": pairs.prompt_id, "tokens": pairs.context_tokens, "ours": pairs.ours, "peer": pairs.peer,
         "steps": pairs.steps, "rounds": pairs.rounds, "TPOT ours/peer": pairs.tpot_ratio,
