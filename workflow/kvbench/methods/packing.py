@@ -190,6 +190,11 @@ def _codebook16(values: tuple[float, ...], sign_magnitude: bool) -> torch.Tensor
     return torch.tensor(values + (0.0,) * (16 - len(values)), dtype=torch.float32)
 
 
+def _row_codes(packed: torch.Tensor, bits: int, signs: torch.Tensor | None) -> int:
+    """Codes in one packed row: sign-magnitude rows hold four 2-bit magnitudes a byte (the signs apart)."""
+    return packed.shape[-1] * 4 if signs is not None else packed.shape[-1] * 8 // bits
+
+
 def _native(name: str, packed: torch.Tensor, bits: int, values: tuple[float, ...], x: torch.Tensor, extent: int,
             x_lead: tuple[int, ...], out_shape: tuple[int, ...], signs: torch.Tensor | None,
             planes: bool) -> torch.Tensor | None:
@@ -206,7 +211,7 @@ def _native(name: str, packed: torch.Tensor, bits: int, values: tuple[float, ...
     if tuple(x.shape) != (*lead, *x_lead) or (signs is not None and tuple(signs.shape) != (*lead, t, nb // 2)):
         raise ValueError(f"{name}: packed {tuple(packed.shape)} with x {tuple(x.shape)}: expected x {(*lead, *x_lead)}")
     layout = 2 if planes else 1 if signs is not None else 0  # PLANES, SIGN_MAGNITUDE, FLAT
-    dim = nb * 4 if signs is not None else nb * 8 // bits
+    dim = _row_codes(packed, bits, signs)
     packed, x = packed.contiguous(), x.to(torch.float32).contiguous()
     signs = signs.contiguous() if signs is not None else None
     codebook = _codebook16(values, signs is not None)
@@ -238,8 +243,7 @@ def lut_sums(packed: torch.Tensor, bits: int, values: tuple[float, ...], weights
     """weights @ codes with codes as `values[code]` -> [..., R, D] fp32, by the native kernel; weights
     [..., R, T], or [..., R, T, C] for one weight per group of D / C channels. None where the kernel
     does not run (see `lut_dots`)."""
-    nb = packed.shape[-1]
-    dim = nb * 4 if signs is not None else nb * 8 // bits
+    dim = _row_codes(packed, bits, signs)
     grouped = weights.dim() == packed.dim() + 1
     rows, t = weights.shape[-3 if grouped else -2], packed.shape[-2]
     cols = weights.shape[-1] if grouped else 1
