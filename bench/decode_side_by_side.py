@@ -57,8 +57,8 @@ def per_round(table: pd.DataFrame) -> pd.DataFrame:
         kv_bytes=("kv_bytes", "last")).reset_index()
     sums["tpot_s"] = sums.seconds / sums.steps
     ref = sums.set_index(["round", "prompt_id", "method"]).seconds
-    for column, base in (("tpot_vs_dynamic", sums.method.map(lambda m: "peer-full")),
-                         ("tpot_vs_own_full", sums.method.map(lambda m: OWN_FULL["ours" if m in PEER_OF else "peer"]))):
+    own_full = sums.method.map(lambda m: OWN_FULL["ours" if m in PEER_OF else "peer"])
+    for column, base in (("tpot_vs_dynamic", pd.Series("peer-full", index=sums.index)), ("tpot_vs_own_full", own_full)):
         sums[column] = sums.seconds.to_numpy() / ref.reindex(pd.MultiIndex.from_arrays([sums["round"], sums.prompt_id, base])).to_numpy()
     return sums
 

@@ -48,7 +48,7 @@ MODEL = "resources/models/smollm2-135m"
 PEER_PYTHON = ".bench/peer-venv/bin/python"
 CONFIG_METHODS = yaml.safe_load(Path("config/config.yaml").read_text())["methods"]
 OURS = {name: CONFIG_METHODS[name] for name in ("snapkv", "kivi2", "kivi4")}
-OURS["full"] = {"kind": "full"}  # fp32, as the peer's DynamicCache
+OURS["full"] = {"kind": "full"}  # fp32 as the peer's DynamicCache keeps it; appends in place
 OURS["dynamic"] = {"kind": "full"}  # run as transformers' own DynamicCache (make_cache below)
 OURS["snapkv-fp32"] = OURS["snapkv"] | {"storage": "fp32"}
 # dynamic vs peer-full: the two venvs' transformers versions alone (the base of every raw ratio).
@@ -93,7 +93,7 @@ def build_all_prompts(tokenizer: Any, contexts: list[int]) -> list[dict[str, Any
 def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_: int, order: list[str]) -> list[dict]:
     rows = []
     for prompt in prompts:  # every prompt length touched once, untimed, as the peer's fresh process does
-        generate(model, OURS["full"], prompt["input_ids"], 2, make_cache=make_cache("dynamic"))
+        generate(model, OURS["dynamic"], prompt["input_ids"], 2, make_cache=make_cache("dynamic"))
     for name in order:
         for prompt in prompts:
             generate(model, OURS[name], prompt["input_ids"][:256], 2, make_cache=make_cache(name))  # warm-up, excluded

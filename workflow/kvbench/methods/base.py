@@ -50,14 +50,10 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(storages.values())
 
 
-def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x` at `dtype` in a contiguous storage of its own (never the caller's tensor, nor a view of it)."""
-    return x.to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
-
-
-def owned(x: torch.Tensor) -> torch.Tensor:
-    """`x` in a storage of its own (a slice would keep its parent's whole storage alive)."""
-    return x.clone(memory_format=torch.contiguous_format)
+def owned(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`x` (at `dtype` if given) in a contiguous storage of its own: never the caller's tensor, nor a
+    view of it (a slice would keep its parent's whole storage alive)."""
+    return x.to(dtype=dtype or x.dtype, copy=True, memory_format=torch.contiguous_format)
 
 
 def layer_seed(seed: int, layer: int, event: int = 0) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, register, stored
+from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, owned, register
 
 
 class StoredLayer(MethodLayer):
@@ -23,7 +23,7 @@ class StoredLayer(MethodLayer):
         storage = self.storage or key_states.dtype
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.keys, self.values = stored(key_states, storage), stored(value_states, storage)
+            self.keys, self.values = owned(key_states, storage), owned(value_states, storage)
             return key_states, value_states
         keys, values = self.append("keys", key_states.to(storage)), self.append("values", value_states.to(storage))
         return keys.to(key_states.dtype), values.to(value_states.dtype)
