@@ -68,3 +68,52 @@ def test_every_method_runs_on_the_device_and_dtype_of_its_inputs(meta_model, nam
     assert held and {t.device.type for t in held} == {"meta"}
     if name.startswith("cam"):  # the decode schedule really compressed (a CaM merge ran on meta)
         assert cache.layers[0].compressions >= 1
+
+
+def _decode(model: LlamaForCausalLM, name: str, ids: torch.Tensor) -> tuple[list[torch.Tensor], int, set[str]]:
+    """Prefill ids[:, :PROMPT], then teacher-force the rest one token a step through `name`'s
+    cache: (each step's last-position logits in fp32 on the CPU, the cache's nbytes, the device
+    types of everything it holds)."""
+    cache = build_cache(SPECS[name], ModelShape.of(model.config), seed=0)
+    handles = cache.attach(model)
+    ids = ids.to(model.device)
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids[:, :PROMPT], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = [out.logits[0, -1].float().cpu()]
+            for position in range(PROMPT, ids.shape[1]):
+                out = model(input_ids=ids[:, position:position + 1], past_key_values=cache, use_cache=True,
+                            position_ids=torch.tensor([[position]], device=model.device))
+                logits.append(out.logits[0, -1].float().cpu())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, cache.nbytes(), {t.device.type for t in held_tensors(cache)}
+
+
+@pytest.fixture(scope="module")
+def cpu_and_cuda_models() -> tuple[LlamaForCausalLM, LlamaForCausalLM, torch.Tensor]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on a GPU host: pytest -m cuda)")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, attn_implementation="eager")
+    cpu = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
+    cuda = LlamaForCausalLM(config).eval()
+    cuda.load_state_dict(cpu.state_dict())
+    return cpu, cuda.cuda(), ids
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_method_on_cuda_computes_what_it_computes_on_the_cpu(cpu_and_cuda_models, name):
+    """config/gpu.yaml's path for real: the same random-weight Llama and tokens on the CPU (native
+    kernels where built) and on CUDA (the torch path) give every step's logits within float
+    tolerance and the same bytes, and the CUDA cache holds nothing on the CPU."""
+    cpu, cuda, ids = cpu_and_cuda_models
+    want, want_bytes, _ = _decode(cpu, name, ids)
+    got, got_bytes, devices = _decode(cuda, name, ids)
+    assert devices == {"cuda"} and got_bytes == want_bytes
+    for step, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3 * float(w.abs().max()), msg=f"{name}, step {step}")
