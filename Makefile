@@ -58,6 +58,7 @@ bench: setup
 	$(BIN)/snakemake --cores $(CORES) results/kv/memory_probe.parquet
 	$(BIN)/python bench/codec_overhead.py
 	$(BIN)/python bench/serve_transfer.py
+	$(BIN)/python bench/turboquant_scores.py
 
 # `kill -9` of snakemake mid-stage, `--unlock`, rerun: final tables equal an uninterrupted run's
 # (tiny config; results/bench/kill_resume*.parquet).

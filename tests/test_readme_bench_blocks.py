@@ -185,3 +185,13 @@ def test_a_missing_bench_table_fails_only_where_the_readme_holds_its_block(tmp_p
     path.write_text("no blocks here\n")  # every bench table is missing, and nothing asks for one
     assert readme.main([str(path), "--results", str(tmp_path)]) == 0
     assert readme.main([str(path), "--results", str(tmp_path), "--check"]) == 0
+
+
+def test_turboquant_scores_block_shows_each_methods_measured_errors(tmp_path):
+    table = pd.DataFrame({"method": ["kivi2", "turboquant4"], "score_bias": [0.01, -0.002], "score_error_std": [0.8, 0.91],
+                          "attention_kl": [0.18, 0.22], "attention_top1": [0.9, 0.85], "next_token_kl": [0.15, 0.32],
+                          "top1_agreement": [0.84, 0.59], "runtime_s": [1.0, 2.0]})
+    text = rendered(tmp_path, "turboquant-scores", {"bench/turboquant_scores.parquet": table})
+    assert header_of(text) == ["method", "score_bias", "score_error_std", "attention_kl", "attention_top1",
+                               "next_token_kl", "top1_agreement"]
+    assert row_of(text, "turboquant4") == ["turboquant4", "-0.002", "0.91", "0.22", "0.85", "0.32", "0.59"]

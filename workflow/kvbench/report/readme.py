@@ -151,6 +151,12 @@ def _decode_overhead(t: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values("TPOT / full (wall)").rename_axis("method").reset_index()
 
 
+def _turboquant_scores(t: pd.DataFrame) -> pd.DataFrame:
+    """Per method: key-score error on real K and queries, and next-token fidelity to full."""
+    return t[["method", "score_bias", "score_error_std", "attention_kl", "attention_top1", "next_token_kl",
+              "top1_agreement"]].round(4)
+
+
 def _kill_resume(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
     """Per kill: the stage, when, what snakemake held incomplete, what survived it; then the
     comparison of every final table with the uninterrupted run's."""
@@ -191,6 +197,7 @@ BLOCKS: dict[str, tuple[tuple[str, ...], Callable[..., Shown]]] = {
     "peers-decode": (("bench/decode_side_by_side_pairs.parquet",), _peers_decode),
     "snapkv-agreement": (("bench/snapkv_agreement.parquet",), _snapkv_agreement),
     "decode-overhead": (("bench/decode_overhead.parquet",), _decode_overhead),
+    "turboquant-scores": (("bench/turboquant_scores.parquet",), _turboquant_scores),
     "kill-resume": (("bench/kill_resume.parquet", "bench/kill_resume_tables.parquet"), _kill_resume),
 }
 
