@@ -17,8 +17,9 @@ same positions) or `per_head` (as `snapkv`). Two schedules, either or both:
 - decode (`target`): every `interval` decode steps, once the cache holds more than `target`
   tokens, compress to `target`, scoring with the last `window` of up to `buffer` buffered decode
   queries, A accumulated over decode steps since then (kvpress: interval 32, target 1024, buffer 64
-  in the seed study). kvpress rotates every buffered query with the current step's RoPE angle;
-  we keep each query's own position. Buffered queries and A are method state, counted in the bytes.
+  in the seed study). kvpress 0.5.5 (the peer bench's pin) rotates every buffered query with the
+  current step's RoPE angle; we keep each query's own position, as later kvpress releases do by
+  buffering each step's angles. Buffered queries and A are method state, counted in the bytes.
 """
 
 from __future__ import annotations
