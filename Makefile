@@ -36,8 +36,10 @@ report: setup
 readme: setup
 	$(BIN)/python -m kvbench.report.readme README.md
 
+# Unbuffered, with the fault handler on for the whole interpreter (exit included): a crash shows
+# how far the run got and where.
 test: setup
-	$(BIN)/python -m pytest
+	PYTHONUNBUFFERED=1 $(BIN)/python -X faulthandler -m pytest
 
 # Fast: no workflow runs, no servers (the real model still loads in some unit tests).
 test-unit: setup
