@@ -148,9 +148,9 @@ def test_every_method_on_cuda_computes_what_it_computes_on_the_cpu(tokens, selec
     kernels where built) and on CUDA (the torch path) give every decode step's logits within
     1e-4 of the largest (3e-3 for KIVI, see ROUNDING; CPU/GPU rounding moves the others ~1e-6, a
     bug the review injected, a KIVI flush before attention or a dropped QJL term, moves them
-    >5e-3) and the same bytes, and the CUDA
-    cache holds nothing on the CPU. Each eviction selection on the CPU had its boundary scores
-    at least MARGIN apart, so rounding cannot flip which tokens are kept."""
+    >5e-3) and the same bytes, and the CUDA cache holds nothing on the CPU. Each eviction
+    selection on the CPU had its boundary scores at least MARGIN apart, so rounding cannot flip
+    which tokens are kept."""
     want, want_bytes, _ = _decode(_model("eager", torch.float32, "cpu"), name, tokens)
     assert min(selection_margins, default=1.0) >= MARGIN, f"{name}: a selection on a near-tie"
     got, got_bytes, devices = _decode(_model("eager", torch.float32, "cuda"), name, tokens)
