@@ -21,7 +21,8 @@ import yaml
 
 from kvbench.harness import attached, generate
 from kvbench.kv.study import long_document
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
 

@@ -12,7 +12,7 @@ mark of a stage not yet killed (earliest in DAG order if several show at once); 
 interrupt jobs of other stages, and the outputs snakemake held incomplete at the kill are recorded.
 After each kill the bench waits for every process of that run to end by itself (jobs terminate
 when snakemake dies; their servers with them), unlocks, and reruns. Finally every Parquet table of
-both runs is compared, timing columns aside (`volatile`: see VOLATILE and DERIVED below).
+both runs is compared, timing columns aside (kvbench.runcompare: VOLATILE and DERIVED).
 
 Both runs use one checkout of HEAD (a git worktree under .bench/kill_resume/code), so edits made
 while the bench runs change neither run; commit first. Their processes carry a tag in their
@@ -44,29 +44,12 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "workflow"))
 
 from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table  # noqa: E402
+from kvbench.runcompare import compare_runs  # noqa: E402
 from workflow_helpers import SNAKEMAKE, tiny_config, write_config  # noqa: E402
 
 OUT = REPO / ".bench" / "kill_resume"
 CODE = OUT / "code"  # HEAD, checked out once: both runs use it
 TAG = "KVBENCH_KILL_RESUME_RUN"
-# Differ between any two runs: wall-clock and memory measurements (and ratios of them), request
-# run ids and timestamps. Every other column must be equal.
-VOLATILE = re.compile(r"((_s|_s_std|_mb_s|_tok_s|_tok_s_std)(_median|_mean)?(_rel)?|^(peak_memory_mb|memory_increase_mb|"
-                      r"peak_rss_mb|max_rss_mb|mean_load|share|outside_forward_share|run_id|start|end|time|seconds)(_rel)?)$")
-# Inside text: the serve stage's per-run id (prefix of request tags and cache salts, so no run hits
-# another's cache) and the ports servers got (in connection errors of the Valkey fault round).
-RUN_TEXT = ((re.compile(r"(^|[-.])[0-9a-f]{10}(?=[.-])"), r"\1RUN"), (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:PORT"))
-# Columns of the report computed from timings (correlations with TTFT/TPOT, scenario picks that
-# prefer speed, speed claims): allowed to differ, since the timings they read differ; the
-# deterministic columns they read are compared in the stage tables.
-DERIVED = {
-    "results/report/correlations.parquet": ("rho", "ci_low", "ci_high"),
-    "results/report/recommendations.parquet": ("best", "runner_up", "best_value", "runner_up_value", "tied", "numbers",
-                                               "why", "qualifying"),
-    "results/report/claims.parquet": ("ours", "ours_value", "verdict"),
-}
-
-
 STAGES = ("models", "corpus", "kv", "system", "quality", "serve", "report")  # DAG order
 # stage -> (job logs, a line that shows the job is mid-way); a log counts only if written after
 # the attempt started. Server logs (`*.vllm.log`, `*.valkey.log`) are not job logs.
@@ -201,39 +184,6 @@ def kill_at_next_stage(workdir: Path, config_path: Path, stages: list[str]) -> d
             "note": "" if in_stage else f"no {stage} output was incomplete at the kill (its job had just ended)"}
 
 
-def normalized(table: pd.DataFrame) -> pd.DataFrame:
-    """Every cell as text, with run ids and ports replaced (see RUN_TEXT)."""
-    text = table.astype(str)
-    for pattern, replacement in RUN_TEXT:
-        text = text.replace(pattern, replacement, regex=True)
-    return text
-
-
-def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame) -> dict:
-    """Equal when every column but the volatile and report-derived ones is equal, rows matched by
-    those columns (as text); the volatile columns that differ are listed too, for the record."""
-    skipped = [c for c in a.columns if VOLATILE.search(c) or c in DERIVED.get(rel, ())]
-    keys = [c for c in a.columns if c not in skipped]
-    if list(a.columns) != list(b.columns) or len(a) != len(b):
-        return {"rows": len(a), "equal": False, "differing_columns": "columns or row count", "volatile_differing": ""}
-    a, b = (normalized(t).sort_values(keys).reset_index(drop=True) for t in (a, b))
-    differing = [c for c in keys if not a[c].equals(b[c])]
-    return {"rows": len(a), "equal": not differing, "differing_columns": ",".join(differing),
-            "volatile_differing": ",".join(c for c in skipped if not a[c].equals(b[c]))}
-
-
-def compare(reference: Path, resumed: Path) -> list[dict]:
-    paths = {p.relative_to(run).as_posix() for run in (reference, resumed) for p in (run / "results").rglob("*.parquet")}
-    rows = []
-    for rel in sorted(paths):
-        if not (reference / rel).exists() or not (resumed / rel).exists():
-            rows.append({"table": rel, "rows": None, "equal": False, "differing_columns": "only in one run",
-                         "volatile_differing": ""})
-            continue
-        rows.append({"table": rel, **compare_table(rel, pd.read_parquet(reference / rel), pd.read_parquet(resumed / rel))})
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -244,7 +194,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.compare_only:
         kills = pd.read_parquet(REPO / "results" / "bench" / "kill_resume.parquet").drop(columns=list(PROVENANCE_COLUMNS))
-        return report(kills.assign(code_commit=code_commit()).to_dict("records"), compare(OUT / "reference", OUT / "killed"))
+        kills = kills.assign(code_commit=code_commit()).to_dict("records")
+        return report(kills, compare_runs(OUT / "reference", OUT / "killed"))
     stages = [s for s in STAGES if s in args.stages]
     shutil.rmtree(OUT, ignore_errors=True)
     subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=True)
@@ -279,7 +230,7 @@ def main() -> None:
     run_to_end(kill_dir, kill_config)
     killed_s = time.monotonic() - begin
     extra = {"reference_run_s": reference_s, "interrupted_run_s": killed_s, "code_commit": commit}
-    report([{**k, **extra} for k in kills], compare(ref_dir, kill_dir))
+    report([{**k, **extra} for k in kills], compare_runs(ref_dir, kill_dir))
 
 
 def code_commit() -> str:

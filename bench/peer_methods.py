@@ -114,7 +114,8 @@ def step_methods(model, setup: dict) -> dict:
     """name -> (new cache, context of its prefill, context of its decode steps): the peers', and our
     methods (`setup["ours"]`: name -> config entry) through kvbench's own cache and hooks."""
     from kvbench.harness import attached
-    from kvbench.methods.base import ModelShape, build_cache
+    from kvbench.methods.base import ModelShape
+    from kvbench.methods.catalog import build_cache
 
     null = lambda cache: contextlib.nullcontext()  # noqa: E731
     methods = {name: (make_cache, (lambda cache, p=press: p(model)) if press is not None else null, null)

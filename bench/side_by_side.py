@@ -38,7 +38,7 @@ import yaml
 from transformers import DynamicCache
 
 from kvbench.harness import generate
-from kvbench.methods.base import build_cache
+from kvbench.methods.catalog import build_cache
 from kvbench.kv.study import long_document, pick_documents
 from kvbench.models import load_model, load_tokenizer
 from kvbench.prompts import build_prompts

@@ -18,8 +18,10 @@ import pandas as pd
 import torch
 
 from kvbench.harness import attached
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
 from kvbench.methods.eviction import EvictionCache, ScoredLayer, keep_count, snapkv_scores
+from kvbench.methods.kinds import settings_of
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
 from side_by_side import MODEL, OURS, build_all_prompts, peer_setup, run_peer
@@ -67,7 +69,8 @@ def main() -> None:
     rows = []
     for prompt in prompts:
         kept, scores = our_kept(model, spec, prompt["input_ids"])
-        keep = keep_count(len(prompt["input_ids"]), spec)
+        snap = settings_of(spec)
+        keep = keep_count(len(prompt["input_ids"]), snap.capacity, snap.keep_ratio)
         for layer, per_head in enumerate(kept):
             for head, ours in enumerate(per_head):
                 other = theirs[(prompt["prompt_id"], layer, head)]

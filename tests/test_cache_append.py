@@ -92,7 +92,8 @@ def pre_hooks(model) -> list[int]:
     ({"kind": "h2o", "keep_ratio": 0.5}, 1, 32), ({"kind": "cam", "target": 48, "window": 8}, 1, 65)])
 def test_query_hooks_stay_only_while_a_layer_needs_queries(model_dir, spec, hooks_in_decode, held):
     from kvbench.harness import attached
-    from kvbench.methods.base import ModelShape, build_cache
+    from kvbench.methods.base import ModelShape
+    from kvbench.methods.catalog import build_cache
     from kvbench.models import load_model
 
     model = load_model(model_dir)

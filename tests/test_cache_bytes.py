@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvbench.harness import generate
-from kvbench.methods.base import METHODS, build_cache
+from kvbench.methods.base import METHODS
+from kvbench.methods.catalog import build_cache
 from workflow_helpers import default_config
 
 FIXTURE = Path(__file__).parent / "data" / "legal-contract-00.txt"

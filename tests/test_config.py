@@ -1,6 +1,6 @@
 """Bad configuration stops the run before any job starts, with a message naming the key.
 
-Most cases go through `kvbench.config.check_config`, the function the Snakefile calls while it
+Most cases go through `kvbench.checks.check_config`, the function the Snakefile calls while it
 parses; a few go through the real snakemake CLI to show that nothing runs."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvbench.config import ConfigError, check_config, config_problems
+from kvbench.checks import check_config, config_problems
+from kvbench.config import ConfigError
 from workflow_helpers import REPO, default_config, snakemake
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -52,6 +53,18 @@ CASES = [
     (method({"kind": "full", "storage": "fp4"}), "methods.bad.storage: 'fp4' is not one of ['fp16', 'bf16', 'fp32']"),
     (method({"kind": "fp8", "bits": 8}), "methods.bad.bits: unknown setting for kind 'fp8'"),
     (method({"kind": "quantum"}), "methods.bad.kind: unknown method kind 'quantum'"),
+    (method({"kind": "streamingllm", "window": 0}), "methods.bad.window: 0 is below the minimum 1"),
+    (method({"kind": "snapkv", "window": 2.5}), "methods.bad.window: 2.5 is not of type int"),
+    (method({"kind": "turboquant", "bits": 4, "variant": "fast"}),
+     "methods.bad.variant: 'fast' is not one of ['prod', 'mse']"),
+    (method({"kind": "cam", "target": 64, "merge_budget": -1}), "methods.bad.merge_budget: -1 is below the minimum 0"),
+    (method({"kind": "h2o", "keep_ratio": 0.5, "heavy": 8, "recent": 8}),
+     "methods.bad.heavy: cannot be combined with keep_ratio"),
+    # rules across settings read the declared defaults (group_size 32, variant prod) where a setting is not given
+    (method({"kind": "kivi", "bits": 2, "residual": 100}),
+     "methods.bad.residual: 100 must be a positive multiple of group_size 32"),
+    (method({"kind": "turboquant", "bits": 1}), "methods.bad.bits: 1 is too few for variant prod"),
+    (method({"kind": "cam", "window": 8}), "methods.bad.keep_ratio: cam needs keep_ratio or capacity"),
     # lengths against the model's context (declared until the model folder exists)
     (lambda c: c["kv"].update(context_tokens=9000), "kv.context_tokens: 9000 tokens exceed model 'smollm2-135m''s context of 8192"),
     (lambda c: c["vllm"].update(max_model_len=16384), "vllm.max_model_len: 16384 tokens exceed model 'smollm2-135m''s context of 8192"),
@@ -107,6 +120,38 @@ def test_bad_value_is_refused_naming_its_key(edit, message):
     with pytest.raises(ConfigError) as err:
         check_config(config, SCHEMA)
     assert message in str(err.value)
+
+
+def _valid(decl):
+    return decl.allowed.choices[-1] if decl.allowed.choices else max(1, decl.allowed.minimum or 0)
+
+
+def test_every_declared_range_and_choice_is_checked_at_parse_time_naming_the_key():
+    # One entry per declared setting with a bound or choices, given a value just outside it: the
+    # message names methods.<entry>.<setting> and quotes the declaration's bound.
+    from kvbench.methods.kinds import KINDS, declared
+
+    entries, expected = {}, []
+    for kind, cls in KINDS.items():
+        decls = declared(cls)
+        base = {"kind": kind, **{n: _valid(d) for n, d in decls.items() if d.required}}
+        base |= {"target": 64} if kind == "cam" else {}  # a schedule
+        for name, decl in decls.items():
+            allowed, entry = decl.allowed, f"{kind}-{name}"
+            if allowed.choices:
+                outside = max(allowed.choices) + 1 if decl.type is int else "other"
+                entries[entry] = base | {name: outside}
+                expected.append(f"methods.{entry}.{name}: {outside!r} is not one of {list(allowed.choices)}")
+            elif allowed.minimum is not None:
+                below = int(allowed.minimum) - 1
+                entries[entry] = base | {name: below}
+                expected.append(f"methods.{entry}.{name}: {below} is below the minimum {allowed.minimum}")
+            elif allowed.above is not None:
+                entries[entry] = base | {name: allowed.above}
+                expected.append(f"methods.{entry}.{name}: {allowed.above} must be greater than {allowed.above}")
+    assert len(expected) > 20
+    problems = config_problems(broken(lambda c: c["methods"].update(entries)), SCHEMA)
+    assert [line for line in expected if line not in problems] == []
 
 
 def test_every_problem_is_reported_at_once():

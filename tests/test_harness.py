@@ -53,7 +53,7 @@ def test_decode_after_eviction_equals_full_attention_with_the_evicted_keys_maske
 
     from kvbench.harness import attached, decode_step
     from kvbench.methods.attention import route_attention
-    from kvbench.methods.base import build_cache
+    from kvbench.methods.catalog import build_cache
 
     shape = ModelShape.of(model.config)
     tokens = len(ids)
@@ -93,7 +93,7 @@ def test_decode_after_eviction_sees_every_kept_token(model, ids):
     # expose every kept key (none hidden, none invented), for SDPA and eager attention.
     from transformers.masking_utils import create_causal_mask
 
-    from kvbench.methods.base import build_cache
+    from kvbench.methods.catalog import build_cache
 
     cache = build_cache({"kind": "streamingllm", "sinks": 4, "window": 32}, ModelShape.of(model.config))
     with torch.inference_mode():
@@ -116,7 +116,7 @@ def test_decode_after_eviction_sees_every_kept_token(model, ids):
 def stamping(stamps: list[float]):
     """A cache factory that records the time each forward pass reaches layer 0's cache update:
     a timer independent of the harness's own."""
-    from kvbench.methods.base import build_cache
+    from kvbench.methods.catalog import build_cache
 
     def make(spec, shape, seed):
         cache = build_cache(spec, shape, seed)

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kvbench.methods.base import ModelShape, build_cache, layer_seed
+from kvbench.methods.base import ModelShape, layer_seed
+from kvbench.methods.catalog import build_cache
 from kvbench.methods.cam import cam_compress
 from kvbench.methods.eviction import attention_probs, snapkv_scores
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
 from workflow_helpers import default_config
 
 SPECS = default_config()["methods"] | {

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
 from kvbench.methods.eviction import attention_probs, snapkv_scores
 
 SHAPE = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=16)

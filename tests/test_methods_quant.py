@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
 from kvbench.methods.kivi import QuantizedBlock
 
 SHAPE = ModelShape(layers=2, kv_heads=3, q_heads=9, head_dim=64)
@@ -228,9 +229,9 @@ def test_unknown_setting_is_named_with_the_allowed_ones():
 def test_registry_and_kinds_agree():
     from kvbench.methods import catalog  # noqa: F401
     from kvbench.methods.base import METHODS
-    from kvbench.methods.kinds import KIND_SETTINGS
+    from kvbench.methods.kinds import KINDS
 
-    assert sorted(METHODS) == sorted(KIND_SETTINGS)
+    assert sorted(METHODS) == sorted(KINDS)
 
 
 def test_every_bit_width_the_config_accepts_holds_exactly_its_packed_bytes():

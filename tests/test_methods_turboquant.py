@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
 from kvbench.methods.turboquant import MseQuantizer, TurboBlock, lloyd_max, random_rotation
 
 # Known optimal MSE of N(0,1) scalar quantizers (Max 1960): 1, 2, 3, 4 bits.

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kvbench.harness import generate, generate_scored
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
 from kvbench.models import load_model, load_tokenizer
 from kvbench.prompts import chat_ids
 from kvbench.quality.fidelity import Reference, compare

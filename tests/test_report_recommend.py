@@ -99,7 +99,8 @@ def test_default_scenarios_parse():
 
 
 def test_an_unknown_baseline_is_refused_with_the_key_named():
-    from kvbench.config import ConfigError, check_config
+    from kvbench.checks import check_config
+    from kvbench.config import ConfigError
 
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     config["report"]["baseline"] = "nope"

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvbench.config import ConfigError, check_config
+from kvbench.checks import check_config
+from kvbench.config import ConfigError
 from kvbench.serve.backends import servers, server_args, unsupported
 from workflow_helpers import REPO, default_config
 

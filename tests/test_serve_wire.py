@@ -6,7 +6,8 @@ import torch
 from kvbench.kv.codecs import codec_names
 from kvbench.methods.fp8 import to_fp8_bytes
 from kvbench.methods.kivi import QuantizedBlock
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
 from kvbench.methods.turboquant import TurboBlock, lloyd_max
 from kvbench.serve import layout
 from kvbench.serve.names import check_codec

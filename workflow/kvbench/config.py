@@ -1,8 +1,10 @@
-"""Checks the JSON schema cannot express: method settings per kind, lengths against each model's
-context and against the documents they are cut from, subsets, cross-references, files on disk.
+"""The config's schema and the checks of its general keys that the JSON schema cannot express:
+lengths against each model's context and against the documents they are cut from, subsets,
+cross-references, files on disk; and the helpers that read models from the config.
 
-Every problem is one line that starts with the offending key; all are reported at once, while
-the workflow parses, before any job starts.
+Low-level: it imports no stage package. The checks that need one (method settings, the serve and
+quality sections, corpus sizes) are collected with these by kvbench.checks, which the workflow runs
+while it parses. Every problem is one line that starts with the offending key.
 """
 
 from __future__ import annotations
@@ -15,11 +17,6 @@ from typing import Any, Mapping
 import jsonschema
 import yaml
 
-from kvbench.methods.kinds import spec_problems
-from kvbench.serve.backends import servers, unsupported
-from kvbench.serve.names import check_codec
-from kvbench.serve.protocol import parse_ratio
-from kvbench.quality.kinds import quality_problems
 from kvbench.sources import ModelSourceError, check_model_dir, package_file
 
 
@@ -54,13 +51,6 @@ def schema_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     return lines
 
 
-def _raise(problems: list[str]) -> None:
-    if problems:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-
-
-
-
 def model_dir(config: Mapping[str, Any], name: str) -> str:
     source = config["models"][name]
     return str(source["path"]) if "path" in source else f"resources/models/{name}"
@@ -88,15 +78,6 @@ def model_shape(config: Mapping[str, Any], name: str) -> dict[str, int | None]:
     return {"max_context": hf.get("max_position_embeddings"), "head_dim": head_dim, "declared": declared}
 
 
-def _document_counts(config: Mapping[str, Any]) -> dict[str, int]:
-    from kvbench.corpus.factsheets import vocabulary  # each domain's document types
-
-    corpus = config["corpus"]
-    realistic = corpus["realistic"]
-    types = sum(len(vocabulary(domain)["doc_types"]) for domain in realistic["domains"])
-    return {"synthetic": corpus["synthetic"]["n_docs"], "realistic": realistic["docs_per_type"] * types}
-
-
 def _document_tokens(config: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
     """Least length of each generated corpus' documents, in tokens, and the key that sets it.
     Synthetic documents are `str(i) + ' ' + 'hi ' * L`: L words, at least L tokens."""
@@ -105,7 +86,7 @@ def _document_tokens(config: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
             "realistic": ("corpus.realistic.target_tokens", corpus["realistic"]["target_tokens"])}
 
 
-def _reference_problems(config: Mapping[str, Any]) -> list[str]:
+def reference_problems(config: Mapping[str, Any]) -> list[str]:
     models = sorted(config["models"])
     found = []
     refs = [("corpus.generator", config["corpus"]["generator"]), ("corpus.tokenizer", config["corpus"].get("tokenizer")),
@@ -128,7 +109,7 @@ def _reference_problems(config: Mapping[str, Any]) -> list[str]:
     return found
 
 
-def _subset_problems(config: Mapping[str, Any]) -> list[str]:
+def subset_problems(config: Mapping[str, Any], counts: Mapping[str, int]) -> list[str]:
     kv = config["kv"]
     found = [f"kv.{key}: {sorted(set(kv[key]) - set(kv[full]))} not in kv.{full} (the detail tables would be empty)"
              for key, full in (("detail_dtypes", "dtypes"), ("detail_codecs", "codecs")) if not set(kv[key]) <= set(kv[full])]
@@ -138,7 +119,6 @@ def _subset_problems(config: Mapping[str, Any]) -> list[str]:
     if realistic["min_section_tokens"] > realistic["section_tokens"]:
         found.append(f"corpus.realistic.min_section_tokens: {realistic['min_section_tokens']} exceeds "
                      f"corpus.realistic.section_tokens ({realistic['section_tokens']})")
-    counts = _document_counts(config)
     for corpus in kv["corpora"]:
         if corpus in counts and kv["docs_per_corpus"] > counts[corpus]:
             found.append(f"kv.docs_per_corpus: {kv['docs_per_corpus']} exceeds the {counts[corpus]} {corpus} documents")
@@ -157,7 +137,7 @@ def _subset_problems(config: Mapping[str, Any]) -> list[str]:
     return found
 
 
-def _length_problems(config: Mapping[str, Any]) -> list[str]:
+def length_problems(config: Mapping[str, Any]) -> list[str]:
     """Lengths against each model's context, and contexts against the documents they cut."""
     found = []
     shapes = {name: model_shape(config, name) for name in config["models"]}
@@ -200,21 +180,7 @@ def _length_problems(config: Mapping[str, Any]) -> list[str]:
     return found
 
 
-def _method_problems(config: Mapping[str, Any]) -> list[str]:
-    # A setting that depends on the model (KIVI's group_size vs head_dim) is checked against
-    # every model the methods run on whose shape is known.
-    models = set(system_models(config)) | set(config["quality"]["models"])
-    head_dims = {model_shape(config, name)["head_dim"] for name in models if name in config["models"]}
-    found = []
-    for name, spec in config["methods"].items():
-        lines = set()
-        for head_dim in head_dims or {None}:
-            lines |= set(spec_problems(spec, head_dim))
-        found += [f"methods.{name}.{line}" for line in sorted(lines)]
-    return found
-
-
-def _file_problems(config: Mapping[str, Any]) -> list[str]:
+def file_problems(config: Mapping[str, Any]) -> list[str]:
     found = []
     for name, source in config["models"].items():
         try:
@@ -230,43 +196,7 @@ def _file_problems(config: Mapping[str, Any]) -> list[str]:
     return found
 
 
-def _serve_problems(config: Mapping[str, Any]) -> list[str]:
-    serve, found = config["serve"], []
-    if "imported" in serve["corpora"] and not config["corpus"]["imported"]["path"]:
-        found.append("serve.corpora: 'imported' needs corpus.imported.path to be set")
-    if "valkey" in serve["backends"] and config["vllm"].get("device") == "cuda":
-        found.append("serve.backends: 'valkey' (our connector) reads vLLM's CPU cache layout; "
-                     "on GPU the offload backend is 'lmcache'")
-    for name in serve["codecs"]:
-        try:
-            check_codec(name, config["methods"])
-        except ValueError as err:
-            found.append(f"serve.codecs: {err}")
-    try:
-        parse_ratio(serve["hit_miss_ratio"])
-    except ValueError as err:
-        found.append(f"serve.hit_miss_ratio: {err}")
-    if serve["fault_round"] and serve["valkey"].get("url"):
-        found.append("serve.fault_round: it kills Valkey, so it needs the stage's own (serve.valkey.url: null)")
-    return found + _port_problems(config)
-
-
-def _port_problems(config: Mapping[str, Any]) -> list[str]:
-    """A fixed vllm.port is fine for one vLLM server at a time; the serve servers (and the corpus
-    generator, when no serve corpus waits for it) can run at once and would collide."""
-    port, device = config["vllm"]["port"], config["vllm"]["device"]
-    if not port:
-        return []
-    jobs = [f"serve_server[{s}]" for s in servers(config["serve"]["backends"]) if unsupported(s, device) is None]
-    if "realistic" not in config["serve"]["corpora"]:
-        jobs.append("corpus_realistic")
-    if len(jobs) < 2:
-        return []
-    return [f"vllm.port: {port} is fixed, but {', '.join(jobs)} each start a vLLM server and can run at once; "
-            f"use 0 (a free port per server)"]
-
-
-def _offline_problems(config: Mapping[str, Any]) -> list[str]:
+def offline_problems(config: Mapping[str, Any]) -> list[str]:
     """hf_offline keeps every job off the hub, so a hub model must be downloaded already."""
     if not config["hf_offline"]:
         return []
@@ -274,20 +204,3 @@ def _offline_problems(config: Mapping[str, Any]) -> list[str]:
             f"({model_dir(config, name)}); set hf_offline: false for the run that downloads it"
             for name, source in config["models"].items()
             if "hub" in source and not (Path(model_dir(config, name)) / "config.json").is_file()]
-
-
-def config_problems(config: dict[str, Any], schema_path: str | Path) -> list[str]:
-    """Every problem of `config` (schema first; the other checks need its types and defaults)."""
-    found = schema_errors(config, schema_path)
-    if found:
-        return found
-    references = _reference_problems(config)
-    found = references + _file_problems(config) + _method_problems(config) + _subset_problems(config)
-    found += _serve_problems(config) + quality_problems(config) + _offline_problems(config)
-    return found if references else found + _length_problems(config)
-
-
-def check_config(config: dict[str, Any], schema_path: str | Path) -> None:
-    """What the workflow runs while it parses: raise one ConfigError listing every problem, each
-    naming its key; on success `config` holds the schema's defaults."""
-    _raise(config_problems(config, schema_path))

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from kvbench.methods.base import MethodCache, ModelShape, build_cache
+from kvbench.methods.base import MethodCache, ModelShape
+from kvbench.methods.catalog import build_cache
 
 CacheFactory = Callable[[dict[str, Any], ModelShape, int], MethodCache]
 TIMINGS = ("ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s", "e2e_s")

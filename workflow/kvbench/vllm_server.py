@@ -15,6 +15,14 @@ from kvbench.jobs import cpu_list, usable_cpus
 from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server, server_state
 
 SERVED_NAME = "kvbench-model"
+# How a server runs, not what it answers: jobs read these from the config, not from their rule's
+# params, so changing them reruns nothing.
+RUNTIME_SETTINGS = ("port", "startup_timeout_s", "idle_timeout_s")
+
+
+def runtime_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The `vllm` settings of `config` that change no output (RUNTIME_SETTINGS)."""
+    return {key: config["vllm"][key] for key in RUNTIME_SETTINGS}
 
 
 def vllm_command(model_dir: str | Path, port: int, settings: Mapping[str, Any], seed: int) -> list[str]:

@@ -8,12 +8,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 
 from kvbench.codehash import code_hash
-from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
+from kvbench.checks import check_config
+from kvbench.config import model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
 from kvbench.jobs import usable_cpus
 from kvbench.quality.batches import batches as quality_batches
 from kvbench.serve.backends import CONNECTOR_MODULE, SERVER_OF, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
+from kvbench.vllm_server import RUNTIME_SETTINGS as VLLM_RUNTIME
 
 # Schema (types, ranges, defaults), method settings per kind, lengths against each model's context
 # and the documents, subsets, references, files: one line per problem, naming the key.
@@ -28,8 +30,10 @@ SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 MACHINE_THREADS = len(usable_cpus())
 SERVE_SERVERS = serve_servers(config["serve"]["backends"])
 # The vLLM settings a server's output depends on: the port and the timeouts are read from the
-# config by the scripts, and changing them reruns nothing.
-VLLM_RUN = {k: v for k, v in config["vllm"].items() if k not in ("port", "startup_timeout_s", "idle_timeout_s")}
+# config by the scripts (kvbench.vllm_server.runtime_settings), and changing them reruns nothing.
+# Scripts take everything else from their rule (input, params); the whole config only for
+# provenance and these runtime settings (and hf_offline, read by kvbench.jobs.job_log).
+VLLM_RUN = {k: v for k, v in config["vllm"].items() if k not in VLLM_RUNTIME}
 CORPORA = ["synthetic", "realistic"] + (["imported"] if config["corpus"]["imported"]["path"] else [])
 
 

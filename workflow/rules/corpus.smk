@@ -22,7 +22,8 @@ rule corpus_realistic:
         facts="results/corpus/realistic/facts.parquet",
     params:
         cfg=config["corpus"]["realistic"],
-        vllm=VLLM_RUN,  # a rerun trigger: the script starts vLLM from config["vllm"] (port, timeouts)
+        generator=config["corpus"]["generator"],
+        vllm=VLLM_RUN,  # with the runtime settings (port, timeouts) the script reads from the config
         seed=config["seed"],
         code=library_code("corpus_realistic.py"),
     threads: MACHINE_THREADS

@@ -23,6 +23,7 @@ rule report_tables:
     params:
         cfg=config["report"],
         methods=config["methods"],
+        seed=config["seed"],
         benchmarks=benchmark_patterns,
         code=library_code("report_tables.py"),
     log:

@@ -1,7 +1,8 @@
 """The method registry: every KV method is a transformers Cache whose layers report their bytes.
 
-A method is one module that registers a factory under its `kind`; config entries such as
-`kivi2: {kind: kivi, bits: 2, group_size: 32, residual: 128}` pick the kind and its settings.
+A method is one module that registers a factory under its `kind` (declared, with its settings, in
+methods/kinds.py); config entries such as `kivi2: {kind: kivi, bits: 2, group_size: 32, residual: 128}`
+pick the kind and its settings, and `kvbench.methods.catalog.build_cache` builds the cache.
 
 `nbytes()` is every byte the cache object holds: codes, scales, zero points, residual windows, kept
 tokens, spare room, and method state (scores, buffered queries, rotations): it counts the storages
@@ -18,7 +19,7 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvbench.methods.kinds import KIND_SETTINGS, check_spec
+from kvbench.methods.kinds import KINDS, MethodSettings
 
 STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # A growing cache's new room has 1/GROWTH of its tokens spare (MethodLayer.append): at most that
@@ -107,26 +108,18 @@ class MethodCache(Cache):
         return []
 
 
-Factory = Callable[[dict[str, Any], ModelShape, int], MethodCache]
+# The factory of a kind: its settings (typed, defaults filled in), the model's shape, the run seed.
+Factory = Callable[[MethodSettings, ModelShape, int], MethodCache]
 METHODS: dict[str, Factory] = {}
 
 
 def register(kind: str) -> Callable[[Factory], Factory]:
-    """Register the factory of `kind` (its allowed settings are listed in methods/kinds.py)."""
+    """Register the factory of `kind` (declared in methods/kinds.py)."""
 
     def wrap(factory: Factory) -> Factory:
-        if kind not in KIND_SETTINGS or kind in METHODS:
-            raise ValueError(f"method kind {kind!r} is not listed in KIND_SETTINGS or registered twice")
+        if kind not in KINDS or kind in METHODS:
+            raise ValueError(f"method kind {kind!r} is not declared in kvbench.methods.kinds or registered twice")
         METHODS[kind] = factory
         return factory
 
     return wrap
-
-
-def build_cache(spec: dict[str, Any], shape: ModelShape, seed: int = 0) -> MethodCache:
-    """A fresh cache for one prompt, from a config entry like {kind: kivi, bits: 2, ...}."""
-    from kvbench.methods import catalog  # noqa: F401  (registers every method module)
-
-    check_spec(spec)
-    settings = {k: v for k, v in spec.items() if k != "kind"}
-    return METHODS[spec["kind"]](settings, shape, seed)

@@ -32,6 +32,7 @@ from kvbench.methods.base import STORAGE, ModelShape, layer_seed, register, tens
 from kvbench.methods.eviction import (
     EvictionCache, ScoredLayer, attention_probs, gather, keep_count, snapkv_scores,
 )
+from kvbench.methods.kinds import CaMSettings
 
 Uniform = Callable[[tuple[int, ...]], torch.Tensor]
 
@@ -67,15 +68,13 @@ def cam_compress(values: torch.Tensor, scores: torch.Tensor, attn: torch.Tensor,
 
 
 class CaMLayer(ScoredLayer):
-    def __init__(self, storage: torch.dtype, q_heads: int, settings: dict[str, Any], seed: int, index: int) -> None:
+    def __init__(self, storage: torch.dtype, q_heads: int, settings: CaMSettings, seed: int, index: int) -> None:
         super().__init__(storage, q_heads)
         self.settings, self.seed, self.index = settings, seed, index  # run seed and layer: the draws' seed
-        self.window, self.kernel = int(settings.get("window", 16)), int(settings.get("kernel", 7))
-        self.pooling, self.shared = settings.get("pooling", "avg"), settings.get("selection", "shared") == "shared"
-        self.merge_budget = int(settings.get("merge_budget", 32))
-        self.at_prefill = "keep_ratio" in settings or "capacity" in settings
-        self.target = int(settings["target"]) if "target" in settings else None
-        self.interval, self.buffer = int(settings.get("interval", 32)), int(settings.get("buffer", 64))
+        self.window, self.kernel, self.pooling = settings.window, settings.kernel, settings.pooling
+        self.shared, self.merge_budget = settings.selection == "shared", settings.merge_budget
+        self.at_prefill = settings.keep_ratio is not None or settings.capacity is not None
+        self.target, self.interval, self.buffer = settings.target, settings.interval, settings.buffer
         self.prefill_queries = self.window if self.at_prefill else 0
         self.decode_queries = self.target is not None
         self.compressions = 0
@@ -88,7 +87,7 @@ class CaMLayer(ScoredLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             tokens = key_states.shape[-2]
-            keep = keep_count(tokens, self.settings) if self.at_prefill else tokens
+            keep = keep_count(tokens, self.settings.capacity, self.settings.keep_ratio) if self.at_prefill else tokens
             if keep >= tokens:
                 self.store(key_states, value_states)
             else:
@@ -142,6 +141,6 @@ class CaMLayer(ScoredLayer):
 
 
 @register("cam")
-def cam(settings: dict[str, Any], shape: ModelShape, seed: int) -> EvictionCache:
-    storage = STORAGE[settings.get("storage", "fp16")]
+def cam(settings: CaMSettings, shape: ModelShape, seed: int) -> EvictionCache:
+    storage = STORAGE[settings.storage]
     return EvictionCache([CaMLayer(storage, shape.q_heads, settings, seed, i) for i in range(shape.layers)])

@@ -121,12 +121,12 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, window: int, kernel
     return F.pad(scores, (0, window), value=float("inf"))
 
 
-def keep_count(tokens: int, settings: dict[str, Any]) -> int:
-    """Tokens kept per head: a fixed `capacity`, or `keep_ratio` of the prompt rounded down (as
-    kvpress's int(T * (1 - compression_ratio)))."""
-    if "capacity" in settings:
-        return min(tokens, int(settings["capacity"]))
-    return min(tokens, max(1, int(tokens * float(settings.get("keep_ratio", 0.25)))))
+def keep_count(tokens: int, capacity: int | None, keep_ratio: float | None) -> int:
+    """Tokens kept per head: a fixed `capacity` if set, else `keep_ratio` of the prompt rounded
+    down (as kvpress's int(T * (1 - compression_ratio)))."""
+    if capacity is not None:
+        return min(tokens, capacity)
+    return min(tokens, max(1, int(tokens * keep_ratio)))
 
 
 def keep_top(scores: torch.Tensor, keep: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from kvbench.kv.storage import FP8_E4M3_MAX
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register
+from kvbench.methods.kinds import Fp8Settings
 
 
 # Every e4m3 bit pattern's value: decoding by table lookup is several times faster on CPU than
@@ -42,5 +43,5 @@ class Fp8Layer(MethodLayer):
 
 
 @register("fp8")
-def fp8(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
+def fp8(settings: Fp8Settings, shape: ModelShape, seed: int) -> MethodCache:
     return MethodCache([Fp8Layer() for _ in range(shape.layers)])

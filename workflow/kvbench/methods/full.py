@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, owned, register
+from kvbench.methods.kinds import FullSettings
 
 
 class StoredLayer(MethodLayer):
@@ -30,6 +31,6 @@ class StoredLayer(MethodLayer):
 
 
 @register("full")
-def full(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
-    storage = settings.get("storage")
-    return MethodCache([StoredLayer(STORAGE[storage] if storage else None) for _ in range(shape.layers)])
+def full(settings: FullSettings, shape: ModelShape, seed: int) -> MethodCache:
+    storage = STORAGE[settings.storage] if settings.storage else None
+    return MethodCache([StoredLayer(storage) for _ in range(shape.layers)])

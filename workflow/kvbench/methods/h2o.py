@@ -14,6 +14,7 @@ import torch
 
 from kvbench.methods.base import STORAGE, ModelShape, register, tensor_bytes
 from kvbench.methods.eviction import EvictionCache, ScoredLayer, attention_probs, gather, keep_top, protect_recent
+from kvbench.methods.kinds import H2OSettings
 
 QUERY_CHUNK = 256  # prefill attention is accumulated in chunks of queries to bound memory
 
@@ -22,16 +23,16 @@ class H2OLayer(ScoredLayer):
     prefill_queries = None  # every prompt query's attention counts
     decode_queries = True  # heavy hitters accumulate every new query's attention
 
-    def __init__(self, storage: torch.dtype, q_heads: int, settings: dict[str, Any]) -> None:
+    def __init__(self, storage: torch.dtype, q_heads: int, settings: H2OSettings) -> None:
         super().__init__(storage, q_heads)
         self.settings = settings
         self.budget: tuple[int, int] | None = None  # (heavy, recent)
         self.scores: torch.Tensor | None = None  # [Hkv, kept tokens]
 
     def _budget(self, tokens: int) -> tuple[int, int]:
-        if "heavy" in self.settings:
-            return int(self.settings["heavy"]), int(self.settings["recent"])
-        keep = max(2, math.ceil(tokens * float(self.settings.get("keep_ratio", 0.25))))
+        if self.settings.heavy is not None:
+            return self.settings.heavy, self.settings.recent
+        keep = max(2, math.ceil(tokens * self.settings.keep_ratio))
         return keep // 2, keep - keep // 2
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -67,6 +68,6 @@ class H2OLayer(ScoredLayer):
 
 
 @register("h2o")
-def h2o(settings: dict[str, Any], shape: ModelShape, seed: int) -> EvictionCache:
-    storage = STORAGE[settings.get("storage", "fp16")]
+def h2o(settings: H2OSettings, shape: ModelShape, seed: int) -> EvictionCache:
+    storage = STORAGE[settings.storage]
     return EvictionCache([H2OLayer(storage, shape.q_heads, settings) for _ in range(shape.layers)])

@@ -1,32 +1,49 @@
-"""Method kinds and the settings each accepts: the one place that declares them (type, range,
-supported values, required or not). A new setting is one line in its kind's entry.
+"""Method kinds, each declared once: a frozen dataclass per kind holds its settings (type from the
+annotation; default, allowed values and a one-line doc from `setting`), the kind's one-line doc
+(the class docstring) and its reference. From it come the config check (`spec_problems`), the
+typed, defaults-filled settings each implementation receives (`settings_of`) and the methods table
+of docs/methods.md (`methods_table`). A new setting is one field in its kind's class.
 
 Torch-free on purpose: the workflow checks `methods:` while it parses, before any job starts.
-Each kind's implementation registers itself under the same name (kvbench.methods.base.register);
-defaults live with the implementation, since a missing optional setting means "use the paper's".
+Each kind's implementation registers itself under the same name (kvbench.methods.base.register).
+
+    python -m kvbench.methods.kinds [--check] [docs/methods.md]
+
+rewrites the generated methods table there (`--check`: exit 1 if it is stale instead).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+import argparse
+import dataclasses
+import re
+import sys
+import types
+from dataclasses import MISSING, dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Mapping, get_type_hints
+
+# 1/2/4/8-bit codes pack in byte planes (kvbench.methods.packing.PLANE_BITS).
+KIVI_BITS = (1, 2, 4, 8)
+# Variant prod: keys use b-1 Lloyd-Max bits + 1 QJL bit (so b >= 2), values b bits; variant mse: b
+# bits for both. The packer takes 1-4 bit codes.
+TURBOQUANT_BITS = (1, 2, 3, 4)
+STORAGES = ("fp16", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
-class Setting:
-    type: type  # int, float or str; a float setting accepts integers, no setting accepts booleans
+class Allowed:
+    """The values a setting accepts besides its type."""
+
     minimum: float | None = None
     maximum: float | None = None
     above: float | None = None  # exclusive minimum
     choices: tuple[Any, ...] = ()
-    required: bool = False
     odd: bool = False
     divides_head_dim: bool = False
 
-    def problems(self, value: Any, head_dim: int | None = None) -> list[str]:
-        allowed = (int, float) if self.type is float else (self.type,)
-        if isinstance(value, bool) or not isinstance(value, allowed):
-            return [f"{value!r} is not of type {self.type.__name__}"]
+    def problems(self, value: Any, head_dim: int | None) -> list[str]:
         if self.choices and value not in self.choices:
             return [f"{value!r} is not one of {list(self.choices)}"]
         found = []
@@ -42,87 +59,233 @@ class Setting:
             found.append(f"{value!r} does not divide the model's head_dim {head_dim}")
         return found
 
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        parts = [f"> {self.above:g}" if self.above is not None else "",
+                 f"≥ {self.minimum:g}" if self.minimum is not None else "",
+                 f"≤ {self.maximum:g}" if self.maximum is not None else "",
+                 "odd" if self.odd else "", "divides head_dim" if self.divides_head_dim else ""]
+        return ", ".join(p for p in parts if p)
 
-def integer(minimum: int | None = None, **kw: Any) -> Setting:
-    return Setting(int, minimum=minimum, **kw)
 
-
-def ratio(**kw: Any) -> Setting:
-    return Setting(float, above=0.0, maximum=1.0, **kw)
-
-
-def choice(*values: Any, **kw: Any) -> Setting:
-    return Setting(type(values[0]), choices=values, **kw)
+def setting(default: Any = MISSING, *, doc: str, **allowed: Any) -> Any:
+    """A field of a kind's dataclass; no default: required. A default of None means "not used
+    unless given" (the field's type then includes None)."""
+    return field(default=default, metadata={"doc": doc, "allowed": Allowed(**allowed)})
 
 
 @dataclass(frozen=True)
-class Kind:
-    settings: dict[str, Setting]
-    exclusive: tuple[tuple[str, str], ...] = ()  # at most one of each pair
-    together: tuple[tuple[str, ...], ...] = ()  # all or none of each group
-    rules: tuple[Callable[[Mapping[str, Any]], list[str]], ...] = ()  # checks across settings
+class Setting:
+    """One setting as the check and the docs read it (built from a kind's field)."""
+
+    name: str
+    type: type  # int, float or str; a float setting accepts integers, no setting accepts booleans
+    default: Any  # MISSING: required
+    doc: str
+    allowed: Allowed
+
+    @property
+    def required(self) -> bool:
+        return self.default is MISSING
+
+    def problems(self, value: Any, head_dim: int | None = None) -> list[str]:
+        accepted = (int, float) if self.type is float else (self.type,)
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            return [f"{value!r} is not of type {self.type.__name__}"]
+        return self.allowed.problems(value, head_dim)
 
 
-STORAGE = choice("fp16", "bf16", "fp32")  # the dtype the cache holds its kept values in
-# 1/2/4/8-bit codes pack in byte planes (kvbench.methods.packing.PLANE_BITS).
-KIVI_BITS = (1, 2, 4, 8)
-KIVI_GROUP_SIZE, KIVI_RESIDUAL = 32, 128  # the paper's defaults (kivi.py uses them too)
-# Variant prod: keys use b-1 Lloyd-Max bits + 1 QJL bit (so b >= 2), values b bits; variant mse: b
-# bits for both. The packer takes 1-4 bit codes.
-TURBOQUANT_BITS = (1, 2, 3, 4)
-EVICTION = {
-    "window": integer(1),  # observation window (last queries), kept as is
-    "kernel": integer(1, odd=True),  # pooling kernel over scores
-    "pooling": choice("avg", "max"),  # SnapKV's reference pools with avg (kvpress) or max (paper code)
-    "keep_ratio": ratio(),  # fraction of the prompt kept ...
-    "capacity": integer(1),  # ... or a fixed token count per head
-    "storage": STORAGE,
-}
+Rule = Callable[[Mapping[str, Any]], list[str]]
 
 
-def kivi_residual(spec: Mapping[str, Any]) -> list[str]:
-    group, residual = spec.get("group_size", KIVI_GROUP_SIZE), spec.get("residual", KIVI_RESIDUAL)
+@dataclass(frozen=True, kw_only=True)
+class MethodSettings:
+    """The settings of one config entry of a kind, defaults filled in (see `settings_of`)."""
+
+    kind: ClassVar[str]
+    reference: ClassVar[str]
+    exclusive: ClassVar[tuple[tuple[str, str], ...]] = ()  # at most one of each pair given
+    together: ClassVar[tuple[tuple[str, ...], ...]] = ()  # all or none of each group given
+    # Checks across settings; each reads the settings with defaults filled in (None if missing)
+    # and its docstring's first line documents it.
+    rules: ClassVar[tuple[Rule, ...]] = ()
+
+
+def _storage(default: str | None = "fp16", doc: str = "dtype the cache holds its kept keys and values in") -> Any:
+    return setting(default, choices=STORAGES, doc=doc)
+
+
+def kivi_residual(values: Mapping[str, Any]) -> list[str]:
+    """R is a multiple of G: `residual` of `group_size`."""
+    group, residual = values["group_size"], values["residual"]
     if isinstance(group, int) and isinstance(residual, int) and group > 0 < residual and (residual < group or residual % group):
         return [f"residual: {residual} must be a positive multiple of group_size {group} "
                 "(keys are quantized R at a time in per-channel groups of G tokens)"]
     return []
 
 
-def turboquant_prod_bits(spec: Mapping[str, Any]) -> list[str]:
-    if spec.get("variant", "prod") == "prod" and spec.get("bits") == 1:
+def turboquant_prod_bits(values: Mapping[str, Any]) -> list[str]:
+    """Variant `prod` needs `bits` ≥ 2 (b-1 MSE bits + 1 QJL bit for keys)."""
+    if values["variant"] == "prod" and values["bits"] == 1:
         return ["bits: 1 is too few for variant prod (b-1 MSE bits + 1 QJL bit for keys); use variant mse"]
     return []
 
 
-def cam_compresses(spec: Mapping[str, Any]) -> list[str]:
-    if not {"keep_ratio", "capacity", "target"} & set(spec):
+def cam_compresses(values: Mapping[str, Any]) -> list[str]:
+    """At least one schedule: `keep_ratio` or `capacity` (prefill) and/or `target` (decoding)."""
+    if all(values[name] is None for name in ("keep_ratio", "capacity", "target")):
         return ["keep_ratio: cam needs keep_ratio or capacity (compress at prefill) and/or target (while decoding)"]
     return []
 
 
-KINDS: dict[str, Kind] = {
-    "full": Kind({"storage": STORAGE}),
-    "fp8": Kind({}),
-    "kivi": Kind({
-        "bits": choice(*KIVI_BITS, required=True),
-        "group_size": integer(1, divides_head_dim=True),
-        "residual": integer(1),  # recent tokens kept in full precision (the reference's R)
-        "storage": STORAGE,
-    }, rules=(kivi_residual,)),
-    "turboquant": Kind({"bits": choice(*TURBOQUANT_BITS, required=True), "variant": choice("prod", "mse")},
-                       rules=(turboquant_prod_bits,)),
-    "snapkv": Kind(dict(EVICTION), exclusive=(("keep_ratio", "capacity"),)),
-    "cam": Kind({**EVICTION, "merge_budget": integer(0),
-                 "interval": integer(1),  # decoding: compress every `interval` new tokens ...
-                 "target": integer(1),  # ... down to `target` tokens per head
-                 "buffer": integer(1),  # decode queries kept for scoring
-                 "selection": choice("shared", "per_head")},
-                exclusive=(("keep_ratio", "capacity"),), rules=(cam_compresses,)),
-    "streamingllm": Kind({"sinks": integer(0), "window": integer(1, required=True), "storage": STORAGE}),
-    "h2o": Kind({"heavy": integer(0), "recent": integer(1), "keep_ratio": ratio(), "storage": STORAGE},
-                exclusive=(("keep_ratio", "heavy"),), together=(("heavy", "recent"),)),
-}
-KIND_SETTINGS: dict[str, tuple[str, ...]] = {name: tuple(kind.settings) for name, kind in KINDS.items()}
+# Scoring and budget settings that SnapKV and CaM share (their defaults differ).
+def _window(default: int) -> Any:
+    return setting(default, minimum=1,
+                   doc="observation window: the last queries, whose attention scores the other tokens (it is kept)")
+
+
+def _kernel() -> Any:
+    return setting(7, minimum=1, odd=True,
+                   doc="pooling kernel over the scores (keeps clusters of attended tokens whole)")
+
+
+def _pooling() -> Any:
+    return setting("avg", choices=("avg", "max"), doc="`avg` as kvpress, `max` as the SnapKV paper's code")
+
+
+def _capacity() -> Any:
+    return setting(None, minimum=1, doc="a fixed count of tokens kept per KV head, instead of `keep_ratio`")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullSettings(MethodSettings):
+    """The whole cache: the baseline."""
+
+    kind = "full"
+    reference = "plain `generate` (reproduced exactly when `storage` is not set)"
+    storage: str | None = _storage(None, doc="dtype the cache is held in (not set: the dtype the model computes in)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Settings(MethodSettings):
+    """Every key and value as float8 e4m3 (one byte, saturating at ±448), decoded by a 256-entry table."""
+
+    kind = "fp8"
+    reference = "the OCP FP8 e4m3 format, without scaling"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KiviSettings(MethodSettings):
+    """Asymmetric low-bit quantization: keys per channel, values per token; the newest tokens at full precision."""
+
+    kind = "kivi"
+    reference = "Liu et al. 2024, jy-yuan/KIVI (`models/llama_kivi.py`)"
+    rules = (kivi_residual,)
+    bits: int = setting(choices=KIVI_BITS, doc="bits per code (packed in byte planes)")
+    group_size: int = setting(
+        32, minimum=1, divides_head_dim=True,
+        doc="G: tokens per key statistic, channels per value statistic (fp16 scale and zero point)")
+    residual: int = setting(128, minimum=1, doc="R: recent tokens kept at full precision (keys quantized R at a time)")
+    storage: str = _storage()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurboQuantSettings(MethodSettings):
+    """Random rotation + Lloyd-Max codes per coordinate and an fp16 norm per vector; keys optionally + 1-bit QJL."""
+
+    kind = "turboquant"
+    reference = "Zandieh et al. 2025, arXiv 2504.19874"
+    rules = (turboquant_prod_bits,)
+    bits: int = setting(choices=TURBOQUANT_BITS, doc="bits per coordinate (keys in variant `prod`: b-1 MSE + 1 QJL)")
+    variant: str = setting(
+        "prod", choices=("prod", "mse"),
+        doc="`prod`: unbiased inner products (QJL on the keys' residual); `mse`: every bit to the codes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapKVSettings(MethodSettings):
+    """At prefill, keep per KV head the prompt positions the last `window` queries attend to most; decode appends."""
+
+    kind = "snapkv"
+    reference = "Li et al. 2024, FasterDecoding/SnapKV; scores as kvpress `SnapKVPress`"
+    exclusive = (("keep_ratio", "capacity"),)
+    window: int = _window(32)
+    kernel: int = _kernel()
+    pooling: str = _pooling()
+    keep_ratio: float = setting(0.25, above=0.0, maximum=1.0,
+                                doc="fraction of the prompt kept per KV head (rounded down)")
+    capacity: int | None = _capacity()
+    storage: str = _storage()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaMSettings(MethodSettings):
+    """SnapKV-scored eviction that merges evicted values into the kept tokens after them, at prefill and/or decoding."""
+
+    kind = "cam"
+    reference = "Zhang et al., ICML 2024, zyxxmu/cam; as kvpress `CAMPress`"
+    exclusive = (("keep_ratio", "capacity"),)
+    rules = (cam_compresses,)
+    window: int = _window(16)
+    kernel: int = _kernel()
+    pooling: str = _pooling()
+    keep_ratio: float | None = setting(
+        None, above=0.0, maximum=1.0,
+        doc="fraction of the prompt kept per KV head at prefill (not set: no prefill compression)")
+    capacity: int | None = _capacity()
+    storage: str = _storage()
+    merge_budget: int = setting(32, minimum=0, doc="kept tokens after an evicted one that its value may merge into")
+    interval: int = setting(32, minimum=1, doc="decoding: compress every `interval` new tokens ...")
+    target: int | None = setting(None, minimum=1,
+                                 doc="... down to `target` tokens per KV head (not set: no decode compression)")
+    buffer: int = setting(64, minimum=1, doc="decode queries kept for scoring")
+    selection: str = setting("shared", choices=("shared", "per_head"),
+                             doc="`shared`: one eviction set for every KV head (kvpress); `per_head`: as `snapkv`")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamingLLMSettings(MethodSettings):
+    """The first `sinks` tokens (attention sinks) plus the last `window` tokens."""
+
+    kind = "streamingllm"
+    reference = "Xiao et al. 2024, mit-han-lab/streaming-llm"
+    sinks: int = setting(4, minimum=0, doc="first tokens always kept")
+    window: int = setting(minimum=1, doc="recent tokens kept")
+    storage: str = _storage()
+
+
+@dataclass(frozen=True, kw_only=True)
+class H2OSettings(MethodSettings):
+    """Heavy hitters by attention accumulated over every query so far, plus a window of recent tokens."""
+
+    kind = "h2o"
+    reference = "Zhang et al. 2023, FMInference/H2O"
+    exclusive = (("keep_ratio", "heavy"),)
+    together = (("heavy", "recent"),)
+    heavy: int | None = setting(None, minimum=0, doc="heavy-hitter tokens kept per KV head (with `recent`)")
+    recent: int | None = setting(None, minimum=1, doc="recent tokens kept per KV head (with `heavy`)")
+    keep_ratio: float = setting(0.25, above=0.0, maximum=1.0,
+                                doc="fraction of the prompt kept (rounded up), half heavy hitters and half recent, "
+                                    "unless `heavy` and `recent` are given")
+    storage: str = _storage()
+
+
+KINDS: dict[str, type[MethodSettings]] = {cls.kind: cls for cls in (
+    FullSettings, KiviSettings, TurboQuantSettings, SnapKVSettings, CaMSettings, StreamingLLMSettings, H2OSettings,
+    Fp8Settings)}
+
+
+@cache
+def declared(cls: type[MethodSettings]) -> dict[str, Setting]:
+    """The settings `cls` declares, in order: the type from each field's annotation (without None)."""
+    hints = get_type_hints(cls)
+    found = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        kinds = [t for t in hint.__args__ if t is not type(None)] if isinstance(hint, types.UnionType) else [hint]
+        found[f.name] = Setting(f.name, kinds[0], f.default, f.metadata["doc"], f.metadata["allowed"])
+    return found
 
 
 def spec_problems(spec: Mapping[str, Any], head_dim: int | None = None) -> list[str]:
@@ -134,12 +297,13 @@ def spec_problems(spec: Mapping[str, Any], head_dim: int | None = None) -> list[
     if kind_name not in KINDS:
         return [f"kind: unknown method kind {kind_name!r}; known: {', '.join(sorted(KINDS))}"]
     kind = KINDS[kind_name]
-    found = [f"{name}: unknown setting for kind {kind_name!r} (allowed: {', '.join(kind.settings) or 'none'})"
-             for name in spec if name != "kind" and name not in kind.settings]
-    for name, setting in kind.settings.items():
+    decls = declared(kind)
+    found = [f"{name}: unknown setting for kind {kind_name!r} (allowed: {', '.join(decls) or 'none'})"
+             for name in spec if name != "kind" and name not in decls]
+    for name, decl in decls.items():
         if name in spec:
-            found += [f"{name}: {p}" for p in setting.problems(spec[name], head_dim)]
-        elif setting.required:
+            found += [f"{name}: {p}" for p in decl.problems(spec[name], head_dim)]
+        elif decl.required:
             found.append(f"{name}: required for kind {kind_name!r}")
     for a, b in kind.exclusive:
         if a in spec and b in spec:
@@ -149,8 +313,9 @@ def spec_problems(spec: Mapping[str, Any], head_dim: int | None = None) -> list[
         if given and len(given) < len(group):
             missing = [name for name in group if name not in spec]
             found.append(f"{missing[0]}: required together with {', '.join(given)}")
+    values = {name: spec.get(name, None if decl.required else decl.default) for name, decl in decls.items()}
     for rule in kind.rules:
-        found += rule(spec)
+        found += rule(values)
     return found
 
 
@@ -158,3 +323,65 @@ def check_spec(spec: Mapping[str, Any], head_dim: int | None = None) -> None:
     problems = spec_problems(spec, head_dim)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def settings_of(spec: Mapping[str, Any]) -> MethodSettings:
+    """The typed settings of a config entry like {kind: kivi, bits: 2}, defaults filled in (checked first)."""
+    check_spec(spec)
+    kind = KINDS[spec["kind"]]
+    decls = declared(kind)
+    return kind(**{name: float(value) if decls[name].type is float else value
+                   for name, value in spec.items() if name != "kind"})
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def methods_table() -> str:
+    """The method kinds as a Markdown table: each kind's doc and reference, its settings with their
+    defaults and allowed values, and the constraints across settings."""
+    rows = ["| kind | what it does | reference | settings: default (allowed values) — meaning |", "|---|---|---|---|"]
+    for name, kind in KINDS.items():
+        lines = []
+        for decl in declared(kind).values():
+            default = "required" if decl.required else "not set" if decl.default is None else f"`{decl.default}`"
+            allowed = ", ".join(p for p in (decl.type.__name__, decl.allowed.describe()) if p)
+            lines.append(f"`{decl.name}`: {default} ({allowed}) — {decl.doc}")
+        lines += [f"At most one of `{a}`, `{b}`" for a, b in kind.exclusive]
+        lines += ["All or none of " + ", ".join(f"`{n}`" for n in group) for group in kind.together]
+        lines += [rule.__doc__.strip().splitlines()[0].rstrip(".") for rule in kind.rules]
+        rows.append(f"| `{name}` | {_cell(kind.__doc__.strip())} | {_cell(kind.reference)} | "
+                    f"{_cell('<br>'.join(lines)) or '—'} |")
+    return "\n".join(rows)
+
+
+START, END = "<!-- generated:method-kinds -->", "<!-- end generated:method-kinds -->"
+BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.S)
+
+
+def update_doc(text: str) -> str:
+    """`text` with its method-kinds block rewritten from the declarations."""
+    if not BLOCK.search(text):
+        raise ValueError(f"no {START} ... {END} block")
+    return BLOCK.sub(lambda _: f"{START}\n{methods_table()}\n{END}", text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Rewrite (or --check) the generated table of method kinds.")
+    parser.add_argument("doc", nargs="?", default="docs/methods.md", type=Path)
+    parser.add_argument("--check", action="store_true", help="exit 1 if the table differs from the declarations")
+    args = parser.parse_args(argv)
+    text = args.doc.read_text()
+    updated = update_doc(text)
+    if args.check:
+        if updated != text:
+            print(f"{args.doc}: the method-kinds table is stale; run python -m kvbench.methods.kinds {args.doc}",
+                  file=sys.stderr)
+        return int(updated != text)
+    args.doc.write_text(updated)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

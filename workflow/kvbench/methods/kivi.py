@@ -31,7 +31,7 @@ import torch
 from kvbench.methods import native
 from kvbench.methods.attention import RoutedLayer, attach_routed
 from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, owned, register, tensor_bytes
-from kvbench.methods.kinds import KIVI_GROUP_SIZE, KIVI_RESIDUAL
+from kvbench.methods.kinds import KiviSettings
 from kvbench.methods.packing import lut_dots, lut_sums, pack_planes, unpack_planes_into
 
 
@@ -215,12 +215,12 @@ class KiviLayer(RoutedLayer, MethodLayer):
 
 
 @register("kivi")
-def kivi(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
-    bits, group, residual = int(settings["bits"]), int(settings.get("group_size", KIVI_GROUP_SIZE)), int(settings.get("residual", KIVI_RESIDUAL))
-    if shape.head_dim % group:
-        raise ValueError(f"kivi: group_size {group} must divide head_dim {shape.head_dim}")
-    storage = STORAGE[settings.get("storage", "fp16")]
-    return KiviCache([KiviLayer(bits, group, residual, storage) for _ in range(shape.layers)])
+def kivi(settings: KiviSettings, shape: ModelShape, seed: int) -> MethodCache:
+    if shape.head_dim % settings.group_size:
+        raise ValueError(f"kivi: group_size {settings.group_size} must divide head_dim {shape.head_dim}")
+    storage = STORAGE[settings.storage]
+    return KiviCache([KiviLayer(settings.bits, settings.group_size, settings.residual, storage)
+                      for _ in range(shape.layers)])
 
 
 class KiviCache(MethodCache):

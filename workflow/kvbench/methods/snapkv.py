@@ -15,14 +15,14 @@ from kvbench.methods.base import STORAGE, ModelShape, register
 from kvbench.methods.eviction import (
     EvictionCache, ScoredLayer, gather, keep_count, keep_top, snapkv_scores,
 )
+from kvbench.methods.kinds import SnapKVSettings
 
 
 class SnapKVLayer(ScoredLayer):
-    def __init__(self, storage: torch.dtype, q_heads: int, settings: dict[str, Any]) -> None:
+    def __init__(self, storage: torch.dtype, q_heads: int, settings: SnapKVSettings) -> None:
         super().__init__(storage, q_heads)
         self.settings = settings
-        self.window, self.kernel = int(settings.get("window", 32)), int(settings.get("kernel", 7))
-        self.pooling = settings.get("pooling", "avg")
+        self.window, self.kernel, self.pooling = settings.window, settings.kernel, settings.pooling
         self.prefill_queries = self.window
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -42,7 +42,7 @@ class SnapKVLayer(ScoredLayer):
     def select(self, queries: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor | None:
         """Kept positions [Hkv, keep] in position order, or None to keep the whole prompt."""
         tokens = keys.shape[-2]
-        keep = keep_count(tokens, self.settings)
+        keep = keep_count(tokens, self.settings.capacity, self.settings.keep_ratio)
         if keep >= tokens:
             return None
         if queries is None:
@@ -52,6 +52,6 @@ class SnapKVLayer(ScoredLayer):
 
 
 @register("snapkv")
-def snapkv(settings: dict[str, Any], shape: ModelShape, seed: int) -> EvictionCache:
-    storage = STORAGE[settings.get("storage", "fp16")]
+def snapkv(settings: SnapKVSettings, shape: ModelShape, seed: int) -> EvictionCache:
+    storage = STORAGE[settings.storage]
     return EvictionCache([SnapKVLayer(storage, shape.q_heads, settings) for _ in range(shape.layers)])

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvbench.methods.base import STORAGE, MethodCache, MethodLayer, ModelShape, register
+from kvbench.methods.kinds import StreamingLLMSettings
 
 
 class SinkWindowLayer(MethodLayer):
@@ -29,7 +30,6 @@ class SinkWindowLayer(MethodLayer):
 
 
 @register("streamingllm")
-def streamingllm(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
-    storage = STORAGE[settings.get("storage", "fp16")]
-    return MethodCache([SinkWindowLayer(int(settings.get("sinks", 4)), int(settings["window"]), storage)
-                        for _ in range(shape.layers)])
+def streamingllm(settings: StreamingLLMSettings, shape: ModelShape, seed: int) -> MethodCache:
+    storage = STORAGE[settings.storage]
+    return MethodCache([SinkWindowLayer(settings.sinks, settings.window, storage) for _ in range(shape.layers)])

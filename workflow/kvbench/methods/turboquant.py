@@ -27,6 +27,7 @@ import torch
 
 from kvbench.methods.attention import RoutedLayer, attach_routed
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register, tensor_bytes
+from kvbench.methods.kinds import TurboQuantSettings
 from kvbench.methods.packing import (
     byte_scores, lut_dots, lut_sums, pack, pack_sign_magnitude, unpack, unpack_as, unpack_sign_magnitude,
     unpack_sign_magnitude_as,
@@ -291,8 +292,8 @@ def random_rotation(d: int, generator: torch.Generator) -> torch.Tensor:
 
 
 @register("turboquant")
-def turboquant(settings: dict[str, Any], shape: ModelShape, seed: int) -> MethodCache:
-    bits, variant = int(settings["bits"]), settings.get("variant", "prod")
+def turboquant(settings: TurboQuantSettings, shape: ModelShape, seed: int) -> MethodCache:
+    bits, variant = settings.bits, settings.variant
     gen = torch.Generator().manual_seed(seed)
     rotations = [random_rotation(shape.head_dim, gen) for _ in range(shape.layers)]
     sketches = [torch.randn(shape.head_dim, shape.head_dim, generator=gen) for _ in range(shape.layers)]

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 import yaml
 
-from kvbench.config import check_config
+from kvbench.checks import check_config
 
 SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 

@@ -21,7 +21,9 @@ from safetensors.torch import save as save_tensors
 
 from kvbench.kv.codecs import get_codec
 from kvbench.methods.fp8 import to_fp8_bytes
-from kvbench.methods.base import ModelShape, build_cache
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
+from kvbench.methods.kinds import settings_of
 from kvbench.methods.kivi import QuantizedBlock
 from kvbench.methods.turboquant import TurboBlock
 from kvbench.serve import layout
@@ -197,7 +199,8 @@ def wire_format(name: str, spec: ChunkSpec, method: Mapping[str, Any] | None = N
     if spec.dtype.itemsize == 1:
         raise ValueError(f"{name}: the cache is already 8-bit ({spec.dtype}); lossy formats need a 16/32-bit cache")
     if kind == "kivi":
-        return KiviWire(name, spec, int(method["bits"]), int(method.get("group_size", 32)))
+        kivi = settings_of(method)
+        return KiviWire(name, spec, kivi.bits, kivi.group_size)
     if kind == "turboquant":
         return TurboWire(name, spec, method, seed)
     return Fp8Wire(name, spec)
