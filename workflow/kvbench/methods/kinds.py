@@ -6,22 +6,14 @@ of docs/methods.md (`methods_table`). A new setting is one field in its kind's c
 
 Torch-free on purpose: the workflow checks `methods:` while it parses, before any job starts.
 Each kind's implementation registers itself under the same name (kvbench.methods.base.register).
-
-    python -m kvbench.methods.kinds [--check] [docs/methods.md]
-
-rewrites the generated methods table there (`--check`: exit 1 if it is stale instead).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import re
-import sys
 import types
 from dataclasses import MISSING, dataclass, field
 from functools import cache
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, get_type_hints
 
 # 1/2/4/8-bit codes pack in byte planes (kvbench.methods.packing.PLANE_BITS).
@@ -354,34 +346,3 @@ def methods_table() -> str:
         rows.append(f"| `{name}` | {_cell(kind.__doc__.strip())} | {_cell(kind.reference)} | "
                     f"{_cell('<br>'.join(lines)) or '—'} |")
     return "\n".join(rows)
-
-
-START, END = "<!-- generated:method-kinds -->", "<!-- end generated:method-kinds -->"
-BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.S)
-
-
-def update_doc(text: str) -> str:
-    """`text` with its method-kinds block rewritten from the declarations."""
-    if not BLOCK.search(text):
-        raise ValueError(f"no {START} ... {END} block")
-    return BLOCK.sub(lambda _: f"{START}\n{methods_table()}\n{END}", text)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Rewrite (or --check) the generated table of method kinds.")
-    parser.add_argument("doc", nargs="?", default="docs/methods.md", type=Path)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the table differs from the declarations")
-    args = parser.parse_args(argv)
-    text = args.doc.read_text()
-    updated = update_doc(text)
-    if args.check:
-        if updated != text:
-            print(f"{args.doc}: the method-kinds table is stale; run python -m kvbench.methods.kinds {args.doc}",
-                  file=sys.stderr)
-        return int(updated != text)
-    args.doc.write_text(updated)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
