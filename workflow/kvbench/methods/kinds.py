@@ -179,7 +179,7 @@ class KiviSettings(MethodSettings):
         32, minimum=1, divides_head_dim=True,
         doc="G: tokens per key statistic, channels per value statistic (fp16 scale and zero point)")
     residual: int = setting(128, minimum=1, doc="R: recent tokens kept at full precision (keys quantized R at a time)")
-    storage: str = _storage()
+    storage: str = _storage(doc="dtype of the full-precision tokens (fp16: the reference's model dtype)")
 
 
 @dataclass(frozen=True, kw_only=True)
