@@ -110,6 +110,7 @@ def reference_problems(config: Mapping[str, Any]) -> list[str]:
 
 
 def subset_problems(config: Mapping[str, Any], counts: Mapping[str, int]) -> list[str]:
+    """Subsets and counts; `counts`: how many documents each generated corpus will hold."""
     kv = config["kv"]
     found = [f"kv.{key}: {sorted(set(kv[key]) - set(kv[full]))} not in kv.{full} (the detail tables would be empty)"
              for key, full in (("detail_dtypes", "dtypes"), ("detail_codecs", "codecs")) if not set(kv[key]) <= set(kv[full])]
