@@ -2,10 +2,11 @@
 (tests/workflow_helpers.tiny_config, the model converted from the GGUF so the models stage runs too)
 at a base commit and at HEAD, each from its own git worktree and in its own workdir under
 .bench/refactor_check/<commit>/, locally with `--cores 2`, and compares every Parquet table under
-results/ of the two runs (kvbench.runcompare): equal except provenance columns (the commits differ)
-and the columns that differ between any two runs (timings, memory, run ids; the report's columns
-computed from timings). Both runs use the real model, so a float computed the same way is bitwise
-equal: any other difference is a behaviour change, or nondeterminism to explain.
+results/ of the two runs (kvbench.runcompare): equal except provenance columns (the commits differ;
+inside text, as in the report's `sources`, each run's commit reads COMMIT) and the columns that
+differ between any two runs (timings, memory, run ids; the report's columns computed from timings).
+Both runs use the real model, so a float computed the same way is bitwise equal: any other
+difference is a behaviour change, or nondeterminism to explain.
 
 Both runs take this checkout's tiny config, venv and snakemake; each imports the library of its own
 commit (its worktree's workflow/ first on the path). Commit first: HEAD's worktree is the commit,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -110,7 +112,8 @@ def main() -> None:
     config["models"] = {"smol": MODEL}
     config["corpus"]["imported"]["path"] = "my-docs"
     (base_dir, base_s), (head_dir, head_s) = run(base, config, args.reuse), run(head, config, args.reuse)
-    rows = compare_runs(base_dir, head_dir, ignore=PROVENANCE_COLUMNS)
+    commits = ((re.compile(f"{base}|{head}"), "COMMIT"),)
+    rows = compare_runs(base_dir, head_dir, ignore=PROVENANCE_COLUMNS, masks=commits)
     for row in rows:
         numeric = json.loads(row["numeric_differences"])
         row["max_abs_difference"] = max(numeric.values()) if numeric else float("nan")

@@ -3,6 +3,7 @@ volatile columns (timings, run ids, timestamps), the report's timing-derived col
 columns may differ, nothing else; row order does not matter; numeric differences are measured."""
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -78,3 +79,12 @@ def test_runs_compare_every_table_of_either_run(tmp_path):
     assert not rows["results/q/summary.parquet"]["equal"]
     assert json.loads(rows["results/q/summary.parquet"]["numeric_differences"]) == {"kl": 0.25}
     assert rows["results/extra.parquet"]["differing_columns"] == "only in one run"
+
+
+def test_masked_text_may_differ_and_nothing_else_in_the_cell():
+    sources = lambda commit, tables: pd.DataFrame(  # noqa: E731
+        {"corpus": ["realistic"], "sources": [json.dumps({"stats": {"git_commit": [commit], "tables": tables}})]})
+    masks = ((re.compile("aaa111|bbb222"), "COMMIT"),)
+    assert not compare_table("results/t.parquet", sources("aaa111", 2), sources("bbb222", 2))["equal"]
+    assert compare_table("results/t.parquet", sources("aaa111", 2), sources("bbb222", 2), masks=masks)["equal"]
+    assert not compare_table("results/t.parquet", sources("aaa111", 2), sources("bbb222", 3), masks=masks)["equal"]

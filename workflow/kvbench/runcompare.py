@@ -3,7 +3,8 @@ those that differ between any two runs (timings, memory, run ids: VOLATILE; the 
 computed from timings: DERIVED) and those the caller ignores (e.g. provenance, when the runs ran
 different commits). Rows are matched by their compared columns, so row order does not matter; cells
 are compared as text (Python's float repr round-trips, so equal text is bitwise-equal floats),
-with the serve stage's run ids and the servers' ports masked (RUN_TEXT).
+with the serve stage's run ids and the servers' ports masked (RUN_TEXT), and whatever else the
+caller masks (e.g. the two commits, which the report's tables quote from their sources).
 
 Used by bench/kill_resume.py (a killed and resumed run against an uninterrupted one) and
 bench/refactor_check.py (a base commit against HEAD).
@@ -15,7 +16,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Collection
+from typing import Collection, Pattern
 
 import pandas as pd
 
@@ -37,10 +38,13 @@ DERIVED = {
 }
 
 
-def normalized(table: pd.DataFrame) -> pd.DataFrame:
-    """Every cell as text, with run ids and ports replaced (see RUN_TEXT)."""
+Masks = Collection[tuple[Pattern[str], str]]  # (pattern, replacement) pairs applied to the text
+
+
+def normalized(table: pd.DataFrame, masks: Masks = ()) -> pd.DataFrame:
+    """Every cell as text, with run ids and ports replaced (see RUN_TEXT), then `masks`."""
     text = table.astype(str)
-    for pattern, replacement in RUN_TEXT:
+    for pattern, replacement in (*RUN_TEXT, *masks):
         text = text.replace(pattern, replacement, regex=True)
     return text
 
@@ -52,7 +56,7 @@ def _max_abs_difference(a: pd.Series, b: pd.Series) -> float:
     return float(diff.max(skipna=True)) if diff.notna().any() else 0.0
 
 
-def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame, ignore: Collection[str] = ()) -> dict:
+def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame, ignore: Collection[str] = (), masks: Masks = ()) -> dict:
     """Equal when every column but the volatile, report-derived and ignored ones is equal, rows
     matched by those columns (as text). Also lists the volatile and the ignored columns that
     differ, for the record, and per differing numeric column the largest absolute difference."""
@@ -64,7 +68,7 @@ def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame, ignore: Collection
     aligned = []
     for table in (a, b):
         table = table.reset_index(drop=True)
-        text = normalized(table)
+        text = normalized(table, masks)
         order = text.sort_values(keys, kind="stable").index if keys else text.index
         aligned.append((text.loc[order].reset_index(drop=True), table.loc[order].reset_index(drop=True)))
     (a_text, a_values), (b_text, b_values) = aligned
@@ -79,7 +83,7 @@ def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame, ignore: Collection
             "numeric_differences": json.dumps(numeric)}
 
 
-def compare_runs(first: Path, second: Path, ignore: Collection[str] = ()) -> list[dict]:
+def compare_runs(first: Path, second: Path, ignore: Collection[str] = (), masks: Masks = ()) -> list[dict]:
     """One row per Parquet table under results/ of either workdir (`table`: its path there)."""
     paths = {p.relative_to(run).as_posix() for run in (first, second) for p in (run / "results").rglob("*.parquet")}
     rows = []
@@ -89,5 +93,5 @@ def compare_runs(first: Path, second: Path, ignore: Collection[str] = ()) -> lis
                          "volatile_differing": "", "ignored_differing": "", "numeric_differences": "{}"})
             continue
         tables = pd.read_parquet(first / rel), pd.read_parquet(second / rel)
-        rows.append({"table": rel, **compare_table(rel, *tables, ignore)})
+        rows.append({"table": rel, **compare_table(rel, *tables, ignore, masks)})
     return rows

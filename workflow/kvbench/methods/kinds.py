@@ -104,7 +104,8 @@ class MethodSettings:
     rules: ClassVar[tuple[Rule, ...]] = ()
 
 
-def _storage(default: str | None = "fp16", doc: str = "dtype the cache holds its kept keys and values in") -> Any:
+def _storage(default: str | None = "fp16",
+             doc: str = "dtype the cache holds its kept keys and values in") -> Any:
     return setting(default, choices=STORAGES, doc=doc)
 
 
