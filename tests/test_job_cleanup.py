@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -151,10 +150,9 @@ def test_a_job_whose_parent_dies_terminates_itself_cleanly(tmp_path):
 
 
 SLOW_IMPORTS_JOB = '''
+import kvbench.jobstart  # noqa: F401 (first, as in every workflow script: notes the parent)
 import sys, time
 from pathlib import Path
-sys.path.insert(0, sys.argv[2])
-import _kvbench_path  # noqa: F401 (first, as in every workflow script: notes the parent)
 out = Path(sys.argv[1])
 (out / "importing").write_text("")
 while not (out / "go").exists():  # heavy imports (torch, pandas) take seconds: the parent dies meanwhile
@@ -170,8 +168,7 @@ def test_a_job_whose_parent_died_during_its_imports_terminates_once_it_starts(tm
     # job_log starts watching it, so only the parent noted at the first import tells.
     script = tmp_path / "job.py"
     script.write_text(SLOW_IMPORTS_JOB)
-    scripts = Path(__file__).resolve().parents[1] / "workflow" / "scripts"
-    parent, job_pid = start_under_a_parent([str(script), str(tmp_path), str(scripts)])
+    parent, job_pid = start_under_a_parent([str(script), str(tmp_path)])
     try:
         assert wait_until(lambda: (tmp_path / "importing").exists(), 60)
         parent.kill()

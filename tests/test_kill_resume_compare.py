@@ -6,7 +6,7 @@ import importlib.util
 import pandas as pd
 import pytest
 
-from workflow_helpers import REPO
+from kvbench.tinyrun import REPO
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvbench.methods.base import ModelShape, build_cache
-from workflow_helpers import default_config
+from kvbench.tinyrun import default_config
 
 SPECS = default_config()["methods"] | {
     "cam-decode": {"kind": "cam", "window": 8, "kernel": 7, "interval": 3, "target": 200, "buffer": 16},

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kvbench.report import readme
-from workflow_helpers import REPO
+from kvbench.tinyrun import REPO
 
 PROV = {"config_hash": "feedbeef", "git_commit": "0123456789abcdef"}
 

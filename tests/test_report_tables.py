@@ -19,7 +19,7 @@ from kvbench.report.joined import method_table
 from kvbench.report.render import html_page, markdown_table
 from kvbench.report.stats import bootstrap_spearman, kendall_tau
 from report_frames import quality, report, system, tables
-from workflow_helpers import REPO
+from kvbench.tinyrun import REPO
 
 
 # --- contracts ---------------------------------------------------------------------------------

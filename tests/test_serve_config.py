@@ -4,7 +4,7 @@ import pytest
 
 from kvbench.config import ConfigError, check_config
 from kvbench.serve.backends import servers, server_args, unsupported
-from workflow_helpers import REPO, default_config
+from kvbench.tinyrun import REPO, default_config
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 

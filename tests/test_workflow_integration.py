@@ -32,7 +32,7 @@ from kvbench.report.stats import MIN_SAMPLES
 from kvbench.serve.backends import SERVER_OF, servers as serve_servers
 from kvbench.serve.summary import client_vs_server
 from test_servers import wait_gone
-from workflow_helpers import REPO, SNAKEMAKE, snakemake, tiny_config, write_config
+from kvbench.tinyrun import REPO, SNAKEMAKE, snakemake, tiny_config, write_config
 
 pytestmark = pytest.mark.integration
 
