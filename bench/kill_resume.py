@@ -40,11 +40,14 @@ import pandas as pd
 import yaml
 
 from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table
+from kvbench.report.blocks import Block
+from kvbench.report.render import markdown_table
 from kvbench.tinyrun import REPO, checkout_python, tiny_config, write_config
 
 OUT = REPO / ".bench" / "kill_resume"
 CODE = OUT / "code"  # HEAD, checked out once: both runs use it
 PYTHON = OUT / "venv" / "bin" / "python"  # imports kvbench from CODE (kvbench.tinyrun.checkout_python)
+KILLS, TABLES = "bench/kill_resume.parquet", "bench/kill_resume_tables.parquet"  # under results/
 TAG = "KVBENCH_KILL_RESUME_RUN"
 # Differ between any two runs: wall-clock and memory measurements (and ratios of them), request
 # run ids and timestamps. Every other column must be equal.
@@ -305,6 +308,42 @@ def report(kills: list[dict], tables: list[dict]) -> None:
             (k["interrupted"] or k["stage"] == "report") and (k.get("processes_after_120s") or 0) == 0
             and (k.get("unlock_returncode") or 0) == 0 for k in kills):
         raise SystemExit(1)
+
+def render(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
+    """Per kill: the stage, when, what snakemake held incomplete, what survived it; then the
+    comparison of every final table with the uninterrupted run's."""
+    def outputs(value: object) -> str:
+        return ", ".join(f"`{o}`" for o in value) if value is not None and len(value) else ""
+
+    shown = pd.DataFrame({
+        "stage": kills.stage, "killed": kills.killed, "mid-job": kills.get("interrupted"),
+        "killed after (s)": kills.get("killed_after_s"), "incomplete outputs": kills.incomplete_jobs.map(outputs),
+        "jobs that logged their cleanup": kills.get("jobs_cleaned_up"),
+        "processes after 120 s": kills.get("processes_after_120s"),
+        "unlock return code": kills.get("unlock_returncode"),
+        "note": kills.note})
+    equal = int(tables.equal.sum())
+    mid_job = int(kills.interrupted.sum()) if "interrupted" in kills else 0
+    differing = ", ".join(f"`{t}` ({c})" for t, c in zip(tables.table[~tables.equal],
+                                                          tables.differing_columns[~tables.equal]))
+    summary = (f"{mid_job}/{len(kills)} stages killed mid-job; "
+               f"{equal}/{len(tables)} final tables equal to the uninterrupted run's (timing columns aside)"
+               + (f"; differing: {differing}" if differing else "")
+               + f". Uninterrupted run {kills.reference_run_s.iloc[0]:.0f} s; interrupted run "
+               f"({int(kills.killed.sum())} kills, unlocks and the final rerun) "
+               f"{kills.interrupted_run_s.iloc[0]:.0f} s."
+               + (f" Both runs ran commit {kills.code_commit.iloc[0][:12]}." if "code_commit" in kills else ""))
+    return f"{markdown_table(shown)}\n\n{summary}"
+
+
+def render_cost(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
+    """What the tiny config costs: the uninterrupted run of this bench."""
+    return f"the tiny config's whole DAG ran in {kills.reference_run_s.iloc[0]:.0f} s uninterrupted, here"
+
+
+BLOCKS = {"kill-resume": Block(render, (KILLS, TABLES), make="make bench-kill"),
+          "tiny-run-cost": Block(render_cost, (KILLS, TABLES), make="make bench-kill", inline=True)}
+
 
 if __name__ == "__main__":
     main()

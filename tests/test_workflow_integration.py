@@ -29,6 +29,7 @@ from kvbench.report.claims import CLAIMS
 from kvbench.report.contracts import CONTRACTS, load_tables
 from kvbench.report.recommend import NONE
 from kvbench.report.stats import MIN_SAMPLES
+from kvbench.report.tabledocs import undocumented
 from kvbench.serve.backends import SERVER_OF, servers as serve_servers
 from kvbench.serve.summary import client_vs_server
 from test_servers import wait_gone
@@ -75,6 +76,11 @@ def quality_jobs(config) -> list[list[str]]:
 
 def read(workdir, rel):
     return pd.read_parquet(workdir / rel)
+
+
+def test_every_table_and_column_the_run_wrote_is_in_the_table_reference(run):
+    workdir, _ = run
+    assert undocumented(workdir, (REPO / "docs" / "tables.md").read_text()) == []
 
 
 def test_all_outputs_logs_and_benchmarks_exist(run):
