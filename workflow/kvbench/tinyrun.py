@@ -19,7 +19,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 FAKE_SLURM = REPO / "tests" / "fake_slurm"
-# The README's cluster command, minus the config file; status polling made fast for the fake
+# The cluster command of docs/cluster.md, minus the config file; status polling made fast for the fake
 # (the plugin waits 40 s before its first status check by default).
 SLURM_ARGS = ("--workflow-profile", str(REPO / "workflow/profiles/slurm"),
               "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1")
