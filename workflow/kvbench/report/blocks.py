@@ -65,9 +65,11 @@ def _recommendations(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _costs(t: pd.DataFrame) -> pd.DataFrame:
+    """Per stage; CPU seconds next to job-seconds show how much of a job's wall time was its own work
+    (far less on a machine other jobs share)."""
     t = t[t.level == "stage"]
-    t = t.assign(share=(100 * t.share).round(1))[["stage", "jobs", "wall_s", "span_s", "share", "max_rss_mb"]]
-    return t.rename(columns={"wall_s": "job-seconds", "span_s": "span (s)", "share": "share %",
+    t = t.assign(share=(100 * t.share).round(1))[["stage", "jobs", "wall_s", "cpu_s", "span_s", "share", "max_rss_mb"]]
+    return t.rename(columns={"wall_s": "job-seconds", "cpu_s": "CPU seconds", "span_s": "span (s)", "share": "share %",
                              "max_rss_mb": "max RSS (MB)"})
 
 

@@ -37,7 +37,7 @@ def diversity(t: pd.DataFrame) -> str:
         return "not measured in this snapshot (`corpus/stats_summary.parquet` lacks the synthetic or another corpus)"
     shown = [f"{name} {fmt(r.diversity_pct_mean)} % ({fmt(r.tokens_mean)} tokens a document)"
              for name, r in rows.items()]
-    return "distinct tokens per token of a document, mean per corpus: " + ", ".join(shown)
+    return "token diversity (distinct tokens ÷ tokens of a document, mean per corpus): " + ", ".join(shown)
 
 
 def _kv_row(t: pd.DataFrame, dtype: str, benchmark: str, realistic: str = "realistic+real") -> pd.Series | None:
