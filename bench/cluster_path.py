@@ -12,16 +12,11 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "workflow"))
-
-from kvbench.provenance import provenance, write_table  # noqa: E402
-from workflow_helpers import snakemake, tiny_config  # noqa: E402
+from kvbench.provenance import provenance, write_table
+from kvbench.tinyrun import REPO, snakemake, tiny_config
 
 OUT = REPO / ".bench" / "cluster_path"
 MODEL = REPO / "resources" / "models" / "smollm2-135m"

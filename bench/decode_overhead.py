@@ -25,9 +25,11 @@ from kvbench.methods.base import ModelShape
 from kvbench.methods.catalog import build_cache
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
+from kvbench.report.blocks import Block
+from kvbench.report.render import fmt
 
 MODEL = "resources/models/smollm2-135m"
-CONFIG_METHODS = yaml.safe_load(Path("config/config.yaml").read_text())["methods"]
+CONFIG_METHODS = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())["methods"]
 METHODS = {"full-fp32": {"kind": "full"}} | {
     name: spec for name, spec in CONFIG_METHODS.items() if spec["kind"] in ("full", "kivi", "turboquant", "fp8")}
 
@@ -88,6 +90,39 @@ def main() -> None:
               "threads": args.threads}
     write_table(table.assign(context_tokens=len(ids)), "results/bench/decode_overhead.parquet",
                 provenance(config, model="smollm2-135m"))
+
+
+# Decode cost per token vs the fp16 `full` at this bench's context: KIVI-2 <= 1.3x, TurboQuant <= 1.5x.
+BUDGETS = {"kivi2": 1.3, "turboquant3": 1.5, "turboquant4": 1.5, "turboquant4-mse": 1.5}
+
+
+def render(t: pd.DataFrame) -> pd.DataFrame:
+    """Per method: the median over steps of the step's time over the same step's `full` time
+    (the bench interleaves methods within a step), wall clock and process CPU time."""
+    columns = {}
+    for clock, label in (("seconds", "wall"), ("cpu_seconds", "CPU")):
+        per_step = t.pivot(index="step", columns="method", values=clock)
+        columns[f"TPOT / full ({label})"] = per_step.div(per_step["full"], axis=0).median()
+    per_method = t.sort_values("step").groupby("method")
+    out = pd.DataFrame({"tokens": per_method.context_tokens.first(), "steps": per_method.step.nunique(),
+                        "TPOT (s, wall)": per_method.seconds.median(), **columns,
+                        "KV MB": per_method.kv_bytes.last() / 1e6})
+    return out.sort_values("TPOT / full (wall)").rename_axis("method").reset_index()
+
+
+def render_budgets(t: pd.DataFrame) -> str:
+    """Each budgeted method's wall-clock ratio to `full`, against its budget."""
+    shown = render(t).set_index("method")
+    verdicts = [f"{m} {fmt(shown.loc[m, 'TPOT / full (wall)'])}× (budget ≤ {b}×: "
+                f"{'met' if shown.loc[m, 'TPOT / full (wall)'] <= b else 'missed'})" for m, b in BUDGETS.items()
+                if m in shown.index]
+    tokens = int(t.context_tokens.iloc[0])
+    return f"at {tokens} tokens, TPOT over `full`'s: " + ", ".join(verdicts) if verdicts else "no budgeted method ran"
+
+
+BLOCKS = {"decode-overhead": Block(render, ("bench/decode_overhead.parquet",), make="make bench-core"),
+          "decode-overhead-budgets": Block(render_budgets, ("bench/decode_overhead.parquet",), make="make bench-core",
+                                           inline=True)}
 
 
 if __name__ == "__main__":

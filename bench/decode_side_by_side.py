@@ -4,7 +4,7 @@
 `bench/side_by_side.py` times whole generations, each side in its own venv, one method after
 another: on this small shared CPU a round's methods run seconds apart, drift swings single-round
 TPOT ratios by ±30 %, and the two venvs' transformers versions differ. Here one process per round,
-in the peer venv (`.bench/peer-venv`, with our methods imported from `workflow/`), prefills every
+in the peer venv (`.bench/peer-venv`, where `make bench-peers` installs this checkout's kvbench too), prefills every
 method's cache for a prompt, ours and the peers', on the same model object, then decodes the same
 tokens (our `full`'s greedy answer, teacher-forced) one step per method, in an order shuffled per
 step (seeded): the two sides share the transformers, the torch, the threads and the moment, and
@@ -26,12 +26,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 
 from kvbench.harness import generate
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
+from kvbench.report.blocks import Block
 from side_by_side import MODEL, OURS, PEER_PYTHON, build_all_prompts
 
 # Ours against its peer; `full` against `peer-full` (a plain DynamicCache) shows what appending in
@@ -43,9 +45,8 @@ OWN_FULL = {"ours": "full", "peer": "peer-full"}
 
 def run_round(setup: dict[str, Any]) -> dict:
     Path(".bench/steps_setup.json").write_text(json.dumps(setup))
-    env = os.environ | {"PYTHONPATH": "workflow"}
     subprocess.run([PEER_PYTHON, "bench/peer_methods.py", "steps", MODEL, ".bench/steps_setup.json", ".bench/steps.json"],
-                   check=True, env=env)
+                   check=True)
     return json.loads(Path(".bench/steps.json").read_text())
 
 
@@ -119,6 +120,30 @@ def main() -> None:
               "contexts": args.contexts, "quanto_group": args.quanto_group}
     write_table(table, "results/bench/decode_side_by_side.parquet", provenance(config, model="smollm2-135m"))
     write_table(compared, "results/bench/decode_side_by_side_pairs.parquet", provenance(config, model="smollm2-135m"))
+
+
+def render(pairs: pd.DataFrame) -> pd.DataFrame:
+    """The pairs (ours and the peers in one process, decode steps interleaved): the median over
+    rounds of ours / peer TPOT on the same steps, and its range; each side's TPOT over the process's
+    DynamicCache and over its own full cache; both sides' bytes after the last step; how often the
+    two predict the same next token; the verdict: `yes` only where ours is at least as fast while
+    holding at most the peer's bytes (faster with more: by how much)."""
+    faster, extra = pairs.tpot_ratio <= 1, 100 * (pairs.bytes_ours / pairs.bytes_peer - 1)
+    more = "faster, +" + extra.round(1).astype(str) + " % bytes"
+    verdict = np.select([faster & (extra <= 0), faster], ["yes", more], "no")
+    span = pairs.tpot_ratio_min.round(3).astype(str) + "–" + pairs.tpot_ratio_max.round(3).astype(str)
+    return pd.DataFrame({
+        "prompt": pairs.prompt_id, "tokens": pairs.context_tokens, "ours": pairs.ours, "peer": pairs.peer,
+        "steps": pairs.steps, "rounds": pairs.rounds, "TPOT ours/peer": pairs.tpot_ratio, "range over rounds": span,
+        "TPOT / DynamicCache, ours": pairs.tpot_vs_dynamic_ours,
+        "TPOT / DynamicCache, peer": pairs.tpot_vs_dynamic_peer,
+        "TPOT / own full, ours": pairs.tpot_vs_own_full_ours, "TPOT / own full, peer": pairs.tpot_vs_own_full_peer,
+        "TPOT ours (s)": pairs.tpot_ours_s, "TPOT peer (s)": pairs.tpot_peer_s,
+        "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6,
+        "same next token %": (100 * pairs.next_token_agreement).round(1), "ours ≤ peer at ≤ its bytes": verdict})
+
+
+BLOCKS = {"peers-decode": Block(render, ("bench/decode_side_by_side_pairs.parquet",), make="make bench-peers")}
 
 
 if __name__ == "__main__":

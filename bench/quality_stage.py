@@ -19,10 +19,9 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "workflow"))
+from kvbench.quality.batches import batches
 
-from kvbench.quality.batches import batches  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

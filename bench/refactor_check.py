@@ -1,5 +1,5 @@
 """Benchmark (not a test): a refactor changes no table. Runs the tiny test config
-(tests/workflow_helpers.tiny_config, the model converted from the GGUF so the models stage runs too)
+(kvbench.tinyrun.tiny_config, the model converted from the GGUF so the models stage runs too)
 at a base commit and at HEAD, each from its own git worktree and in its own workdir under
 .bench/refactor_check/<commit>/, locally with `--cores 2`, and compares every Parquet table under
 results/ of the two runs (kvbench.runcompare): equal except provenance columns (the commits differ;
@@ -32,20 +32,15 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "workflow"))
-
-from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table  # noqa: E402
-from kvbench.runcompare import compare_runs  # noqa: E402
-from workflow_helpers import SNAKEMAKE, tiny_config, write_config  # noqa: E402
+from kvbench.provenance import PROVENANCE_COLUMNS, provenance, write_table
+from kvbench.runcompare import compare_runs
+from kvbench.tinyrun import REPO, SNAKEMAKE, tiny_config, write_config
 
 OUT = REPO / ".bench" / "refactor_check"
 DONE = ".refactor_check_done"  # in a workdir: the run finished, with the config beside it

@@ -43,10 +43,11 @@ from kvbench.kv.study import long_document, pick_documents
 from kvbench.models import load_model, load_tokenizer
 from kvbench.prompts import build_prompts
 from kvbench.provenance import provenance, write_table
+from kvbench.report.blocks import Block
 
 MODEL = "resources/models/smollm2-135m"
 PEER_PYTHON = ".bench/peer-venv/bin/python"
-CONFIG_METHODS = yaml.safe_load(Path("config/config.yaml").read_text())["methods"]
+CONFIG_METHODS = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())["methods"]
 OURS = {name: CONFIG_METHODS[name] for name in ("snapkv", "kivi2", "kivi4")}
 OURS["full"] = {"kind": "full"}  # fp32 as the peer's DynamicCache keeps it; appends in place
 OURS["dynamic"] = {"kind": "full"}  # run as transformers' own DynamicCache (make_cache below)
@@ -222,6 +223,31 @@ def main() -> None:
               "contexts": args.contexts, "quanto_group": args.quanto_group}
     write_table(table, "results/bench/side_by_side.parquet", provenance(config, model="smollm2-135m"))
     write_table(compared, "results/bench/side_by_side_pairs.parquet", provenance(config, model="smollm2-135m"))
+
+
+def render(pairs: pd.DataFrame) -> pd.DataFrame:
+    """The pairs (whole generations): ratios ours / peer (medians over rounds of same-round
+    ratios), raw and divided by each side's DynamicCache run (`÷ DynamicCache`: without the two
+    venvs' base speeds; the range is over rounds), each side's overhead over its DynamicCache run,
+    both sides' measured bytes and decode steps."""
+    pct = lambda col: (100 * pairs[col]).round(1)  # noqa: E731
+    span = pairs.tpot_norm_ratio_min.round(3).astype(str) + "–" + pairs.tpot_norm_ratio_max.round(3).astype(str)
+    return pd.DataFrame({
+        "prompt": pairs.prompt_id, "tokens": pairs.context_tokens, "ours": pairs.ours, "peer": pairs.peer,
+        "TTFT ours/peer": pairs.ttft_ratio, "TPOT ours/peer": pairs.tpot_ratio,
+        "TTFT ours/peer ÷ DynamicCache": pairs.ttft_norm_ratio,
+        "TPOT ours/peer ÷ DynamicCache": pairs.tpot_norm_ratio,
+        "TPOT ÷ DynamicCache range": span,
+        "TTFT vs DynamicCache, ours %": pct("ttft_overhead_ours"),
+        "TTFT vs DynamicCache, peer %": pct("ttft_overhead_peer"),
+        "TPOT vs DynamicCache, ours %": pct("tpot_overhead_ours"),
+        "TPOT vs DynamicCache, peer %": pct("tpot_overhead_peer"),
+        "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6,
+        "new tokens ours/peer": pairs.new_tokens_ours.astype(str) + "/" + pairs.new_tokens_peer.astype(str),
+        "rounds": pairs.rounds})
+
+
+BLOCKS = {"peers": Block(render, ("bench/side_by_side_pairs.parquet",), make="make bench-peers")}
 
 
 if __name__ == "__main__":

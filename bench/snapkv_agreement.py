@@ -24,6 +24,7 @@ from kvbench.methods.eviction import EvictionCache, ScoredLayer, keep_count, sna
 from kvbench.methods.kinds import settings_of
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
+from kvbench.report.blocks import Block
 from side_by_side import MODEL, OURS, build_all_prompts, peer_setup, run_peer
 
 
@@ -91,6 +92,21 @@ def main() -> None:
     table["peer_versions"] = json.dumps(peer["versions"], sort_keys=True)
     config = {"seed": 0, "bench": "snapkv_agreement", "contexts": args.contexts, "snapkv": spec}
     write_table(table, "results/bench/snapkv_agreement.parquet", provenance(config, model="smollm2-135m"))
+
+
+def render(t: pd.DataFrame) -> pd.DataFrame:
+    """Per prompt, over its (layer, KV head) pairs: the share of kvpress's kept positions ours keeps."""
+    out = t.groupby("prompt_id", sort=False).agg(
+        tokens=("context_tokens", "first"), heads=("shared", "size"), mean_shared=("shared", "mean"),
+        min_shared=("shared", "min"), below_100=("shared", lambda s: int((s < 1).sum())),
+        max_gap=("max_relative_score_gap", "max")).reset_index()
+    out[["mean_shared", "min_shared"]] = (100 * out[["mean_shared", "min_shared"]]).round(2)
+    return out.rename(columns={"prompt_id": "prompt", "heads": "(layer, head) pairs", "mean_shared": "mean shared %",
+                               "min_shared": "min shared %", "below_100": "pairs below 100 %",
+                               "max_gap": "max relative score gap"})
+
+
+BLOCKS = {"snapkv-agreement": Block(render, ("bench/snapkv_agreement.parquet",), make="make bench-peers")}
 
 
 if __name__ == "__main__":

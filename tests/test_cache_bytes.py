@@ -13,7 +13,7 @@ import torch
 from kvbench.harness import generate
 from kvbench.methods.base import METHODS
 from kvbench.methods.catalog import build_cache
-from workflow_helpers import default_config
+from kvbench.tinyrun import default_config
 
 FIXTURE = Path(__file__).parent / "data" / "legal-contract-00.txt"
 # Every config entry, plus settings the default config does not exercise: the fp32 compute cache,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workflow_helpers import REPO, snakemake
+from kvbench.tinyrun import REPO, snakemake
 
 # Library entry points that put work on the configured device: a model in memory or a server.
 DEVICE_CALLS = ("load_model(", "vllm_server(", "build_realistic(", "serve_job(", "run_job(")
@@ -97,7 +97,7 @@ def test_every_model_of_the_gpu_config_is_used_by_a_stage(gpu_plan):
 @pytest.mark.parametrize("env", ["cpu", "gpu"])
 def test_conda_env_files_hold_no_relative_path_and_mirror_the_requirements(env):
     # snakemake --use-conda copies the env file to .snakemake/conda/ first: `-r gpu.txt` or
-    # `-e ..` would resolve there. The scripts find the kvbench library themselves (_kvbench_path).
+    # `-e ..` would resolve there. The post-deploy scripts install kvbench from the checkout instead.
     spec = yaml.safe_load((REPO / "envs" / f"{env}.yaml").read_text())
     pip = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict))
     assert not [line for line in pip if line.startswith(("-r", "-e")) or (not line.startswith("--") and "/" in line)]
@@ -137,35 +137,48 @@ def test_hub_downloads_only_the_files_that_get_loaded():
         assert not kept & {"README.md", "LICENSE", "params.json"}, repo
 
 
-def test_every_script_imports_the_library_path_module_first():
+def test_every_script_notes_its_parent_first_and_imports_kvbench_only_as_installed():
     import ast
 
-    for script in sorted((REPO / "workflow" / "scripts").glob("[a-z]*.py")):
-        first = ast.parse(script.read_text()).body[0]
-        assert isinstance(first, ast.Import) and first.names[0].name == "_kvbench_path", script.name
+    for script in sorted((REPO / "workflow" / "scripts").glob("*.py")):
+        tree = ast.parse(script.read_text())
+        first = tree.body[0]
+        assert isinstance(first, ast.Import) and first.names[0].name == "kvbench.jobstart", script.name
+        assert "sys.path" not in script.read_text(), script.name  # one way to import kvbench: the install
 
 
-def test_a_script_imports_the_library_without_pythonpath_or_an_install(tmp_path):
-    # As a --use-conda job runs it: PYTHONPATH stripped, the script copied to .snakemake/scripts/
-    # with its folder appended to sys.path, and no kvbench in site-packages (the site-packages
-    # folders are added by hand under -S, so no .pth file, e.g. an editable install, is read).
-    import ast
+def test_the_workflow_refuses_a_kvbench_installed_from_another_checkout(tmp_path):
+    from kvbench.checkout import CheckoutError, check_checkout
+
+    check_checkout(REPO)  # this venv's install is this checkout's
+    with pytest.raises(CheckoutError, match=r"not from this checkout .*pip install --no-deps -e"):
+        check_checkout(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_conda_post_deploy_installs_the_checkout_that_created_the_env(name, tmp_path):
+    # As `snakemake --use-conda` runs it: inside the new env (here a bare venv standing for it), with
+    # the workflow's environment, where common.smk exported KVBENCH_CHECKOUT while it parsed. The
+    # checkout is a copy, so the import can only come from the install the script made.
+    import shutil
     import subprocess
     import sys
-    import sysconfig
 
-    script = REPO / "workflow" / "scripts" / "corpus_synthetic.py"
-    imports = [node for node in ast.parse(script.read_text()).body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    copied = tmp_path / ".snakemake" / "scripts" / "tmp.corpus_synthetic.py"
-    copied.parent.mkdir(parents=True)
-    copied.write_text(
-        "import sys\n"
-        f"sys.path = [p for p in sys.path if p] + {[sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib']]!r}\n"
-        "try:\n    import kvbench\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('kvbench importable without the path module')\n"
-        f"sys.path.extend([{str(script.parent)!r}])\n"
-        + ast.unparse(ast.Module(body=imports, type_ignores=[])) + "\n"
-        "import kvbench\nprint(kvbench.__file__)\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-S", str(copied)], capture_output=True, text=True, cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert Path(result.stdout.strip()) == REPO / "workflow" / "kvbench" / "__init__.py"
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "workflow" / "kvbench", checkout / "workflow" / "kvbench",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for file in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / file, checkout / file)
+    venv = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "KVBENCH_CHECKOUT": str(checkout)}
+    env.pop("PYTHONPATH", None)
+    deployed = subprocess.run(["bash", str(REPO / "envs" / f"{name}.post-deploy.sh")], env=env, capture_output=True,
+                              text=True, cwd=tmp_path)
+    assert deployed.returncode == 0, deployed.stderr[-3000:]
+    found = subprocess.run([str(venv / "bin" / "python"), "-c", "import kvbench; print(kvbench.__file__)"], env=env,
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert Path(found.stdout.strip()) == checkout / "workflow" / "kvbench" / "__init__.py", found.stderr
+    unset = subprocess.run(["bash", str(REPO / "envs" / f"{name}.post-deploy.sh")],
+                           env={k: v for k, v in env.items() if k != "KVBENCH_CHECKOUT"}, capture_output=True, text=True)
+    assert unset.returncode != 0 and "KVBENCH_CHECKOUT" in unset.stderr

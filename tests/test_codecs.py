@@ -4,7 +4,7 @@ import yaml
 
 from kvbench.kv.codecs import BytePlane, Identity, codec_names, get_codec
 from kvbench.kv.measure import measure
-from workflow_helpers import REPO
+from kvbench.tinyrun import REPO
 
 RNG = np.random.default_rng(0)
 PAYLOADS = {

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from kvbench import codehash
-from workflow_helpers import REPO
+from kvbench.tinyrun import REPO
 
 SCRIPTS = REPO / "workflow" / "scripts"
 

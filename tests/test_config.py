@@ -13,7 +13,7 @@ import yaml
 
 from kvbench.checks import check_config, config_problems
 from kvbench.config import ConfigError
-from workflow_helpers import REPO, default_config, snakemake
+from kvbench.tinyrun import REPO, default_config, snakemake
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 

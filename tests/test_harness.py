@@ -193,8 +193,7 @@ after_reset = peak_memory_mb(cpu) - baseline
 block = torch.ones(128 * 2**20 // 4)
 print(after_reset, peak_memory_mb(cpu) - baseline)
 """
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "workflow")}
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     after_reset, after_block = map(float, out.stdout.split())
     assert after_reset < 16  # the 64 MiB peak before the reset is forgotten

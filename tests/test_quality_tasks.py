@@ -212,7 +212,7 @@ def test_config_checks_name_the_key():
 
 def test_the_command_line_names_a_bad_method(capsys):
     from kvbench.quality.__main__ import main
-    from workflow_helpers import REPO
+    from kvbench.tinyrun import REPO
 
     with pytest.raises(SystemExit):
         main(["--method", "kivi9", "--tasks", "results/quality/tasks", "--config", str(REPO / "config" / "config.yaml")])

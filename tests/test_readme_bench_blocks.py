@@ -1,33 +1,38 @@
-"""The README blocks of the benchmark tables (peers, SnapKV agreement, decode overhead, kill and
-resume), rendered from small hand-built tables whose right answer differs from the likely wrong
-ones (an inverted ratio, a ratio of medians instead of a median of same-round ratios)."""
+"""The generated blocks of the benchmark tables (peers, SnapKV agreement, decode overhead, kill and
+resume, TurboQuant's score errors), each declared by its bench script, rendered from small
+hand-built tables whose right answer differs from the likely wrong ones (an inverted ratio, a
+ratio of medians instead of a median of same-round ratios)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from kvbench.report import readme
-from workflow_helpers import REPO
+from kvbench.report.blocks import bench_script, registry, render
+from kvbench.tinyrun import REPO
 
 PROV = {"config_hash": "feedbeef", "git_commit": "0123456789abcdef"}
 
 
-def rendered(tmp_path, name: str, tables: dict[str, pd.DataFrame]) -> str:
-    """The block `name` as `make readme` writes it, from `tables` (path under results/ -> table)."""
-    for rel, table in tables.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        table.assign(**PROV).to_parquet(tmp_path / rel)
-    path = tmp_path / "README.md"
-    path.write_text(f"x\n{readme.START.format(name=name)}\n{readme.END.format(name=name)}\n")
-    assert readme.main([str(path), "--results", str(tmp_path)]) == 0
-    text = path.read_text()
-    assert "config feedbeef, commit 0123456789ab" in text
-    return text
+@pytest.fixture(scope="module")
+def blocks():
+    return registry(REPO)
+
+
+@pytest.fixture
+def rendered(tmp_path, blocks):
+    def one(name: str, tables: dict[str, pd.DataFrame]) -> str:
+        """The block `name` as `make readme` writes it, from `tables` (path under results/ -> table)."""
+        for rel, table in tables.items():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            table.assign(**PROV).to_parquet(tmp_path / rel)
+        text = render(blocks[name], tmp_path)
+        assert "config feedbeef, commit 0123456789ab" in text
+        return text
+    return one
 
 
 def row_of(text: str, first_cell: str) -> list[str]:
@@ -41,32 +46,34 @@ def header_of(text: str) -> list[str]:
     return [c.strip() for c in next(line for line in text.splitlines() if line.startswith("| ")).strip("|").split("|")]
 
 
-def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(tmp_path):
+def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(rendered, blocks, tmp_path):
     # full's steps 1, 2, 10 s. "skew": 3, 2, 10 -> same-step ratios 3, 1, 1: median 1 (the ratio of
     # medians would be 1.5). "slow": 2, 4, 30 -> ratios 2, 2, 3: median 2 (inverted: 0.5).
     seconds = {"full": [1, 2, 10], "skew": [3, 2, 10], "slow": [2, 4, 30]}
     rows = [{"step": step, "method": m, "seconds": float(s), "cpu_seconds": 2.0 * s, "kv_bytes": 1e6 * (step + 1),
              "context_tokens": 4096} for m, times in seconds.items() for step, s in enumerate(times)]
-    text = rendered(tmp_path, "decode-overhead", {"bench/decode_overhead.parquet": pd.DataFrame(rows[::-1])})
+    text = rendered("decode-overhead", {"bench/decode_overhead.parquet": pd.DataFrame(rows[::-1])})
     header = header_of(text)
     skew, slow = dict(zip(header, row_of(text, "skew"))), dict(zip(header, row_of(text, "slow")))
     assert skew["TPOT / full (wall)"] == "1" and skew["TPOT / full (CPU)"] == "1"
     assert slow["TPOT / full (wall)"] == "2" and slow["TPOT / full (CPU)"] == "2"
     assert slow["TPOT (s, wall)"] == "4" and slow["steps"] == "3" and slow["tokens"] == "4096"
     assert slow["KV MB"] == "3"  # the bytes after the last step (rows were given in reverse)
-    assert text.rstrip().splitlines()[-2].startswith("| slow |")  # rows by ratio: the slowest last
+    assert text.rstrip().splitlines()[-1].startswith("| slow |")  # rows by ratio: the slowest last
+    # The budgets' sentence reads the same medians: no budgeted method ran; renamed kivi2, "skew" meets its budget.
+    budgets = pd.DataFrame(rows).replace({"method": {"skew": "kivi2"}})
+    assert render(blocks["decode-overhead-budgets"], tmp_path) == "no budgeted method ran"
+    budgets.assign(**PROV).to_parquet(tmp_path / "bench/decode_overhead.parquet")
+    assert render(blocks["decode-overhead-budgets"], tmp_path) == (
+        "at 4096 tokens, TPOT over `full`'s: kivi2 1× (budget ≤ 1.3×: met)")
 
 
 @pytest.fixture
-def side_by_side(monkeypatch):
-    monkeypatch.chdir(REPO)  # the bench reads config/config.yaml from the repository root
-    spec = importlib.util.spec_from_file_location("side_by_side", REPO / "bench" / "side_by_side.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def side_by_side():
+    return bench_script(REPO, "side_by_side")
 
 
-def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(tmp_path, side_by_side):
+def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(rendered, side_by_side):
     # Three rounds. kivi2 vs quanto-int2 TTFT: 1/2, 4/2, 3/3 -> same-round ratios 0.5, 2, 1: median
     # 1 (ratio of medians: 3/2 = 1.5; inverted ratios' median: 1 too, so TPOT checks the direction:
     # 1/2, 1/2, 2/1 -> median 0.5, inverted 2).
@@ -82,7 +89,7 @@ def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(tmp_path, 
                          "tpot_s": float(tpot.get(method, [1, 1, 1])[round_]), "kv_bytes_prefill": 1,
                          "new_tokens": 24, "kv_bytes_end": 7_000_000 if method == "kivi2" else 8_000_000, "output_ids": [1]})
     pairs = side_by_side.pairs(side_by_side.add_overheads(pd.DataFrame(rows)))
-    text = rendered(tmp_path, "peers", {"bench/side_by_side_pairs.parquet": pairs})
+    text = rendered("peers", {"bench/side_by_side_pairs.parquet": pairs})
     header = header_of(text)
     kivi2 = dict(zip(header, next(r for r in (row_of_all(text, "p1k")) if r[2] == "kivi2")))
     assert kivi2["peer"] == "quanto-int2" and kivi2["tokens"] == "1024" and kivi2["rounds"] == "3"
@@ -98,12 +105,8 @@ def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(tmp_path, 
     assert len(row_of_all(text, "p1k")) == len(side_by_side.PEER_OF)
 
 
-def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("decode_side_by_side", REPO / "bench" / "decode_side_by_side.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(rendered):
+    bench = bench_script(REPO, "decode_side_by_side")
     # Two rounds of two steps. snapkv vs kvpress-snapkv: round 0 (1+3)/(1+1) = 2, round 1 (1+1)/(2+2)
     # = 0.5: median 1.25 (the median of per-step ratios would be 1; of inverted ratios 1.25 too, so
     # kivi2 checks the direction: 1/(2+2) twice -> 0.5, inverted 2).
@@ -117,7 +120,7 @@ def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(tmp_path
                              "kv_bytes": (5_000_000 if method != "quanto-int2" else 4_000_000) + 1_000_000 * step,
                              "seconds": float(seconds.get((method, round_), [1, 1])[step]),
                              "next_token": 7 if (method, step) == ("snapkv", 1) else 3})
-    text = rendered(tmp_path, "peers-decode", {"bench/decode_side_by_side_pairs.parquet": bench.pairs(pd.DataFrame(rows))})
+    text = rendered("peers-decode", {"bench/decode_side_by_side_pairs.parquet": bench.pairs(pd.DataFrame(rows))})
     rows_of = {r[2]: dict(zip(header_of(text), r)) for r in row_of_all(text, "p4k")}
     snapkv, kivi2 = rows_of["snapkv"], rows_of["kivi2"]
     assert snapkv["peer"] == "kvpress-snapkv" and snapkv["steps"] == "2" and snapkv["rounds"] == "2"
@@ -138,13 +141,13 @@ def row_of_all(text: str, first_cell: str) -> list[list[str]]:
             if line.startswith(f"| {first_cell} |")]
 
 
-def test_snapkv_agreement_is_summarised_per_prompt_over_its_layer_head_pairs(tmp_path):
+def test_snapkv_agreement_is_summarised_per_prompt_over_its_layer_head_pairs(rendered):
     shared = {"a": [1.0, 1.0, 0.5, 1.0], "b": [0.75, 1.0, 1.0, 1.0]}
     gaps = {"a": [0, 0, 0.2, 0], "b": [0.01, 0, 0, 0]}
     rows = [{"prompt_id": p, "context_tokens": 100 * (i + 1), "layer": j // 2, "head": j % 2, "kept_ours": 4,
              "kept_kvpress": 4, "shared": shared[p][j], "max_relative_score_gap": gaps[p][j]}
             for i, p in enumerate(shared) for j in range(4)]
-    text = rendered(tmp_path, "snapkv-agreement", {"bench/snapkv_agreement.parquet": pd.DataFrame(rows)})
+    text = rendered("snapkv-agreement", {"bench/snapkv_agreement.parquet": pd.DataFrame(rows)})
     header = header_of(text)
     a, b = dict(zip(header, row_of(text, "a"))), dict(zip(header, row_of(text, "b")))
     assert a["tokens"] == "100" and a["(layer, head) pairs"] == "4"
@@ -153,7 +156,7 @@ def test_snapkv_agreement_is_summarised_per_prompt_over_its_layer_head_pairs(tmp
     assert b["mean shared %"] == "93.8" and b["min shared %"] == "75" and b["max relative score gap"] == "0.01"
 
 
-def test_kill_resume_block_lists_each_kill_and_counts_equal_tables(tmp_path):
+def test_kill_resume_block_lists_each_kill_and_counts_equal_tables(rendered):
     kills = pd.DataFrame([
         {"stage": "quality", "killed": True, "interrupted": True, "killed_after_s": 41.0, "processes_after_120s": 0, "unlock_returncode": 0,
          "incomplete_jobs": ["results/quality/smol/methods/kivi2.parquet", "results/serve/servers/main/requests.parquet"],
@@ -163,8 +166,7 @@ def test_kill_resume_block_lists_each_kill_and_counts_equal_tables(tmp_path):
     ]).assign(reference_run_s=600.4, interrupted_run_s=1234.0)
     tables = pd.DataFrame({"table": ["results/a.parquet", "results/b.parquet", "results/c.parquet"], "rows": [3, 4, 5],
                            "equal": [True, False, True], "differing_columns": ["", "score", ""]})
-    text = rendered(tmp_path, "kill-resume", {"bench/kill_resume.parquet": kills,
-                                              "bench/kill_resume_tables.parquet": tables})
+    text = rendered("kill-resume", {"bench/kill_resume.parquet": kills, "bench/kill_resume_tables.parquet": tables})
     header = header_of(text)
     quality = dict(zip(header, row_of(text, "quality")))
     assert quality["incomplete outputs"] == ("`results/quality/smol/methods/kivi2.parquet`, "
@@ -173,25 +175,28 @@ def test_kill_resume_block_lists_each_kill_and_counts_equal_tables(tmp_path):
     assert dict(zip(header, row_of(text, "report")))["killed"] == "False"
     assert "2/3 final tables equal" in text and "`results/b.parquet` (score)" in text
     assert re.search(r"Uninterrupted run 600 s; interrupted run \(1 kills, .*\) 1234 s", text)
-    assert "`bench/kill_resume_tables.parquet`" in text.replace(str(tmp_path) + "/", "")
+    assert "from `results/bench/kill_resume.parquet`, `results/bench/kill_resume_tables.parquet` (config" in text
 
 
-def test_a_missing_bench_table_fails_only_where_the_readme_holds_its_block(tmp_path, capsys):
-    path = tmp_path / "README.md"
-    path.write_text(f"x\n{readme.START.format(name='peers')}\nold\n{readme.END.format(name='peers')}\n")
-    assert readme.main([str(path), "--results", str(tmp_path)]) == 1
-    assert "block peers: no table" in capsys.readouterr().err and "old" in path.read_text()
-    assert readme.main([str(path), "--results", str(tmp_path), "--check"]) == 1
-    path.write_text("no blocks here\n")  # every bench table is missing, and nothing asks for one
-    assert readme.main([str(path), "--results", str(tmp_path)]) == 0
-    assert readme.main([str(path), "--results", str(tmp_path), "--check"]) == 0
+def test_a_bench_table_not_measured_yet_renders_as_such_naming_its_command(tmp_path, blocks):
+    assert render(blocks["peers"], tmp_path) == "\n_Not measured yet: `make bench-peers`, then `make readme`._\n"
+    assert render(blocks["decode-overhead-budgets"], tmp_path) == (
+        "not measured yet (`make bench-core`, then `make readme`)")
 
 
-def test_turboquant_scores_block_shows_each_methods_measured_errors(tmp_path):
+def test_turboquant_scores_block_shows_each_methods_measured_errors(rendered, blocks, tmp_path):
     table = pd.DataFrame({"method": ["kivi2", "turboquant4"], "score_bias": [0.01, -0.002], "score_error_std": [0.8, 0.91],
                           "attention_kl": [0.18, 0.22], "attention_top1": [0.9, 0.85], "next_token_kl": [0.15, 0.32],
                           "top1_agreement": [0.84, 0.59], "runtime_s": [1.0, 2.0]})
-    text = rendered(tmp_path, "turboquant-scores", {"bench/turboquant_scores.parquet": table})
+    text = rendered("turboquant-scores", {"bench/turboquant_scores.parquet": table})
     assert header_of(text) == ["method", "score_bias", "score_error_std", "attention_kl", "attention_top1",
                                "next_token_kl", "top1_agreement"]
     assert row_of(text, "turboquant4") == ["turboquant4", "-0.002", "0.91", "0.22", "0.85", "0.32", "0.59"]
+    # Its reading: prod against mse at each width, from the same table.
+    pd.concat([table, pd.DataFrame({"method": ["turboquant4-mse"], "score_bias": [0.04], "score_error_std": [0.4],
+                                    "attention_kl": [0.04], "attention_top1": [0.9], "next_token_kl": [0.13],
+                                    "top1_agreement": [0.94], "runtime_s": [1.0]})]).assign(**PROV).to_parquet(
+        tmp_path / "bench/turboquant_scores.parquet")
+    assert render(blocks["turboquant-scores-reading"], tmp_path) == (
+        "at 4 bits the product variant's score bias is -0.0020 (MSE variant +0.0400) but its error spreads 0.91 "
+        "against 0.4 (2.27×), giving attention KL 0.22 vs 0.04 and next-token KL 0.32 vs 0.13")

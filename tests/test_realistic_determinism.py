@@ -9,7 +9,7 @@ import pytest
 from kvbench.corpus.factsheets import plan_documents
 from kvbench.corpus.realistic import GenerationSettings, generate_corpus
 from kvbench.vllm_server import vllm_server
-from workflow_helpers import default_config
+from kvbench.tinyrun import default_config
 
 pytestmark = pytest.mark.integration
 

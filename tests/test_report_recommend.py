@@ -10,7 +10,7 @@ import yaml
 from kvbench.report.joined import MEASURED
 from kvbench.report.recommend import NONE, Scenario
 from report_frames import quality, report, system
-from workflow_helpers import REPO
+from kvbench.tinyrun import REPO
 
 # kv_bytes: full 1e6; quality per method in one category. Made-up numbers.
 SYSTEM = system({

@@ -1,5 +1,5 @@
 """Report building blocks on hand-built inputs: contracts, rank statistics, joined tables,
-the pipeline-cost table, the rendered pages, the README blocks and the captions."""
+the pipeline-cost table, the rendered pages, the docs' blocks of the report tables and the captions."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvbench.report.joined import method_table
 from kvbench.report.render import html_page, markdown_table
 from kvbench.report.stats import bootstrap_spearman, kendall_tau
 from report_frames import quality, report, system, tables
-from workflow_helpers import REPO
+from kvbench.tinyrun import REPO
 
 
 # --- contracts ---------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_cost_table_sums_job_seconds_per_rule_and_stage(tmp_path):
     assert costs.loc[("rule", "kv", "kv_capture")].iloc[0].wall_s == 40
 
 
-# --- pages, README blocks, captions --------------------------------------------------------------
+# --- pages, docs blocks, captions --------------------------------------------------------------
 
 def test_every_report_table_takes_the_provenance_columns(tmp_path):
     from kvbench.provenance import PROVENANCE_COLUMNS, write_table
@@ -199,32 +199,29 @@ def test_pages_are_self_contained_and_escape_text():
     assert markdown_table(pd.DataFrame({"a": ["x|y"]})) == "| a |\n|---|\n| x\\|y |"
 
 
-def test_readme_blocks_are_rewritten_from_the_tables_and_checked(tmp_path):
+def test_the_report_tables_blocks_are_rendered_from_the_snapshot_and_checked(tmp_path):
+    from kvbench.report.blocks import STAGE_BLOCKS
+
     built = report({"system": system({"full": {}, "cam": {}})},
                    scenarios={"s": {"limits": {"ttft_s": {"max": 2, "relative": True}}, "prefer": {"max": "ratio"}}})
     prov = {"config_hash": "feedbeef", "git_commit": "0123456789abcdef"}
-    (tmp_path / "report").mkdir()
-    built.claims.assign(**prov).to_parquet(tmp_path / "report/claims.parquet")
-    built.recommendations.assign(**prov).to_parquet(tmp_path / "report/recommendations.parquet")
+    (tmp_path / "results" / "report").mkdir(parents=True)
+    built.claims.assign(**prov).to_parquet(tmp_path / "results/report/claims.parquet")
+    built.recommendations.assign(**prov).to_parquet(tmp_path / "results/report/recommendations.parquet")
     pipeline_cost(pd.DataFrame([{"stage": "kv", "rule": "r", "job": "j", "wall_s": 1.0, "max_rss_mb": 1.0,
                                  "cpu_s": 1.0, "mean_load": 1.0, "start": 0.0, "end": 1.0}])
-                  ).assign(**prov).to_parquet(tmp_path / "report/pipeline_cost.parquet")
+                  ).assign(**prov).to_parquet(tmp_path / "results/report/pipeline_cost.parquet")
     names = ["claims", "recommendations", "pipeline-cost"]  # the blocks of the report stage's tables
-    text = "intro\n" + "".join(f"{readme.START.format(name=n)}\nold\n{readme.END.format(name=n)}\n" for n in names)
+    (tmp_path / "README.md").write_text("intro\n" + "".join(f"<!-- generated:{n} -->\nold\n<!-- end generated:{n} -->\n"
+                                                            for n in names))
+    blocks = {n: STAGE_BLOCKS[n] for n in names}
+    assert readme.check(tmp_path, blocks) == [f"README.md: stale generated region(s) {', '.join(names)} (run `make readme`)"]
+    readme.take_snapshot(tmp_path / "results", tmp_path / readme.SNAPSHOT, {p for n in names for p in blocks[n].tables})
+    text, changed = readme.rendered((tmp_path / "README.md").read_text(), blocks, tmp_path / readme.SNAPSHOT)
     (tmp_path / "README.md").write_text(text)
-    args = [str(tmp_path / "README.md"), "--results", str(tmp_path)]
-    assert readme.main([*args, "--check"]) == 1
-    assert readme.main(args) == 0
-    assert readme.main([*args, "--check"]) == 0
-    new = (tmp_path / "README.md").read_text()
-    assert "config feedbeef, commit 0123456789ab" in new and "| cam-ratio-varies" not in new
-    assert "paper: CaM's realized compression varies with the workload" in new
-
-
-def test_the_readme_has_every_generated_block():
-    text = (REPO / "README.md").read_text()
-    for name in readme.BLOCKS:
-        assert text.count(readme.START.format(name=name)) == 1 and text.count(readme.END.format(name=name)) == 1
+    assert changed == names and readme.check(tmp_path, blocks) == []
+    assert "config feedbeef, commit 0123456789ab" in text and "| cam-ratio-varies" not in text
+    assert "paper: CaM's realized compression varies with the workload" in text
 
 
 @pytest.mark.parametrize("caption", sorted((REPO / "workflow/report").glob("*.rst")), ids=lambda p: p.name)

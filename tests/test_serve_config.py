@@ -5,7 +5,7 @@ import pytest
 from kvbench.checks import check_config
 from kvbench.config import ConfigError
 from kvbench.serve.backends import servers, server_args, unsupported
-from workflow_helpers import REPO, default_config
+from kvbench.tinyrun import REPO, default_config
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 

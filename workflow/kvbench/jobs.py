@@ -50,7 +50,7 @@ def _terminate(signum: int, _frame: object) -> None:
 
 
 def _noted_parent() -> int:
-    """The parent noted by the scripts' first import (workflow/scripts/_kvbench_path.py) when it
+    """The parent noted by the scripts' first import (kvbench.jobstart) when it
     was this process's; otherwise (a child that inherited the variable, a test) the current one."""
     pid, _, parent = os.environ.get("KVBENCH_JOB_PARENT", "").partition(":")
     return int(parent) if pid == str(os.getpid()) else os.getppid()

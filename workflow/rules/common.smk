@@ -1,11 +1,20 @@
+import os
 import re
 import sys
 from pathlib import Path
 
-# The library sits next to the rules: this parse imports it from this checkout, and so does every
-# job's script (workflow/scripts/_kvbench_path.py; --use-conda strips PYTHONPATH), so no
-# environment needs `pip install -e`.
-sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
+from snakemake.exceptions import WorkflowError
+
+# The library is imported one way, here and in every job's script: the editable install of this
+# checkout (`make setup`; `--use-conda` envs install it in their post-deploy scripts, which find
+# the checkout through KVBENCH_CHECKOUT). An install of another checkout stops the parse.
+os.environ.update(KVBENCH_CHECKOUT=str(Path(workflow.basedir).resolve()))  # set for the post-deploy scripts, not read here
+try:
+    from kvbench.checkout import check_checkout
+except ImportError as err:
+    raise WorkflowError(f"kvbench is not installed in {sys.executable}: run `make setup`, or "
+                        f"`pip install --no-deps -e {workflow.basedir}` in this environment") from err
+check_checkout(workflow.basedir)
 
 from kvbench.codehash import code_hash
 from kvbench.checks import check_config

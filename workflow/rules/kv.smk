@@ -72,7 +72,7 @@ rule kv_summary:
         "../scripts/kv_summary.py"
 
 
-# Not part of `all`: the memory bound for one long document (see README, "Budgets").
+# Not part of `all`: the memory bound for one long document (`make bench-core`, bench/README.md).
 rule kv_memory_probe:
     input:
         docs="results/corpus/realistic/docs.parquet",

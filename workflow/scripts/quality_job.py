@@ -1,4 +1,4 @@
-import _kvbench_path  # noqa: F401 (first: puts the library on sys.path)
+import kvbench.jobstart  # noqa: F401 (first: notes the job's parent before the heavy imports)
 
 from kvbench.jobs import job_log
 from kvbench.quality.job import run_job

@@ -1,4 +1,4 @@
-"""Tables as self-contained HTML pages (shown in the Snakemake report) and as Markdown (README)."""
+"""Tables as self-contained HTML pages (shown in the Snakemake report) and as Markdown (the docs)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Run the real workflow (snakemake CLI of this venv) on a config written by a test."""
+"""The tiny run: the real workflow (snakemake CLI of this venv) on a small config, as the tests and
+the benchmarks run it. It lives in the library so that bench/ and tests/ share it without importing
+each other (both import kvbench through the editable install)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,17 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+# The checkout this library is installed from (`pip install -e .`: workflow/kvbench/ inside it).
+REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 FAKE_SLURM = REPO / "tests" / "fake_slurm"
-# The README's cluster command, minus the config file; status polling made fast for the fake
+# The cluster command of docs/cluster.md, minus the config file; status polling made fast for the fake
 # (the plugin waits 40 s before its first status check by default).
 SLURM_ARGS = ("--workflow-profile", str(REPO / "workflow/profiles/slurm"),
               "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1")
@@ -105,3 +109,19 @@ def cancel_fake_slurm_jobs(workdir: Path, env: dict[str, str]) -> None:
     active = [str(j["id"]) for j in jobs if j["state"] not in ("COMPLETED", "FAILED", "CANCELLED")]
     if active:
         subprocess.run([str(FAKE_SLURM / "scancel"), *active], env=env, check=False)
+
+
+def checkout_python(code: Path, venv: Path) -> Path:
+    """A Python that imports kvbench from the checkout `code` (its editable install: the one way
+    kvbench is imported) and every other package from this venv, to run the workflow of another
+    checkout (a commit under test) without a second full install. The new venv's site-packages
+    name this venv's in a plain path line, so this venv's own kvbench install is not read."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = Path(sysconfig.get_paths()["purelib"])
+    python = venv / "bin" / "python"
+    overlay = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  check=True, capture_output=True, text=True).stdout.strip())
+    (overlay / "_kvbench_base.pth").write_text(f"{site}\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "-e", str(code)], check=True)
+    return python

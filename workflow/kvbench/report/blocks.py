@@ -1,0 +1,261 @@
+"""The generated regions of the docs, one registry: each is rendered from result tables (a table
+block, or a sentence inside a paragraph) or from the code's own declarations, between markers
+
+    <!-- generated:NAME -->...<!-- end generated:NAME -->
+
+so no figure in the docs is typed by hand (kvbench.report.readme writes and checks them).
+
+Where each is declared: the stage tables' blocks below; the sentences of the findings in
+kvbench.report.findings; blocks rendered from code below (CODE_BLOCKS); and each benchmark's
+blocks in the bench script that writes their table (its `BLOCKS`, for the scripts BENCH_SCRIPTS
+names), so a bench owns how its table is shown.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Union
+
+import pandas as pd
+import yaml
+
+from kvbench.report.render import fmt, markdown_table
+
+Shown = Union[pd.DataFrame, str]  # a table, or markdown (a sentence) already rendered
+# Benchmarks whose scripts declare blocks (bench/<name>.py, `BLOCKS`).
+BENCH_SCRIPTS = ("decode_overhead", "decode_side_by_side", "kill_resume", "side_by_side", "snapkv_agreement",
+                 "turboquant_scores")
+
+
+@dataclass(frozen=True)
+class Block:
+    """How one generated region is rendered. `tables` are paths under results/ (globs, each
+    concatenated over its matches) passed to `render` in that order; a block without tables is
+    rendered from the code. `make` is the command that writes the tables; `inline` regions are
+    sentences inside a paragraph."""
+
+    render: Callable[..., Shown]
+    tables: tuple[str, ...] = ()
+    make: str = "make run"
+    inline: bool = False
+
+
+def interval(row: pd.Series, column: str) -> str:
+    """` [low, high]` when the table carries an interval for `column` (`<column>_ci_low`,
+    `<column>_ci_high`), else nothing: sentences show the interval wherever a table has one."""
+    low, high = row.get(f"{column}_ci_low"), row.get(f"{column}_ci_high")
+    return "" if low is None or high is None or pd.isna(low) or pd.isna(high) else f" [{fmt(low)}, {fmt(high)}]"
+
+
+# --- stage tables -------------------------------------------------------------------------------
+
+def _claims(t: pd.DataFrame) -> pd.DataFrame:
+    t = t.assign(claim=t.origin + ": " + t.claim)
+    return t[["claim", "seed_number", "model", "ours", "verdict", "source"]].rename(
+        columns={"seed_number": "seed's number"})
+
+
+def _recommendations(t: pd.DataFrame) -> pd.DataFrame:
+    return t[["scenario", "model", "category", "bucket", "best", "runner_up", "why"]].rename(
+        columns={"runner_up": "runner-up"})
+
+
+def _costs(t: pd.DataFrame) -> pd.DataFrame:
+    """Per stage; CPU seconds next to job-seconds show how much of a job's wall time was its own work
+    (far less on a machine other jobs share)."""
+    t = t[t.level == "stage"]
+    t = t.assign(share=(100 * t.share).round(1))[["stage", "jobs", "wall_s", "cpu_s", "span_s", "share", "max_rss_mb"]]
+    return t.rename(columns={"wall_s": "job-seconds", "cpu_s": "CPU seconds", "span_s": "span (s)", "share": "share %",
+                             "max_rss_mb": "max RSS (MB)"})
+
+
+def _costs_total(t: pd.DataFrame) -> str:
+    """The whole run in one sentence: its job-seconds and its slowest stage."""
+    stages = t[t.level == "stage"]
+    if stages.empty:
+        return "no stage ran"
+    top = stages.loc[stages.wall_s.idxmax()]
+    return (f"the run's {int(stages.jobs.sum())} jobs took {fmt(stages.wall_s.sum())} job-seconds in all, "
+            f"the most in stage {top.stage} ({fmt(100 * top.share)} %)")
+
+
+def _corpus(t: pd.DataFrame) -> pd.DataFrame:
+    return t[["corpus", "domain", "docs", "tokens_mean", "diversity_pct_mean", "pooled_diversity_pct",
+              "entropy_bits_mean", "text_zstd_ratio_mean", "reference_diversity_pct"]]
+
+
+def _kv(t: pd.DataFrame) -> pd.DataFrame:
+    """Pooled raw / compressed ratios of the benchmark-style settings against realistic + real weights."""
+    keep = t.comparison.isin(["dummy_vs_real", "synthetic_vs_realistic", "synthetic+dummy_vs_realistic+real"])
+    t = t[keep & t.codec.isin(["zstd-3", "zstd-3+byteplane"])]
+    return t[["dtype", "codec", "benchmark_setting", "realistic_setting", "benchmark_ratio", "realistic_ratio",
+              "inflation", "layer_inflation", "benchmark_below_normal_pct"]].sort_values(
+        ["codec", "dtype", "benchmark_setting", "realistic_setting"])
+
+
+def _system(t: pd.DataFrame) -> pd.DataFrame:
+    t = t.assign(kv_mb_end=t.kv_bytes_end / 1e6, failed=t.error.notna())
+    out = t.groupby(["model", "method"], sort=False).agg(
+        prompts=("prompt_id", "size"), failed=("failed", "sum"), ttft_s=("ttft_s", "median"),
+        tpot_s=("tpot_s", "median"), kv_mb_end=("kv_mb_end", "median"), ratio_end=("ratio_end", "median"))
+    return out.reset_index()
+
+
+def _quality(t: pd.DataFrame) -> pd.DataFrame:
+    t = t[t.category == "all"]
+    cols = ["model", "method", "samples", "errors", "score_mean", "score_delta", "kl_mean", "top1_agreement",
+            "identical_outputs", "ratio_end_mean"]
+    return t[[c for c in cols if c in t.columns]]
+
+
+def _quality_categories(t: pd.DataFrame) -> pd.DataFrame:
+    """Mean task score per model × method (rows) and category (columns, samples in the header)."""
+    t = t[t.category != "all"]
+    samples = t.groupby("category", sort=False).samples.max()
+    out = t.pivot_table(index=["model", "method"], columns="category", values="score_mean", sort=False)
+    out = out[[c for c in samples.index if c in out.columns]]
+    return out.rename(columns={c: f"{c} ({samples[c]})" for c in out.columns}).reset_index()
+
+
+def _cam_merge(t: pd.DataFrame) -> str:
+    """What CaM's merge costs over the SnapKV selection it shares (`cam-prefill` keeps `snapkv`'s positions)."""
+    rows = t[t.category == "all"].set_index("method")
+    if not {"snapkv", "cam-prefill"} <= set(rows.index):
+        return "not measured in this snapshot (the quality stage ran no `snapkv` and `cam-prefill` pair)"
+    s, c = rows.loc["snapkv"], rows.loc["cam-prefill"]
+    return (f"the merge alone moves KL to full from {fmt(s.kl_mean)}{interval(s, 'kl_mean')} to "
+            f"{fmt(c.kl_mean)}{interval(c, 'kl_mean')}, and top-1 agreement from {fmt(s.top1_agreement)} to "
+            f"{fmt(c.top1_agreement)}")
+
+
+def _serve(t: pd.DataFrame) -> pd.DataFrame:
+    cols = ["backend", "codec", "corpus", "status", "ratio", "predicted_ratio", "ttft_hit_mean_s",
+            "ttft_miss_mean_s", "query_hits", "outputs_identical_share"]
+    return t[[c for c in cols if c in t.columns]]
+
+
+STAGE_BLOCKS: dict[str, Block] = {
+    "claims": Block(_claims, ("report/claims.parquet",)),
+    "recommendations": Block(_recommendations, ("report/recommendations.parquet",)),
+    "pipeline-cost": Block(_costs, ("report/pipeline_cost.parquet",)),
+    "pipeline-cost-total": Block(_costs_total, ("report/pipeline_cost.parquet",), inline=True),
+    "corpus": Block(_corpus, ("corpus/stats_summary.parquet",)),
+    "kv": Block(_kv, ("kv/summary.parquet",)),
+    "system": Block(_system, ("system/metrics.parquet",)),
+    "quality": Block(_quality, ("quality/*/summary.parquet",)),
+    "quality-categories": Block(_quality_categories, ("quality/*/summary.parquet",)),
+    "quality-cam-merge": Block(_cam_merge, ("quality/*/summary.parquet",), inline=True),
+    "serve": Block(_serve, ("serve/offload.parquet",)),
+}
+
+
+# --- from the code ------------------------------------------------------------------------------
+
+def _method_kinds() -> str:
+    """Every method kind: its doc, reference and settings, from kvbench.methods.kinds."""
+    from kvbench.methods.kinds import methods_table
+
+    return methods_table()
+
+
+def _schema_rows(node: dict, path: str) -> list[dict]:
+    rows = []
+    for key, sub in (node.get("properties") or {}).items():
+        name = f"{path}.{key}" if path else key
+        kind = sub.get("type", "")
+        default = sub.get("default")
+        shown = json.dumps(default)
+        shown = "" if default is None or isinstance(default, dict) or len(shown) > 40 else f"`{shown}`"
+        allowed = " / ".join(map(str, sub.get("enum") or sub.get("items", {}).get("enum", [])))
+        rows.append({"key": f"`{name}`", "type": kind if isinstance(kind, str) else "/".join(kind), "default": shown,
+                     "values": allowed, "description": " ".join(str(sub.get("description", "")).split())})
+        rows += _schema_rows(sub, name)
+        if isinstance(sub.get("additionalProperties"), dict):
+            rows += _schema_rows(sub["additionalProperties"], f"{name}.<name>")
+    return rows
+
+
+def _config_options() -> pd.DataFrame:
+    """Every key of workflow/schemas/config.schema.yaml: type, default, allowed values, description."""
+    schema = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
+    return pd.DataFrame(_schema_rows(yaml.safe_load(schema.read_text()), ""))
+
+
+CODE_BLOCKS: dict[str, Block] = {
+    "method-kinds": Block(_method_kinds),
+    "config-options": Block(_config_options),
+}
+
+
+# --- the registry -------------------------------------------------------------------------------
+
+def bench_script(root: Path, name: str):
+    """bench/<name>.py loaded as Python runs it (its folder first on sys.path while it imports, so
+    `from side_by_side import ...` works), once per process."""
+    if name in sys.modules:
+        return sys.modules[name]
+    folder = str(root / "bench")
+    spec = importlib.util.spec_from_file_location(name, root / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
+def registry(root: Path) -> dict[str, Block]:
+    """Every block by name: stage tables, findings, code, and each bench script's."""
+    from kvbench.report.findings import FINDINGS
+
+    blocks: dict[str, Block] = {}
+    sources = [STAGE_BLOCKS, FINDINGS, CODE_BLOCKS, *(bench_script(root, s).BLOCKS for s in BENCH_SCRIPTS)]
+    for source in sources:
+        twice = set(blocks) & set(source)
+        if twice:
+            raise ValueError(f"generated block(s) declared twice: {', '.join(sorted(twice))}")
+        blocks |= source
+    return blocks
+
+
+def read_tables(block: Block, data: Path) -> tuple[list[pd.DataFrame], list[Path]] | None:
+    """The block's tables from `data` (a results/ folder or the docs' snapshot), or None if one is missing."""
+    tables, paths = [], []
+    for pattern in block.tables:
+        found = sorted(data.glob(pattern))
+        if not found:
+            return None
+        tables.append(pd.concat([pd.read_parquet(p) for p in found], ignore_index=True))
+        paths += found
+    return tables, paths
+
+
+def render(block: Block, data: Path) -> str:
+    """The region's body: the table with a line naming its source tables (as under results/), their
+    config hash and commit; a sentence alone; or, without tables, what to run to measure it."""
+    if not block.tables:
+        shown = block.render()
+        return f"\n{shown if isinstance(shown, str) else markdown_table(shown)}\n"
+    read = read_tables(block, data)
+    if read is None:
+        todo = f"`{block.make}`, then `make readme`"
+        return f"not measured yet ({todo})" if block.inline else f"\n_Not measured yet: {todo}._\n"
+    tables, paths = read
+    shown = block.render(*tables)
+    if block.inline:
+        return shown
+    listed = ", ".join(f"`results/{p.relative_to(data).as_posix()}`" for p in paths)
+    origin = f"_Generated by `make readme` from {listed}"
+    if {"config_hash", "git_commit"} <= set(tables[0].columns) and len(tables[0]):
+        first = tables[0].iloc[0]
+        origin += f" (config {first.config_hash}, commit {first.git_commit[:12]})"
+    return f"\n{origin}._\n\n{shown if isinstance(shown, str) else markdown_table(shown)}\n"

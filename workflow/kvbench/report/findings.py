@@ -1,0 +1,123 @@
+"""The headline findings of the front page, each a sentence rendered from its table (with its
+interval where the table has one: kvbench.report.blocks.interval), never typed by hand.
+
+A finding is one function registered with `@finding(name, *tables)`: it takes the tables (paths
+under results/) and returns the sentence; the README holds it between
+`<!-- generated:NAME -->` markers, and `make readme` renders it. A table that lacks the rows a
+finding reads gives a sentence that says so, not a guess.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pandas as pd
+
+from kvbench.report.blocks import Block, interval
+from kvbench.report.render import fmt
+
+FINDINGS: dict[str, Block] = {}
+
+
+def finding(name: str, *tables: str) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    def register(render: Callable[..., str]) -> Callable[..., str]:
+        FINDINGS[name] = Block(render, tables, inline=True)
+        return render
+    return register
+
+
+def _times(value: float) -> str:
+    return f"{fmt(value)}×"
+
+
+@finding("finding-diversity", "corpus/stats_summary.parquet")
+def diversity(t: pd.DataFrame) -> str:
+    rows = {f"{r.corpus} {r.domain}" if r.corpus != r.domain else r.corpus: r for r in t.itertuples()}
+    if "synthetic" not in rows or len(rows) < 2:
+        return "not measured in this snapshot (`corpus/stats_summary.parquet` lacks the synthetic or another corpus)"
+    shown = [f"{name} {fmt(r.diversity_pct_mean)} % ({fmt(r.tokens_mean)} tokens a document)"
+             for name, r in rows.items()]
+    return "token diversity (distinct tokens ÷ tokens of a document, mean per corpus): " + ", ".join(shown)
+
+
+def _kv_row(t: pd.DataFrame, dtype: str, benchmark: str, realistic: str = "realistic+real") -> pd.Series | None:
+    found = t[(t.dtype == dtype) & (t.codec == "zstd-3") & (t.benchmark_setting == benchmark)
+              & (t.realistic_setting == realistic)]
+    return None if found.empty else found.iloc[0]
+
+
+@finding("finding-kv", "kv/summary.parquet")
+def kv_inflation(t: pd.DataFrame) -> str:
+    dummy = _kv_row(t, "bf16", "realistic+dummy")
+    if dummy is None:
+        return "not measured in this snapshot (no bf16 zstd-3 dummy-vs-real row in `kv/summary.parquet`)"
+    text = (f"at bf16, zstd-3 compresses the KV cache of realistic documents {_times(dummy.realistic_ratio)} with real "
+            f"weights and {_times(dummy.benchmark_ratio)} with dummy weights: dummy weights inflate the ratio "
+            f"{_times(dummy.inflation)}")
+    if pd.notna(dummy.get("layer_inflation")):
+        text += f" ({_times(dummy.layer_inflation)} with each layer compressed alone)"
+    repetitive = _kv_row(t, "bf16", "synthetic+real")
+    if repetitive is not None:
+        text += f"; repetitive input with real weights inflates it {_times(repetitive.inflation)}"
+    fp32 = _kv_row(t, "fp32", "realistic+dummy")
+    if fp32 is not None:
+        text += f"; at fp32 dummy weights inflate it {_times(fp32.inflation)}"
+    return text
+
+
+@finding("finding-wire", "serve/offload.parquet")
+def wire(t: pd.DataFrame) -> str:
+    valkey = t[(t.backend == "valkey") & (t.codec != "all") & t.ratio.notna()]
+    lossless, lossy = valkey[valkey.predicted_ratio.notna()], valkey[valkey.predicted_ratio.isna()]
+    if lossless.empty:
+        return "not measured in this snapshot (no lossless valkey row in `serve/offload.parquet`)"
+    worst = (lossless.ratio / lossless.predicted_ratio - 1).abs().max()
+
+    def same(rows: pd.DataFrame) -> str:
+        compared = rows.outputs_compared.fillna(0)
+        return f"{int(round((rows.outputs_identical_share.fillna(0) * compared).sum()))} of {int(compared.sum())}"
+
+    text = (f"through vLLM and Valkey, every lossless codec's measured wire ratio lies within "
+            f"{fmt(100 * worst)} % of the kv stage's prediction ({len(lossless)} codec × corpus cells), and "
+            f"{same(lossless)} cache hits answered exactly as recompute did")
+    if not lossy.empty:
+        text += f"; through the lossy wire formats ({', '.join(dict.fromkeys(lossy.codec))}) {same(lossy)} did"
+    return text
+
+
+FIDELITY_PAIRS = (("kivi2", "kivi4"), ("turboquant3", "turboquant4"), ("snapkv", "snapkv50"))
+
+
+@finding("finding-fidelity", "quality/*/summary.parquet")
+def fidelity(t: pd.DataFrame) -> str:
+    parts = []
+    for model, rows in t[t.category == "all"].groupby("model", sort=False):
+        rows = rows.set_index("method")
+        pairs = [f"{a} {fmt(rows.loc[a].kl_mean)}{interval(rows.loc[a], 'kl_mean')} vs {b} "
+                 f"{fmt(rows.loc[b].kl_mean)}{interval(rows.loc[b], 'kl_mean')}"
+                 for a, b in FIDELITY_PAIRS if a in rows.index and b in rows.index]
+        if pairs:
+            reference = rows.loc[rows.kl_mean.isna()]
+            scored = (f"; `{reference.index[0]}`'s own task score is {fmt(reference.score_mean.iloc[0])} over "
+                      f"{int(reference.samples.iloc[0])} samples") if len(reference) else ""
+            parts.append(f"{model}: KL(full ‖ method) per decode position, {'; '.join(pairs)}{scored}")
+    return " — ".join(parts) or "not measured in this snapshot (the quality summary has no pair of FIDELITY_PAIRS)"
+
+
+@finding("finding-ratio-predicts", "report/correlations.parquet")
+def ratio_predicts(t: pd.DataFrame) -> str:
+    rows = t[(t.category == "all categories (pooled)") & t.rho.notna()]
+    if rows.empty:
+        return "not measured in this snapshot (no pooled correlation in `report/correlations.parquet`)"
+    parts = []
+    for r in rows.itertuples():
+        if pd.isna(r.ci_low):
+            verdict = "no interval"
+        else:
+            verdict = "inconclusive" if r.ci_low <= 0 <= r.ci_high else "the interval excludes 0"
+        span = "" if pd.isna(r.ci_low) else f" [{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
+        parts.append(f"with {r.outcome} ρ {r.rho:+.2f}{span} ({verdict})")
+    first = rows.iloc[0]
+    level = f"{fmt(100 * first.level)} % bootstrap intervals, " if "level" in rows else ""
+    return (f"Spearman's ρ of the measured ratio across {int(first.methods)} methods, pooled over categories "
+            f"({level}{int(first.samples)} samples): " + "; ".join(parts))
