@@ -22,7 +22,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
-from kvbench.quality.batches import batches  # noqa: E402
+from kvbench.batches import batches  # noqa: E402
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import pytest
 from kvbench.config import system_models
 from kvbench.corpus.synthetic import synthetic_document
 from kvbench.provenance import PROVENANCE_COLUMNS
-from kvbench.quality.batches import batches
+from kvbench.batches import batches
 from kvbench.report import build as report_build
 from kvbench.report.claims import CLAIMS
 from kvbench.report.contracts import CONTRACTS, load_tables

@@ -11,7 +11,7 @@ from kvbench.codehash import code_hash
 from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
 from kvbench.jobs import usable_cpus
-from kvbench.quality.batches import batches as quality_batches
+from kvbench.batches import batches as quality_batches, paired_batches
 from kvbench.serve.backends import CONNECTOR_MODULE, SERVER_OF, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
 
@@ -37,7 +37,6 @@ wildcard_constraints:
     model="|".join(map(re.escape, config["models"])),
     corpus="|".join(CORPORA),
     weights="real|random|dummy",
-    method="|".join(map(re.escape, SYSTEM_METHODS)),
     server="|".join(map(re.escape, SERVE_SERVERS)),
 
 
@@ -79,7 +78,7 @@ def kv_parts(table):
 
 
 def system_parts():
-    return expand("results/system/{model}/{method}.parquet", model=SYSTEM_MODELS, method=SYSTEM_METHODS)
+    return expand("results/system/{model}/jobs/{job}.parquet", model=SYSTEM_MODELS, job=SYSTEM_JOBS)
 
 
 def serve_parts(table):
