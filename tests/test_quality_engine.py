@@ -196,6 +196,22 @@ def test_fidelity_orders_methods_by_how_much_they_keep(model, ids, outcomes):
     assert kl("tq3", {"kind": "turboquant", "bits": 3}) > kl("tq4", {"kind": "turboquant", "bits": 4})
 
 
+@pytest.mark.parametrize("name", ["full", "kivi2"])
+def test_fidelity_positions_cap_the_forced_part_but_never_the_answer(model, ids, outcomes, name):
+    # Teacher-forced on the first 4 positions only; the answer is whole either way: a row that agreed
+    # on all 4 goes on by itself, one that diverged branched off.
+    results, references = outcomes
+    capped = engine.run(model, [Prompt("t/0", ids, None, 16)], {name: SPECS[name]}, protocols=(QUERY_AWARE,), seed=5,
+                        references=references, fidelity_positions=4, log=lambda _: None)[0][(name, QUERY_AWARE, "t/0")]
+    assert capped.tokens == generate(model, SPECS[name], ids, 16, seed=5)["tokens"]
+    assert capped.record["fidelity_positions"] == 3  # positions 1-3: decode positions of the forced 4
+    if name != "full":  # (full is the reference there: no fidelity of its own)
+        whole = results[(name, QUERY_AWARE, "t/0")].record
+        assert capped.record["kl_first"] == pytest.approx(whole["kl_first"], abs=1e-6)
+        assert whole["fidelity_positions"] > 3
+    assert capped.record["same_output_as_reference"] == (capped.tokens == references[f"{QUERY_AWARE}/t/0"].tokens)
+
+
 def test_a_stop_rule_ends_generation(model, ids):
     result = engine.run(model, [Prompt("t/0", ids, None, 16, stop=lambda tokens: len(tokens) >= 3)],
                         {"full": SPECS["full"]}, protocols=(QUERY_AWARE,), seed=5, log=lambda _: None)[0]

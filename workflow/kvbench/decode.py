@@ -127,7 +127,9 @@ class Row:
     stop: Callable[[list[int]], bool] | None = None
     reference: Reference | None = None  # teacher-force on its tokens (compare with its log-probs)
     branch_free: bool = True  # a forced row spawns a free row at its first divergence
-    keep_logprobs: bool = False  # keep each position's log-softmax (what a reference run stores)
+    forced_positions: int | None = None  # teacher-force at most this many positions (None: the reference's all)
+    keep_logprobs: bool = False  # keep each position's log-softmax (what a reference run stores) ...
+    keep_positions: int | None = None  # ... for at most this many positions
     tag: Any = None  # the caller's key for this row
     # filled in by the loop
     tokens: list[int] = field(default_factory=list)  # the method's own greedy output
@@ -143,6 +145,7 @@ class Row:
     error: str | None = None  # what a step raised for this row (it stops there)
     _seconds: float = 0.0  # shares of every step this row took part in
     top: int | None = None  # argmax of `logits`, when the step computed it
+    free: bool = False  # a forced row past its forced positions, still on its own (= the reference's) tokens
 
     def __post_init__(self) -> None:
         self.start = self.position  # the prompt's length: positions before it are the prompt
@@ -163,9 +166,9 @@ class Row:
     def advance(self, logprobs: torch.Tensor, top: int) -> tuple[int | None, "Row | None"]:
         """Take the distribution at the current position; return the token to feed next (None: this row
         is done) and a free row branched off here (or None)."""
-        if self.keep_logprobs:
+        if self.keep_logprobs and (self.keep_positions is None or len(self.logprobs) < self.keep_positions):
             self.logprobs.append(logprobs)
-        if self.reference is None:
+        if self.reference is None or self.free:
             self.tokens.append(top)
             if self.finished(self.tokens):
                 self._finish_own()
@@ -199,10 +202,16 @@ class Row:
             elif i + 1 == len(ref.tokens):
                 self.tokens = list(ref.tokens)
                 self._finish_own()
-        if i + 1 >= len(ref.tokens):
+        last = len(ref.tokens) if self.forced_positions is None else min(len(ref.tokens), self.forced_positions)
+        if i + 1 < last:
+            return ref.tokens[i], spawned
+        if self.own_done or not self.branch_free:
             self.done = True
             return None, spawned
-        return ref.tokens[i], spawned
+        # Every forced position agreed and the reference goes on: the row goes on by itself, on its
+        # own tokens (the reference's so far), without a copy.
+        self.free, self.tokens = True, ref.tokens[:i]
+        return self.advance(logprobs, top)[0], spawned
 
     def _finish_own(self) -> None:
         self.own_done = True

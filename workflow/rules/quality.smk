@@ -9,7 +9,7 @@ QUALITY_JOBS = {str(i): methods for i, methods in enumerate(
 # does not rerun the others).
 QUALITY_RUN = {key: QUALITY[key] for key in (
     "device", "compute_dtype", "max_gen_cap", "max_prompt_tokens", "reference_top_k", "lm_eval_tasks", "lm_eval_limit",
-    "protocols", "prompts_per_batch", "max_rows")}
+    "protocols", "fidelity_positions", "prompts_per_batch", "max_rows")}
 # Imported LongBench lines are an input only when a longbench task is configured.
 QUALITY_IMPORTED = {"imported": "results/corpus/imported/docs.parquet"} if "longbench" in QUALITY["tasks"] else {}
 QUALITY_SPECS = {job: {m: config["methods"][m] for m in methods} for job, methods in QUALITY_JOBS.items()}

@@ -1,9 +1,10 @@
 SYSTEM = config["system"]
 SYSTEM_BASELINE = config["report"]["baseline"]
 # Methods per job (system.methods_per_job): each job led by the baseline, so every method's timings
-# pair with a baseline measured in the same process, runs interleaved.
-SYSTEM_JOBS = {str(i): methods for i, methods in enumerate(
-    paired_batches(SYSTEM_METHODS, SYSTEM_BASELINE, SYSTEM["methods_per_job"]), start=1)}
+# pair with a baseline measured in the same process, runs interleaved. A job is named by its other
+# methods ("all": one job for every method), so dropping one method renames no other job.
+SYSTEM_JOBS = {("all" if SYSTEM["methods_per_job"] is None else "+".join(methods[1:]) or methods[0]): methods
+               for methods in paired_batches(SYSTEM_METHODS, SYSTEM_BASELINE, SYSTEM["methods_per_job"])}
 
 
 rule system_job:
@@ -20,7 +21,7 @@ rule system_job:
         seed=config["seed"],
         code=library_code("system_job.py"),
     wildcard_constraints:
-        job="|".join(SYSTEM_JOBS),
+        job="|".join(map(re.escape, SYSTEM_JOBS)),
     # The whole machine per job: every run is timed under the same load.
     threads: MACHINE_THREADS
     log:

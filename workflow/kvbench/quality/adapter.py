@@ -80,13 +80,13 @@ class KvbenchLM(LM):
         self, model: Any, tokenizer: Any, methods: Mapping[str, dict[str, Any]], *, seed: int, max_gen_cap: int,
         max_prompt_tokens: int, plain_tasks: frozenset[str] = frozenset(), protocols: tuple[str, ...] = (QUERY_AWARE,),
         reference: str | None = None, references: dict[str, Reference] | None = None, top_k: int | None = None,
-        prompts_per_batch: int = 8, max_rows: int = 64,
+        fidelity_positions: int | None = None, prompts_per_batch: int = 8, max_rows: int = 64,
     ) -> None:
         super().__init__()
         self.model, self.tokenizer, self.methods = model, tokenizer, dict(methods)
         self.seed, self.max_gen_cap, self.max_prompt_tokens = seed, max_gen_cap, max_prompt_tokens
         self.plain_tasks, self.protocols, self.reference = plain_tasks, tuple(protocols), reference
-        self.references, self.top_k = references, top_k
+        self.references, self.top_k, self.fidelity_positions = references, top_k, fidelity_positions
         self.prompts_per_batch, self.max_rows = prompts_per_batch, max_rows
         self.prompt_info: dict[str, dict[str, Any]] = {}  # by prompt key
         self.outcomes: dict[tuple[str, str, str], engine.Outcome] = {}
@@ -153,7 +153,8 @@ class KvbenchLM(LM):
         start = time.monotonic()
         self.outcomes, self.new_references = engine.run(
             self.model, prompts, self.methods, protocols=self.protocols, seed=self.seed, reference=self.reference,
-            references=self.references, top_k=self.top_k, prompts_per_batch=self.prompts_per_batch,
+            references=self.references, top_k=self.top_k, fidelity_positions=self.fidelity_positions,
+            prompts_per_batch=self.prompts_per_batch,
             max_rows=self.max_rows, cost=self.cost)
         cost = self.cost
         print(f"[quality] {len(prompts)} prompts x {len(self.methods)} methods x {len(self.protocols)} protocols in "

@@ -80,7 +80,7 @@ def _error(err: BaseException) -> str:
 def run(
     model: torch.nn.Module, prompts: list[Prompt], methods: Mapping[str, dict[str, Any]], *, protocols: tuple[str, ...],
     seed: int, reference: str | None = None, references: Mapping[str, Reference] | None = None,
-    top_k: int | None = None, prompts_per_batch: int = 8, max_rows: int = 64,
+    top_k: int | None = None, fidelity_positions: int | None = None, prompts_per_batch: int = 8, max_rows: int = 64,
     log: Callable[[str], None] | None = None, cost: Cost | None = None,
 ) -> tuple[dict[tuple[str, str, str], Outcome], dict[str, Reference]]:
     """Outcomes by (method, protocol, prompt key), and the references the reference method made here.
@@ -88,7 +88,9 @@ def run(
     `reference`: the method whose continuations the others are compared with (it runs first, in
     this call, and the others compare with its whole distributions); `references`: stored ones
     instead (keys `protocol/prompt key`). Neither: free generation only, no fidelity. The references
-    returned keep `top_k` tokens per position where it is set (what another job reads back)."""
+    returned keep `top_k` tokens per position where it is set (what another job reads back).
+    `fidelity_positions`: teacher-forced positions per sample at most (the first answer token's
+    included); a row that agrees with the reference on all of them goes on by itself."""
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
     outcomes: dict[tuple[str, str, str], Outcome] = {}
     made: dict[str, Reference] = {}
@@ -97,7 +99,7 @@ def run(
     for start in range(0, len(prompts), prompts_per_batch):
         group = prompts[start:start + prompts_per_batch]
         began = time.monotonic()
-        rows = _forks(model, group, methods, protocols, seed, shape, outcomes, reference, cost)
+        rows = _forks(model, group, methods, protocols, seed, shape, outcomes, reference, cost, fidelity_positions)
         exact: dict[str, Reference] = {}  # this group's, over the whole vocabulary
         if reference is not None:
             mine = [row for row in rows if row.tag[0] == reference]
@@ -131,7 +133,8 @@ def run(
 
 
 def _forks(model: torch.nn.Module, group: list[Prompt], methods: Mapping[str, dict[str, Any]], protocols: tuple[str, ...],
-           seed: int, shape: ModelShape, outcomes: dict, reference: str | None, cost: Cost) -> list[Row]:
+           seed: int, shape: ModelShape, outcomes: dict, reference: str | None, cost: Cost,
+           fidelity_positions: int | None) -> list[Row]:
     """Every method's cache for every prompt and protocol, from one shared prefill per prompt; the
     rows to decode (a failed fork is an outcome with its error, and no row)."""
     eos = eos_ids(model)
@@ -171,7 +174,8 @@ def _forks(model: torch.nn.Module, group: list[Prompt], methods: Mapping[str, di
                     outcomes[(method, protocol, prompt.key)].error = errors[b]
                     continue
                 rows.append(Row(cache, first, len(prompt.ids), prompt.max_new_tokens, eos, prompt.stop,
-                                keep_logprobs=method == reference, tag=(method, protocol, prompt.key)))
+                                forced_positions=fidelity_positions, keep_logprobs=method == reference,
+                                keep_positions=fidelity_positions, tag=(method, protocol, prompt.key)))
         del prefill
     return rows
 
@@ -194,6 +198,8 @@ def _record(rows: list[Row], outcomes: dict, shape: ModelShape) -> None:
             "ratio_end": full_end / done.bytes_end, "tpot_s": done.tpot_s,
             "ttft_s": record["prefill_s"] + record["fork_s"] + record.get("question_s", 0.0),
         }
+        if row.reference is not None:
+            record["same_output_as_reference"] = done.tokens == row.reference.tokens
         if row.reference is not None and row.reference.logprobs is not None:
             k = row.reference.indices
             record |= summarize(row.kl, row.top1) | {

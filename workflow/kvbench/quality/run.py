@@ -44,7 +44,7 @@ def evaluate(
     """Rows for every sample of every task, method and protocol (an error where it failed), and the
     model object (its `new_references` hold the reference method's continuations, if it ran)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
     official = list(cfg.get("lm_eval_tasks") or [])
     tasks = task_table(tasks_dir, official)
@@ -54,6 +54,7 @@ def evaluate(
                    max_prompt_tokens=max_prompt_tokens(cfg, model),
                    plain_tasks=frozenset(name for name, t in tasks.items() if not t["chat"]), protocols=protocols,
                    reference=reference, references=references, top_k=cfg.get("reference_top_k"),
+                   fidelity_positions=cfg.get("fidelity_positions"),
                    prompts_per_batch=int(cfg.get("prompts_per_batch") or 8), max_rows=int(cfg.get("max_rows") or 64))
     manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
     start = time.monotonic()
@@ -62,7 +63,7 @@ def evaluate(
                               samples=samples, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                               fewshot_random_seed=seed)
     print(f"[quality] lm-eval finished in {time.monotonic() - start:.0f} s")
-    task_objects = get_task_dict(list(results["samples"]), manager)
+    task_objects = manager.load(list(results["samples"]))["tasks"]
     rows = []
     for task, task_samples in results["samples"].items():
         info = tasks[task]

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 FIDELITY_COLUMNS = ("kl_first", "kl_mean", "kl_max", "top1_agreement", "first_divergence", "fidelity_positions",
-                    "fidelity_note", "fidelity_reference")
+                    "fidelity_note", "fidelity_reference", "same_output_as_reference")
 JOB_COLUMNS = ("job_wall_s", "job_forward_s", "job_fork_s", "job_cpu_s", "job_decode_steps", "job_decode_row_steps")
 # Per row of a job's table, the same for every row of the job.
 RUN_COLUMNS = ("job_methods", *JOB_COLUMNS)
@@ -48,7 +48,7 @@ def _summarize(rows: pd.DataFrame) -> dict[str, object]:
         "kl_first_mean": float(ok["kl_first"].astype(float).mean()) if compared.any() else float("nan"),
         "top1_agreement": _weighted(ok["top1_agreement"], ok["fidelity_positions"]),
         "fidelity_positions": int(ok["fidelity_positions"].fillna(0).sum()),
-        "identical_outputs": int((compared & ok["first_divergence"].isna()).sum()),
+        "identical_outputs": int(ok["same_output_as_reference"].fillna(False).astype(bool).sum()),
         "first_divergence_median": float(diverged.median()) if len(diverged) else float("nan"),
         "ratio_end_mean": ok["ratio_end"].mean(), "kv_bytes_end_mean": ok["kv_bytes_end"].mean(),
         "ttft_s_median": ok["ttft_s"].median(), "tpot_s_median": ok["tpot_s"].median(),
