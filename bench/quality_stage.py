@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvbench.quality.batches import batches
+from kvbench.batches import batches
 
 REPO = Path(__file__).resolve().parents[1]
 

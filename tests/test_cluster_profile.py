@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvbench.batches import paired_batches
 from kvbench.tinyrun import REPO, snakemake
 
 # Library entry points that put work on the configured device: a model in memory or a server.
@@ -57,7 +58,7 @@ def gpu_plan(tmp_path_factory):
 
 def test_the_device_rules_are_the_ones_expected():
     # If a new stage loads a model or starts a server, it joins this set and the test below.
-    assert device_rules() == {"corpus_realistic", "kv_capture", "kv_memory_probe", "system_method", "serve_server",
+    assert device_rules() == {"corpus_realistic", "kv_capture", "kv_memory_probe", "system_job", "serve_server",
                               "quality_reference", "quality_methods"}
 
 
@@ -65,7 +66,7 @@ def test_every_gpu_bound_job_requests_a_gpu_on_the_gpu_partition(gpu_plan):
     profile = yaml.safe_load((REPO / "workflow/profiles/slurm/config.yaml").read_text())
     gpu_partition = profile["set-resources"]["corpus_realistic"]["slurm_partition"]
     planned = {job["rule"] for job in gpu_plan}
-    assert {"corpus_realistic", "kv_capture", "system_method"} <= planned
+    assert {"corpus_realistic", "kv_capture", "system_job"} <= planned
     for job in gpu_plan:
         if job["rule"] in device_rules():
             assert int(job.get("gpu", 0)) >= 1, job["_text"]
@@ -89,8 +90,9 @@ def test_every_model_of_the_gpu_config_is_used_by_a_stage(gpu_plan):
     text = "".join(job["_text"] for job in gpu_plan)
     for name in config["models"]:
         assert f"resources/models/{name}" in text and re.search(rf"input: .*resources/models/{re.escape(name)}", text), name
-    systems = [job for job in gpu_plan if job["rule"] == "system_method"]
-    assert len(systems) == len(config["system"]["models"]) * len(config["system"]["methods"])
+    systems = [job for job in gpu_plan if job["rule"] == "system_job"]
+    assert len(systems) == len(config["system"]["models"]) * len(
+        paired_batches(config["system"]["methods"], config["report"]["baseline"], config["system"]["methods_per_job"]))
     assert {re.search(r"wildcards: model=([^,\n]+)", j["_text"]).group(1) for j in systems} == set(config["system"]["models"])
 
 

@@ -22,7 +22,7 @@ def test_each_script_depends_on_the_modules_it_imports_transitively():
     kv = names("kv_capture.py")
     assert {"kv/study.py", "kv/codecs.py", "kv/storage.py", "models.py", "jobs.py", "servers.py", "__init__.py"} <= kv
     assert not {p for p in kv if p.startswith(("methods/", "corpus/"))}
-    system = names("system_method.py")
+    system = names("system_job.py")
     assert {"harness.py", "methods/kivi.py", "methods/catalog.py", "prompts.py"} <= system  # catalog's imports too
     assert "methods/lut_kernels.c" in system  # the C source native.py builds
     assert "data/medical.yaml" in names("corpus_realistic.py")  # fact-sheet vocabularies, read as data
@@ -47,7 +47,7 @@ def test_a_module_change_changes_the_hash_of_exactly_its_importers(library_copy)
     changed = {name for name in before if before[name] != after[name]}
     # system imports kv.study; serve offloads through the same codecs; the quality job reaches them
     # no more (kvbench.config, which it imports, imports no stage package)
-    assert changed == {"kv_capture.py", "kv_memory_probe.py", "system_method.py", "serve_server.py"}
+    assert changed == {"kv_capture.py", "kv_memory_probe.py", "system_job.py", "serve_server.py"}
 
 
 def rule_extra(script: str) -> tuple[str, ...]:

@@ -4,10 +4,12 @@ import copy
 import os
 import time
 
+import pandas as pd
 import pytest
 import torch
 
-from kvbench.harness import context_bucket, generate, run_row
+from kvbench.decode import forward_rows
+from kvbench.harness import context_bucket, generate
 from kvbench.methods.base import ModelShape
 from kvbench.models import load_model, load_tokenizer
 
@@ -51,7 +53,7 @@ def test_decode_after_eviction_equals_full_attention_with_the_evicted_keys_maske
     # positions, wrong kept sets handed to attention, and GQA heads reading the wrong KV head.
     from transformers import DynamicCache
 
-    from kvbench.harness import attached, decode_step
+    from kvbench.harness import attached
     from kvbench.methods.attention import route_attention
     from kvbench.methods.catalog import build_cache
 
@@ -71,21 +73,28 @@ def test_decode_after_eviction_equals_full_attention_with_the_evicted_keys_maske
                 visible.scatter_(1, kept, True)[:, tokens] = True  # the new token sees itself
                 hidden = ~visible.repeat_interleave(shape.q_heads // shape.kv_heads, dim=0)
                 masks[index] = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))[None, :, None, :]
-            ours = decode_step(model, cache, token, tokens)
+        ours = forward_rows(model, [cache], torch.tensor([[token]]), torch.tensor([[tokens]]))[0][0]
 
         def masked(index):
             return lambda original, module, q, k, v, mask, *args, **kwargs: original(
                 module, q, k, v, masks[index], *args, **kwargs)
 
-        unmasked = decode_step(model, copy.deepcopy(full), token, tokens)
+        unmasked = model_step(model, copy.deepcopy(full), token, tokens)
         handles = route_attention(model, {i: masked(i) for i in masks})
         try:
-            reference = decode_step(model, full, token, tokens)
+            reference = model_step(model, full, token, tokens)
         finally:
             for handle in handles:
                 handle.remove()
     assert torch.allclose(ours, reference, atol=1e-4, rtol=0), (ours - reference).abs().max()
     assert (ours - unmasked).abs().max() > 1e-2  # the eviction matters to this step
+
+
+def model_step(model, cache, token: int, position: int) -> torch.Tensor:
+    """One decode step through the model's own path (any transformers Cache): the next-token logits."""
+    out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                position_ids=torch.tensor([[position]]))
+    return out.logits[0, -1].float()
 
 
 def test_decode_after_eviction_sees_every_kept_token(model, ids):
@@ -147,22 +156,34 @@ def test_timings_cover_what_they_name(model, ids):
     assert run["e2e_s"] - run["ttft_s"] >= run["tpot_s"] * steps >= stamps[-1] - stamps[1]
 
 
-def test_run_row_reports_the_measured_runs(model, ids):
-    spec = {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 32}
-    built: list[float] = []
-    start = time.perf_counter()
-    row = run_row(model, "kivi2", spec, ids, 6, 3, 0, 8192, make_cache=stamping(built))
-    wall = time.perf_counter() - start
-    single = generate(model, spec, ids, 6)
-    assert row["error"] is None and row["repeats"] == 3 and row["bucket"] == "0-4k"
-    # One warm-up on the first 256 tokens (2 new) and three measured runs, each a fresh cache.
-    assert len(built) == 2 + 3 * single["new_tokens"]
-    assert row["output_ids"] == single["tokens"] and row["new_tokens"] == single["new_tokens"]
-    assert (row["kv_bytes_prefill"], row["kv_bytes_end"]) == (single["kv_bytes_prefill"], single["kv_bytes_end"])
-    # Three runs fit in the call: the median is at most the larger half, so 2 x median <= their sum.
-    assert 2 * row["e2e_s"] <= wall and row["ttft_s"] < row["e2e_s"]
-    # three wall-clock timings never coincide to the nanosecond: a spread of 0 would be one run counted thrice
-    assert all(row[f"{key}_std"] > 0 for key in ("ttft_s", "tpot_s", "e2e_s"))
+def test_a_system_job_interleaves_the_methods_and_pairs_each_run_with_the_baseline(model, ids):
+    from kvbench.system import paired_ratios, per_prompt, run_job, schedule
+
+    specs = {"full": {"kind": "full", "storage": "fp16"}, "kivi2": {"kind": "kivi", "bits": 2, "group_size": 32,
+                                                                    "residual": 32}}
+    prompts = [{"input_ids": ids, "prompt_id": "a", "corpus": "realistic", "domain": "medical", "doc_id": "d1",
+                "question": "q", "answer": "x", "target_context": len(ids)},
+               {"input_ids": ids[:-12], "prompt_id": "b", "corpus": "realistic", "domain": "legal", "doc_id": "d2",
+                "question": "q", "answer": "y", "target_context": len(ids) - 12}]
+    runs = run_job(model, specs, prompts, {"repeats": 2, "max_new_tokens": 4}, 0).assign(model="m")
+    assert runs.error.isna().all() and len(runs) == 8
+    # Rounds over prompts, every method per prompt, the order rotated at each visit.
+    assert list(zip(runs.repeat, runs.prompt_id, runs.method)) == [
+        (0, "a", "full"), (0, "a", "kivi2"), (0, "b", "kivi2"), (0, "b", "full"),
+        (1, "a", "full"), (1, "a", "kivi2"), (1, "b", "kivi2"), (1, "b", "full")]
+    assert schedule(["x", "y", "z"], 1, 3)[3:6] == [(1, 0, "y"), (1, 0, "z"), (1, 0, "x")]
+    single = generate(model, specs["kivi2"], ids, 4)
+    mine = runs[(runs.method == "kivi2") & (runs.prompt_id == "a")]
+    assert all(t == single["tokens"] for t in mine.output_ids) and (mine.kv_bytes_end == single["kv_bytes_end"]).all()
+    medians = per_prompt(runs).set_index(["method", "prompt_id"])
+    assert medians.loc[("kivi2", "a"), "repeats"] == 2
+    assert medians.loc[("kivi2", "a"), "ttft_s"] == pytest.approx(mine.ttft_s.median())
+    assert medians.loc[("kivi2", "a"), "ttft_s_std"] > 0  # two timings never coincide to the nanosecond
+    paired = paired_ratios(runs, "full")
+    assert len(paired) == 8 and (paired[paired.method == "full"].ttft_s_ratio == 1.0).all()
+    row = paired[(paired.method == "kivi2") & (paired.prompt_id == "b") & (paired.repeat == 1)].iloc[0]
+    base = runs[(runs.method == "full") & (runs.prompt_id == "b") & (runs.repeat == 1)].iloc[0]
+    assert row.ttft_s_ratio == pytest.approx(row.ttft_s / base.ttft_s)
 
 
 def test_median_is_the_true_median_and_spread_the_sample_std():
@@ -200,10 +221,18 @@ print(after_reset, peak_memory_mb(cpu) - baseline)
     assert 120 < after_block < 200  # ... and a 128 MiB one after it is seen
 
 
-def test_fake_failing_method_becomes_a_row_with_its_error(model, ids):
-    row = run_row(model, "broken", {"kind": "kivi", "bits": 2, "group_size": 7, "residual": 14}, ids, 4, 1, 0, 8192)
-    assert row["error"] == "ValueError: kivi: group_size 7 must divide head_dim 64"
-    assert "ttft_s" not in row
+def test_a_method_that_fails_is_a_run_with_its_error_and_the_job_goes_on(model, ids):
+    from kvbench.system import per_prompt, run_job
+
+    specs = {"full": {"kind": "full"}, "broken": {"kind": "kivi", "bits": 2, "group_size": 7, "residual": 14}}
+    prompt = {"input_ids": ids, "prompt_id": "a", "corpus": "realistic", "domain": "medical", "doc_id": "d",
+              "question": "q", "answer": "x", "target_context": len(ids)}
+    runs = run_job(model, specs, [prompt], {"repeats": 2, "max_new_tokens": 3}, 0).assign(model="m")
+    broken = runs[runs.method == "broken"]
+    assert len(broken) == 2 and (broken.error == "ValueError: kivi: group_size 7 must divide head_dim 64").all()
+    assert runs[runs.method == "full"].error.isna().all() and runs[runs.method == "full"].ttft_s.notna().all()
+    summary = per_prompt(runs).set_index("method")
+    assert summary.loc["broken", "repeats"] == 0 and pd.isna(summary.loc["broken", "ttft_s"])
 
 
 def test_context_buckets_scale_to_the_model():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvbench.quality.fidelity import compare, load_references, reference_from_logits, save_references
+from kvbench.fidelity import compare, load_references, reference_from_logits, save_references
 
 
 def test_kl_and_agreement_on_known_distributions():

@@ -9,11 +9,13 @@ import pytest
 from kvbench.quality.summary import summarize
 
 
-def row(method, category, sample, score, kl=None, positions=None, divergence=None, error=None, ttft=1.0):
-    return {"method": method, "kind": method, "task": f"kvbench_{category}", "category": category, "sample_id": sample,
+def row(method, category, sample, score, kl=None, positions=None, divergence=None, error=None, ttft=1.0,
+        protocol="query-aware"):
+    return {"method": method, "kind": method, "params": "[]", "protocol": protocol, "task": f"kvbench_{category}",
+            "category": category, "sample_id": sample, "question_tokens": 20, "kl_first": None if kl is None else 0.0,
             "bucket": "0-4k", "context_tokens": 100, "new_tokens": 4, "score": score, "error": error,
-            "kl_mean": kl, "kl_max": kl, "top1_agreement": None if kl is None else 1 - kl, "fidelity_positions": positions,
-            "first_divergence": divergence, "ratio_end": 1.0 if method == "full" else 4.0, "kv_bytes_end": 100,
+            "kl_mean": kl, "kl_max": kl, "fidelity_reference": None if kl is None else "whole vocabulary", "top1_agreement": None if kl is None else 1 - kl, "fidelity_positions": positions,
+            "first_divergence": divergence, "same_output_as_reference": None if kl is None else divergence is None, "ratio_end": 1.0 if method == "full" else 4.0, "kv_bytes_end": 100,
             "ttft_s": ttft, "tpot_s": 0.1, "forward_s": 2.0, "job_wall_s": 10.0 if method == "full" else 20.0,
             "job_forward_s": 8.0 if method == "full" else 17.0, "job_methods": method}
 
@@ -82,3 +84,13 @@ def test_figures_are_written(tables, tmp_path):
     quality_ratio_figure(tables["summary"], "full", tmp_path / "ratio.png")
     for name in ("scores", "fidelity", "ratio"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_protocol_is_compared_with_the_reference_under_the_same_protocol():
+    rows = [row("full", "qa", "s1", 1.0), row("full", "qa", "s1", 0.0, protocol="context-only"),
+            row("kivi2", "qa", "s1", 0.5, kl=0.1, positions=4), row("kivi2", "qa", "s1", 0.5, kl=0.3, positions=4,
+                                                                     protocol="context-only")]
+    summary = summarize(pd.DataFrame(rows), "full")["summary"].set_index(["method", "protocol", "category"])
+    assert summary.loc[("kivi2", "query-aware", "qa")].score_delta == pytest.approx(-0.5)
+    assert summary.loc[("kivi2", "context-only", "qa")].score_delta == pytest.approx(0.5)
+    assert summary.loc[("kivi2", "context-only", "all")].kl_mean == pytest.approx(0.3)

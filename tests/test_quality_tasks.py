@@ -14,7 +14,8 @@ from kvbench.corpus.factsheets import vocabulary
 from kvbench.quality.kinds import check_task, quality_problems
 from kvbench.quality.longbench import spec as longbench_spec
 from kvbench.quality.taskfiles import build_tasks, load_sources, read_manifest, write_tasks
-from kvbench.quality.tasks.base import contains
+from kvbench.quality.tasks import multi_doc_qa, single_doc_qa
+from kvbench.quality.tasks.base import contains, listed_rival, second_answer
 from quality_corpus import tiny_corpus
 
 TASKS = {
@@ -139,6 +140,112 @@ def test_a_summary_reference_states_only_facts_whose_span_survives(tokenizer):
     (long,) = build_tasks({"summarization": {"samples": 1, "context_tokens": [1024]}}, sources, seed=5)
     assert "24 hours" in short.samples[0]["context"] and "The age is 24." not in short.samples[0]["answers"][0]
     assert long.samples[0]["answers"][0].endswith("The age is 24.")
+
+
+def discharge_summary(body: str, facts: dict[str, str], doc_id: str = "medical-unique-00",
+                      attending: str = "Dr. William Oliver") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A hand-made discharge summary whose `facts` are located at their first mention in the text."""
+    text = f"DISCHARGE SUMMARY\n\nAttending physician: {attending}\n\nHISTORY\n{body}"
+    questions = vocabulary("medical")["facts"]
+    docs = pd.DataFrame([{"doc_id": doc_id, "corpus": "realistic", "domain": "medical", "doc_type": "discharge_summary",
+                          "title": "Discharge summary", "text": text,
+                          "sections": json.dumps([["History", text.index("HISTORY"), len(text)]]),
+                          "fact_sheet": json.dumps({"attending": attending, **facts})}])
+    rows = [{"doc_id": doc_id, "fact": k, "value": v, "question": questions[k]["question"],
+             "char_start": text.index(v), "char_end": text.index(v) + len(v), "section": "History",
+             "source": "generated", "occurrences": 1, "unambiguous": True, "ambiguity": None} for k, v in facts.items()]
+    return docs, pd.DataFrame(rows)
+
+
+FILLER_12 = " ".join(["The team reviewed the record in detail before the next step was taken."] * 12)
+
+
+def test_a_second_comorbidity_in_the_context_is_not_built_unless_the_cut_removes_it(tokenizer):
+    assert second_answer("medical", "comorbidity", "hypertension", "a history of hypertension and obesity") == "obesity"
+    body = f"She has a history of hypertension. {FILLER_12} Her chart also lists obesity. {FILLER_12} She went home."
+    sources = load_sources(*discharge_summary(body, {"comorbidity": "hypertension"}), None, tokenizer)
+    (whole,) = build_tasks({"single_doc_qa": {"samples": 1, "context_tokens": [1024]}}, sources, seed=5)
+    assert whole.samples == [] and whole.requested == 1
+    (cut,) = build_tasks({"single_doc_qa": {"samples": 1, "context_tokens": [160]}}, sources, seed=5)
+    [sample] = cut.samples
+    assert sample["answers"] == ["hypertension"] and "hypertension" in sample["context"]
+    assert "obesity" not in sample["context"]
+
+
+@pytest.mark.parametrize("second, built", [("", True), (" and obesity", False)])
+def test_a_multi_doc_answer_passage_with_a_second_comorbidity_is_not_built(tokenizer, second, built):
+    # the distractors' own comorbidities (hyperlipidemia) do not count: the anchor names the passage
+    parts = [discharge_summary(f"She has a history of hypertension{second}. {FILLER_12}",
+                               {"attending": "Dr. William Oliver", "comorbidity": "hypertension"})]
+    parts += [discharge_summary(f"He has hyperlipidemia. {FILLER_12}", {}, f"medical-other-{name}", f"Dr. Ann {name}")
+              for name in ("Lee", "Park")]
+    docs, facts = (pd.concat(frames) for frames in zip(*parts))
+    sources = load_sources(docs, facts, None, tokenizer)
+    (task,) = build_tasks({"multi_doc_qa": {"samples": 1, "context_tokens": [1536], "documents": 3}}, sources, seed=5)
+    assert len(task.samples) == int(built)
+    if built:
+        assert task.samples[0]["answers"] == ["hypertension"] and "hyperlipidemia" in task.samples[0]["context"]
+
+
+@pytest.mark.parametrize("other, built", [("Dr. Oliver signed the discharge order.", True),
+                                          ("Dr. Emma Taylor, MD, read the chest film.", False)])
+def test_another_doctor_in_the_context_makes_the_attending_ambiguous(tokenizer, other, built):
+    body = f"She has a history of hypertension. {other} She went home."
+    sources = load_sources(*discharge_summary(body, {"attending": "Dr. William Oliver"}), None, tokenizer)
+    (task,) = build_tasks({"single_doc_qa": {"samples": 1, "context_tokens": [512]}}, sources, seed=5)
+    assert len(task.samples) == int(built)
+
+
+@pytest.mark.parametrize("kind, answer, text, rival", [
+    ("judge", "Judge Logan Smith", "Judge Smith wrote for the panel, joined by Justice Sonia Ortiz.",
+     "Justice Sonia Ortiz"),
+    ("judge", "Judge Logan Smith", "JUDGE: Judge Logan Smith. Judge Smith denied the motion.", None),
+    ("attorney", "Kevin Wong, Esq.", "Counsel Kevin Wong, Esq. for the plaintiff; Jane Roe, Esq. for the defendant.",
+     "Jane Roe, Esq"),
+    ("attorney", "Kevin Wong, Esq.", "BY Kevin Wong, Esq.: Please state your name.", None),
+    ("test", "arterial blood gas", "An arterial blood gas was drawn.", None),  # listed twice, for two conditions
+    ("hospital", "Riverside General Hospital", "moved from riverside general hospital to MERCY VALLEY HOSPITAL",
+     "Mercy Valley Hospital"),
+    ("admission_date", "May 1, 2023", "admitted May 1, 2023 and discharged May 9, 2023", None),  # a distinct role
+])
+def test_second_answers_of_roles_and_listed_kinds(kind, answer, text, rival):
+    domain = "legal" if kind in ("judge", "attorney") else "medical"
+    assert second_answer(domain, kind, answer, text) == rival
+
+
+def test_a_value_inside_a_longer_listed_value_is_that_value():
+    values = ["chronic kidney disease stage 3", "chronic kidney disease", "obesity"]
+    text = "She has chronic kidney disease stage 3."
+    assert listed_rival(text, "chronic kidney disease stage 3", values) is None
+    assert listed_rival(text, "chronic kidney disease", values) == "chronic kidney disease stage 3"
+    assert listed_rival(text + " Chronic kidney disease runs in her family.", "chronic kidney disease stage 3",
+                        values) == "chronic kidney disease"
+
+
+def test_the_uniqueness_check_changes_only_the_samples_it_drops(tokenizer, tmp_path, monkeypatch):
+    tiny_docs, tiny_facts = tiny_corpus()
+    body = "She has a history of hypertension and obesity. She went home."
+    rival_docs, rival_facts = discharge_summary(body, {"comorbidity": "hypertension"})
+    corpora = {"tiny": (tiny_docs, tiny_facts),
+               "mixed": (pd.concat([tiny_docs, rival_docs]), pd.concat([tiny_facts, rival_facts]))}
+    settings = {**TASKS, "single_doc_qa": {"samples": len(tiny_docs) + 1, "context_tokens": [256]}}
+    built = {}
+    for checked in (True, False):
+        if not checked:
+            for builder in (single_doc_qa, multi_doc_qa):
+                monkeypatch.setattr(builder, "second_answer", lambda *args: None)
+        for name, (docs, facts) in corpora.items():
+            (tmp_path / f"{name}-{checked}").mkdir()
+            monkeypatch.chdir(tmp_path / f"{name}-{checked}")  # the YAML names its data file by this relative path
+            write_tasks(build_tasks(settings, load_sources(docs, facts, None, tokenizer), seed=5), "tasks")
+            built[name, checked] = {p.name: p.read_bytes() for p in sorted(Path("tasks").iterdir())}
+    assert built["tiny", True] == built["tiny", False]  # no tiny-corpus context states a second value
+    # with a second comorbidity in one document, only that document's sample goes (ids renumber after it)
+    unchecked, checked = ([{k: v for k, v in json.loads(line).items() if k != "_id"}
+                           for line in built["mixed", c]["kvbench_single_doc_qa.jsonl"].decode().splitlines()]
+                          for c in (False, True))
+    assert [s["doc_ids"] for s in unchecked if s not in checked] == [["medical-unique-00"]]
+    assert len(checked) == len(tiny_docs) == len(unchecked) - 1
 
 
 def test_task_files_are_byte_identical_under_the_same_seed(sources, tmp_path, monkeypatch):

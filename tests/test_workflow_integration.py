@@ -23,7 +23,7 @@ import pytest
 from kvbench.config import system_models
 from kvbench.corpus.synthetic import synthetic_document
 from kvbench.provenance import PROVENANCE_COLUMNS
-from kvbench.quality.batches import batches
+from kvbench.batches import batches
 from kvbench.report import build as report_build
 from kvbench.report.claims import CLAIMS
 from kvbench.report.contracts import CONTRACTS, load_tables
@@ -63,7 +63,7 @@ def cluster_jobs(config) -> list[str]:
     n_quality = len(quality["models"])
     return ["corpus_realistic",
             *["kv_capture"] * (len(config["kv"]["corpora"]) * len(config["kv"]["weights"])),
-            *["system_method"] * (len(system_models(config)) * len(config["system"]["methods"])),
+            *["system_job"] * len(system_models(config)),  # one process per model: methods interleaved
             *["serve_server"] * len(serve_servers(config["serve"]["backends"])),
             *["quality_reference"] * n_quality,
             *["quality_methods"] * (n_quality * (len(quality_jobs(config)) - 1))]
@@ -239,8 +239,7 @@ def kv(corpus, weights):
     return f"kv_capture[corpus={corpus}, weights={weights}]"
 
 
-def system(method):
-    return f"system_method[model=smol, method={method}]"
+SYSTEM_JOB = "system_job[model=smol, job=all]"  # every method in one process, interleaved
 
 
 def serve(server):
@@ -271,7 +270,7 @@ def test_changing_the_seed_reruns_exactly_the_jobs_it_affects(run):
     # corpus (seeded) changes under them (Snakemake reports the first reason only).
     seeded = {"corpus_realistic", *(kv(c, w) for c in corpora if c != "realistic" for w in ("random", "dummy"))}
     downstream = {"corpus_stats", *(kv("realistic", w) for w in config["kv"]["weights"]), "kv_summary",
-                  *(system(m) for m in config["system"]["methods"]), "system_summary",
+                  SYSTEM_JOB, "system_summary",
                   *(serve(s) for s in serve_servers(config["serve"]["backends"])), "serve_summary",
                   "quality_tasks", *(quality(m, config) for m in config["quality"]["methods"]),
                   "quality_summary[model=smol]", "report_tables", "all"}
@@ -287,18 +286,19 @@ def test_changing_a_method_setting_reruns_that_method_alone(run):
     methods = {**config["methods"], "kivi2": {**config["methods"]["kivi2"], "group_size": 16}}
     jobs = planned(snakemake(workdir, {**config, "methods": methods}, "-n"))
     # kivi2 runs in the system and quality stages and as a wire format of the Valkey server.
-    changed = {system("kivi2"), quality("kivi2", config), serve(SERVER_OF["valkey"])}
+    changed = {SYSTEM_JOB, quality("kivi2", config), serve(SERVER_OF["valkey"])}
     assert set(jobs) == changed | {"system_summary", "quality_summary[model=smol]", "serve_summary", "report_tables", "all"}
     for job in changed:
         assert params_changed(jobs[job], "'group_size': 32", "'group_size': 16"), (job, jobs[job])
 
 
-def test_dropping_a_method_reruns_no_other_method(run):
+def test_dropping_a_method_reruns_its_system_job_alone(run):
+    # The system job times its methods against each other in one process: it reruns, nothing else.
     workdir, config = run
     system_cfg = {**config["system"], "methods": [m for m in config["system"]["methods"] if m != "h2o"]}
     jobs = planned(snakemake(workdir, {**config, "system": system_cfg}, "-n"))
-    assert set(jobs) == {"system_summary", "report_tables", "all"}
-    assert jobs["system_summary"] == "Set of input files has changed since last execution"
+    assert set(jobs) == {SYSTEM_JOB, "system_summary", "report_tables", "all"}
+    assert params_changed(jobs[SYSTEM_JOB], "'h2o'", "")
 
 
 def test_changing_a_client_timeout_reruns_nothing(run):
@@ -350,7 +350,7 @@ def test_changing_library_code_reruns_the_rules_that_import_it(run, tmp_path):
                              "--configfile", str(write_config(workdir, config))], capture_output=True, text=True,
                             cwd=workdir, timeout=600)
     jobs = planned(result)
-    imports = {*(system(m) for m in config["system"]["methods"]), "quality_tasks"}
+    imports = {SYSTEM_JOB, "quality_tasks"}
     downstream = {*(quality(m, config) for m in config["quality"]["methods"]), "quality_summary[model=smol]",
                   "system_summary", "report_tables", "all"}
     assert set(jobs) == imports | downstream

@@ -1,9 +1,9 @@
 """One harness for every method: prefill + greedy decode through the method's cache, measuring
-TTFT, TPOT, throughput and the bytes the cache holds. Failures become rows, never gaps."""
+TTFT, TPOT, throughput and the bytes the cache holds. Failures become rows, never gaps. Decoding is
+kvbench.decode's loop (one row here), the one every stage uses."""
 
 from __future__ import annotations
 
-import copy
 import gc
 import re
 import resource
@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from kvbench.decode import Row, eos_ids, run_rows, sync
+from kvbench.fidelity import Reference
 from kvbench.methods.base import MethodCache, ModelShape
 from kvbench.methods.catalog import build_cache
 
@@ -72,15 +74,10 @@ def context_bucket(tokens: int, max_context: int) -> str:
     return f"{edges[1] // 1024}k+"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextmanager
 def attached(cache: MethodCache, model: torch.nn.Module) -> Iterator[MethodCache]:
-    """Every forward pass through a method's cache runs inside this: the method's hooks (query
-    capture, its own attention) are installed on `model` and removed after."""
+    """A prefill through a method's cache runs inside this: the method's hooks (query capture) are
+    installed on `model` and removed after. Decode steps need none (kvbench.decode)."""
     handles = cache.attach(model)
     try:
         yield cache
@@ -90,67 +87,63 @@ def attached(cache: MethodCache, model: torch.nn.Module) -> Iterator[MethodCache
 
 
 @torch.inference_mode()
+def prefill(model: torch.nn.Module, cache: MethodCache, input_ids: list[int]) -> tuple[torch.Tensor, float]:
+    """The prompt through the method's own cache: the next-token logits [V] and the pass's seconds
+    (the time to the first token's distribution)."""
+    device = next(model.parameters()).device
+    with attached(cache, model):
+        sync(device)
+        start = time.perf_counter()
+        out = model(input_ids=torch.tensor([input_ids], device=device), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        sync(device)
+    return logits, time.perf_counter() - start
+
+
 def teacher_forced(model: torch.nn.Module, spec: dict[str, Any], ids: list[int], answer: list[int],
                    seed: int = 0) -> torch.Tensor:
     """Next-token log-probabilities [len(answer), V] through a fresh cache of `spec`: after the
-    prompt, then after each token of `answer` fed in turn (explicit positions, as `generate`)."""
+    prompt, then after each token of `answer` fed in turn (the decode loop, explicit positions)."""
     cache = build_cache(spec, ModelShape.of(model.config), seed)
-    out = []
-    with attached(cache, model):
-        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        out.append(logits[0, -1].log_softmax(-1))
-        for i, token in enumerate(answer[:-1]):
-            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                           position_ids=torch.tensor([[len(ids) + i]])).logits
-            out.append(logits[0, -1].log_softmax(-1))
-    return torch.stack(out)
+    logits, _ = prefill(model, cache, ids)
+    row = Row(cache, logits, len(ids), len(answer), reference=Reference(list(answer), None, ""), branch_free=False,
+              keep_logprobs=True)
+    run_rows(model, [row])
+    return torch.stack(row.logprobs)
 
 
-@torch.inference_mode()
 def generate(
     model: torch.nn.Module, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int, seed: int = 0,
     make_cache: CacheFactory = build_cache,
 ) -> dict[str, Any]:
-    """Prefill, then greedy decode with explicit positions (evicting caches are shorter than the
-    sequence, so positions cannot come from the cache length). `make_cache` lets a benchmark
-    instrument the cache."""
+    """Prefill through the method's cache, then greedy decoding (the decode loop, one row).
+    `make_cache` lets a benchmark instrument the cache."""
     device = next(model.parameters()).device
     shape = ModelShape.of(model.config)
     cache = make_cache(spec, shape, seed)
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    with attached(cache, model):
-        ids = torch.tensor([input_ids], device=device)
-        _sync(device)
-        start = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        token = int(out.logits[0, -1].argmax())
-        _sync(device)
-        ttft = time.perf_counter() - start
-        bytes_prefill = cache.nbytes()
-        decode_start = time.perf_counter()  # the byte walk is outside both TTFT and TPOT
-        tokens, position = [token], len(input_ids)
-        while len(tokens) < max_new_tokens and token not in eos_ids:
-            out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True,
-                        position_ids=torch.tensor([[position]], device=device))
-            token = int(out.logits[0, -1].argmax())
-            tokens.append(token)
-            position += 1
-        _sync(device)
-        end = time.perf_counter()
-        total, decode = end - start, end - decode_start
-    decode_steps = len(tokens) - 1
-    full_prefill = shape.full_bytes(len(input_ids))
-    full_end = shape.full_bytes(len(input_ids) + decode_steps)
-    bytes_end = cache.nbytes()
+    logits, ttft = prefill(model, cache, input_ids)
+    bytes_prefill = cache.nbytes()  # the byte walk is outside both TTFT and TPOT
+    row = Row(cache, logits, len(input_ids), max_new_tokens, eos_ids(model))
+    decode_start = time.perf_counter()
+    run_rows(model, [row])
+    sync(device)
+    return measured(row, shape, len(input_ids), ttft, ttft + time.perf_counter() - decode_start, bytes_prefill)
+
+
+def measured(row: Row, shape: ModelShape, context: int, ttft: float, total: float, bytes_prefill: int) -> dict[str, Any]:
+    """The columns every stage reports for one decoded row: TTFT, TPOT (kvbench.decode's one
+    definition), end-to-end latency, measured bytes and their ratio to a 16-bit full cache."""
+    decode_steps = len(row.tokens) - 1
+    full_prefill, full_end = shape.full_bytes(context), shape.full_bytes(context + decode_steps)
+    tpot = row.tpot_s
     return {
-        "tokens": tokens, "context_tokens": len(input_ids), "new_tokens": len(tokens),
-        "ttft_s": ttft, "e2e_s": total, "tpot_s": decode / decode_steps if decode_steps else None,
-        "decode_tok_s": decode_steps / decode if decode_steps else None,
-        "prefill_tok_s": len(input_ids) / ttft,
-        "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": bytes_end,
+        "tokens": row.tokens, "context_tokens": context, "new_tokens": len(row.tokens),
+        "ttft_s": ttft, "e2e_s": total, "tpot_s": tpot, "decode_tok_s": 1 / tpot if tpot else None,
+        "prefill_tok_s": context / ttft,
+        "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": row.bytes_end,
         "full16_bytes_prefill": full_prefill, "full16_bytes_end": full_end,
-        "ratio_prefill": full_prefill / bytes_prefill, "ratio_end": full_end / bytes_end,
+        "ratio_prefill": full_prefill / bytes_prefill, "ratio_end": full_end / row.bytes_end,
     }
 
 
@@ -187,103 +180,3 @@ def run_row(
     row["memory_increase_mb"] = row["peak_memory_mb"] - baseline if baseline is not None else None
     return row
 
-
-def decode_step(model: torch.nn.Module, cache: MethodCache, token: int, position: int) -> torch.Tensor:
-    """One decode forward through `cache`: feed `token` at `position`, return the next-token logits [V]."""
-    device = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True,
-                position_ids=torch.tensor([[position]], device=device))
-    return out.logits[0, -1]
-
-
-@torch.inference_mode()
-def generate_scored(
-    model: torch.nn.Module, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int,
-    reference: list[int] | None = None, stop: Callable[[list[int]], bool] | None = None, seed: int = 0,
-    make_cache: CacheFactory = build_cache,
-) -> dict[str, Any]:
-    """Greedy generation through the method's cache that also returns next-token logits.
-
-    Without `reference`: `logits[i]` is the distribution behind `tokens[i]` (what the reference run
-    stores). With `reference` (the full cache's greedy tokens for the same prompt): `logits[i]` is
-    the method's distribution teacher-forced on `reference[:i]`, and `tokens` is the method's own
-    greedy output. One prefill serves both: up to `first_divergence` (the first position where the
-    method's greedy token differs from the reference) the two feed the same tokens; there the cache
-    is copied and the copy continues on the method's own tokens. Generation ends at an
-    end-of-sequence token, at `max_new_tokens`, or when `stop(tokens)` says so (stop strings).
-    """
-    device = next(model.parameters()).device
-    shape = ModelShape.of(model.config)
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-
-    def done(tokens: list[int]) -> bool:
-        return tokens[-1] in eos_ids or len(tokens) >= max_new_tokens or (stop is not None and stop(tokens))
-
-    seconds: list[float] = []  # every decode step, teacher-forced or free
-
-    def step(cache: MethodCache, token: int, position: int) -> torch.Tensor:
-        _sync(device)
-        start = time.perf_counter()
-        logits = decode_step(model, cache, token, position)
-        _sync(device)
-        seconds.append(time.perf_counter() - start)
-        return logits
-
-    cache = make_cache(spec, shape, seed)
-    handles = cache.attach(model)
-    divergence: int | None = None
-    try:
-        _sync(device)
-        start = time.perf_counter()
-        out = model(input_ids=torch.tensor([input_ids], device=device), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
-        logits = [out.logits[0, -1]]
-        first = int(logits[0].argmax())
-        _sync(device)
-        ttft = time.perf_counter() - start
-        bytes_prefill = cache.nbytes()
-        position = len(input_ids)
-        branch: MethodCache | None = None
-        if reference is None:
-            tokens = [first]
-            while not done(tokens):
-                logits.append(step(cache, tokens[-1], position + len(tokens) - 1))
-                tokens.append(int(logits[-1].argmax()))
-            shared, bytes_end = len(seconds), cache.nbytes()
-        else:
-            for i, token in enumerate(reference):
-                if divergence is None and int(logits[i].argmax()) != token:
-                    divergence, tokens = i, reference[:i] + [int(logits[i].argmax())]
-                    shared, bytes_end = len(seconds), cache.nbytes()
-                    if not done(tokens):  # the copy goes on with the method's own tokens
-                        branch = copy.deepcopy(cache)
-                if i + 1 < len(reference):
-                    logits.append(step(cache, token, position + i))
-            if divergence is None:
-                tokens, shared, bytes_end = list(reference), len(seconds), cache.nbytes()
-        free_seconds = sum(seconds[:shared])
-        if branch is not None:
-            for handle in handles:
-                handle.remove()
-            handles = branch.attach(model)
-            forced = len(seconds)
-            while not done(tokens):
-                tokens.append(int(step(branch, tokens[-1], position + len(tokens) - 1).argmax()))
-            free_seconds += sum(seconds[forced:])
-            bytes_end = branch.nbytes()
-    finally:
-        for handle in handles:
-            handle.remove()
-    decode_steps = len(tokens) - 1
-    full_prefill = shape.full_bytes(len(input_ids))
-    full_end = shape.full_bytes(len(input_ids) + decode_steps)
-    return {
-        "tokens": tokens, "logits": torch.stack(logits).float(), "first_divergence": divergence,
-        "context_tokens": len(input_ids), "new_tokens": len(tokens),
-        "ttft_s": ttft, "tpot_s": free_seconds / decode_steps if decode_steps else None,
-        "e2e_s": ttft + free_seconds, "forward_s": ttft + sum(seconds),
-        "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": bytes_end,
-        "full16_bytes_prefill": full_prefill, "full16_bytes_end": full_end,
-        "ratio_prefill": full_prefill / bytes_prefill, "ratio_end": full_end / bytes_end,
-    }

@@ -21,7 +21,7 @@ from kvbench.checks import check_config
 from kvbench.config import model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
 from kvbench.jobs import usable_cpus
-from kvbench.quality.batches import batches as quality_batches
+from kvbench.batches import batches as quality_batches, paired_batches
 from kvbench.serve.backends import CONNECTOR_MODULE, SERVER_OF, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
 from kvbench.vllm_server import RUNTIME_SETTINGS as VLLM_RUNTIME
@@ -50,7 +50,6 @@ wildcard_constraints:
     model="|".join(map(re.escape, config["models"])),
     corpus="|".join(CORPORA),
     weights="real|random|dummy",
-    method="|".join(map(re.escape, SYSTEM_METHODS)),
     server="|".join(map(re.escape, SERVE_SERVERS)),
 
 
@@ -92,7 +91,7 @@ def kv_parts(table):
 
 
 def system_parts():
-    return expand("results/system/{model}/{method}.parquet", model=SYSTEM_MODELS, method=SYSTEM_METHODS)
+    return expand("results/system/{model}/jobs/{job}.parquet", model=SYSTEM_MODELS, job=SYSTEM_JOBS)
 
 
 def serve_parts(table):

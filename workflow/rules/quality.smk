@@ -8,7 +8,8 @@ QUALITY_JOBS = {str(i): methods for i, methods in enumerate(
 # What a job's results depend on besides its methods and the task files (so that adding a model
 # does not rerun the others).
 QUALITY_RUN = {key: QUALITY[key] for key in (
-    "device", "compute_dtype", "max_gen_cap", "max_prompt_tokens", "reference_top_k", "lm_eval_tasks", "lm_eval_limit")}
+    "device", "compute_dtype", "max_gen_cap", "max_prompt_tokens", "reference_top_k", "lm_eval_tasks", "lm_eval_limit",
+    "protocols", "fidelity_positions", "prompts_per_batch", "max_rows")}
 # Imported LongBench lines are an input only when a longbench task is configured.
 QUALITY_IMPORTED = {"imported": "results/corpus/imported/docs.parquet"} if "longbench" in QUALITY["tasks"] else {}
 QUALITY_SPECS = {job: {m: config["methods"][m] for m in methods} for job, methods in QUALITY_JOBS.items()}
@@ -45,8 +46,8 @@ rule quality_reference:
         references="results/quality/{model}/reference.safetensors",
     params:
         cfg=QUALITY_RUN,
-        methods=QUALITY_JOBS["1"],
         specs=QUALITY_SPECS["1"],
+        reference=QUALITY_REFERENCE,
         seed=config["seed"],
         code=library_code("quality_job.py"),
     wildcard_constraints:
@@ -74,8 +75,7 @@ rule quality_methods:
         table="results/quality/{model}/jobs/{job}.parquet",
     params:
         cfg=QUALITY_RUN,
-        reference=config["methods"][QUALITY_REFERENCE],
-        methods=lambda wc: QUALITY_JOBS[wc.job],
+        reference_spec=config["methods"][QUALITY_REFERENCE],
         specs=lambda wc: QUALITY_SPECS[wc.job],
         seed=config["seed"],
         code=library_code("quality_job.py"),

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvbench.methods.attention import RoutedLayer
 from kvbench.methods.kinds import KINDS, MethodSettings
 
 STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -103,9 +104,38 @@ class MethodCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     def attach(self, model: torch.nn.Module) -> list[Any]:
-        """Install what the method needs on `model` (query capture, its own attention); returns
-        handles with `.remove()`. Every forward pass through this cache must run attached."""
+        """Install what the method needs on `model` for a prefill through this cache (query capture);
+        returns handles with `.remove()`. Decode steps go through `attend` instead (kvbench.decode)."""
         return []
+
+    def attend(self, index: int, original: Callable, module: torch.nn.Module, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any):
+        """One forward pass's attention at layer `index` through this cache (one row of the decode
+        loop): store the new K/V, then attend over what the layer returns, or over its own stored
+        form where the layer attends itself (KIVI, TurboQuant)."""
+        layer = self.layers[index]
+        keys, values = layer.update(key, value)
+        if isinstance(layer, RoutedLayer):
+            return layer.attend(original, module, query, keys, values, mask, **kwargs)
+        return original(module, query, keys, values, mask, **kwargs)
+
+    def decoding(self, on: bool) -> None:
+        """Entering (leaving) the decode loop's per-row attention: layers that attend over their
+        stored form do so only there."""
+        for layer in self.layers:
+            if isinstance(layer, RoutedLayer):
+                layer.attached = on
+
+    def fork(self, model: torch.nn.Module, prefill: Any, upto: int) -> None:
+        """Build this (fresh) cache from a shared full-precision prefill (kvbench.prefill.Prefill): each
+        layer receives the first `upto` positions' K/V exactly as a prefill through this cache would
+        pass them, and whatever else the method reads then (queries, from the captured inputs)."""
+        for index, layer in enumerate(self.layers):
+            self.before_fork(model, index, prefill, upto)
+            layer.update(prefill.keys[index][..., :upto, :], prefill.values[index][..., :upto, :])
+
+    def before_fork(self, model: torch.nn.Module, index: int, prefill: Any, upto: int) -> None:
+        pass
 
 
 # The factory of a kind: its settings (typed, defaults filled in), the model's shape, the run seed.

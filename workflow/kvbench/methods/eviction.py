@@ -72,14 +72,38 @@ class EvictionCache(MethodCache):
             if window == 0:
                 return
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            if window is not None:
-                hidden, cos, sin = hidden[:, -window:], cos[:, -window:], sin[:, -window:]
-            q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2)
-            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-            layer.queries = q
+            layer.queries = project_queries(module, hidden, *kwargs["position_embeddings"], window)
 
         return capture
+
+    def attend(self, index: int, original, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any):
+        """A decode step hands the layer this step's post-RoPE queries, as the hook does (the same
+        projection of the same hidden states)."""
+        layer = self.layers[index]
+        if layer.is_initialized and layer.decode_queries:
+            layer.queries = query
+        return super().attend(index, original, module, query, key, value, mask, **kwargs)
+
+    def before_fork(self, model: torch.nn.Module, index: int, prefill: Any, upto: int) -> None:
+        """The queries the hook would capture in a prefill of the first `upto` positions, projected
+        from the same captured hidden states."""
+        window = self.layers[index].prefill_queries
+        if window != 0:
+            cos, sin = prefill.cos[:, :upto], prefill.sin[:, :upto]
+            self.layers[index].queries = project_queries(model.model.layers[index].self_attn,
+                                                         prefill.hidden[index][:, :upto], cos, sin, window)
+
+
+def project_queries(module: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    window: int | None) -> torch.Tensor:
+    """Post-RoPE queries [1, Hq, W, d] of the last `window` positions (None: all) of `hidden`, as the
+    attention module computes them (q_proj, then RoPE)."""
+    if window is not None:
+        hidden, cos, sin = hidden[:, -window:], cos[:, -window:], sin[:, -window:]
+    q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2)
+    q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    return q
 
 
 def head_probs(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ kvbench model: it has no plugin discovery).
     python -m kvbench.quality --method kivi2 snapkv --tasks results/quality/tasks \\
         --references results/quality/smollm2-135m/reference.safetensors --out mine.parquet
 
-Methods and settings come from the config (`methods:`, `quality:`); the methods run one after
-another in this process, into one table. Without `--references` there are no fidelity columns;
+Methods and settings come from the config (`methods:`, `quality:`); the methods run in this
+process, every one forked from one shared prefill per sample, into one table. Without `--references` there are no fidelity columns;
 `--save-references` stores the first method's continuations and distributions as the references
 (run it with the full cache first) and compares the methods after it with them.
 """
@@ -44,10 +44,15 @@ def main(argv: list[str] | None = None) -> None:
                      f"({config['quality']['reference']}) first")
     if config["hf_offline"]:
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    from kvbench.config import model_dir
+    from kvbench.provenance import provenance
     from kvbench.quality.job import run_job
 
-    run_job(config, config["quality"], args.model or config["quality"]["models"][0], args.method, args.tasks,
-            args.out or f"quality-{'-'.join(args.method)}.parquet", args.references, args.save_references, args.threads)
+    model = args.model or config["quality"]["models"][0]
+    run_job(model_dir(config, model), {m: config["methods"][m] for m in args.method}, config["quality"], int(config["seed"]),
+            args.tasks, args.out or f"quality-{'-'.join(args.method)}.parquet", provenance(config, model=model),
+            reference=args.method[0] if args.save_references else None, references_in=args.references,
+            references_out=args.save_references, threads=args.threads)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
-"""The `kvbench` model for lm-eval: every request runs through kvbench's harness with a fresh cache
-of one KV method, as LongBench's pred.py prepares it.
+"""The `kvbench` model for lm-eval: lm-eval builds the requests from its task files; every request
+runs through kvbench's engine (kvbench.quality.engine) with each configured KV method and protocol,
+as LongBench's pred.py prepares it.
 
-Per request: LongBench's middle truncation of the prompt tokens (lm-eval itself would cut from
-the left), then the chat template (not for LongBench's few-shot and code tasks), then greedy
-generation capped at `max_gen_cap` tokens, stopping at the task's stop strings after leading
-newlines (LongBench's first-line rule). The adapter records, per request, TTFT, TPOT, measured KV
-bytes and, given the full cache's references, fidelity to them (a sample the reference failed on
-is still generated and scored, with `fidelity_note` saying why it has no fidelity). One excluded
-warm-up precedes the first timed request. Requests never share a cache, and
-lm-eval's response cache is not used: it is keyed by the request, not by the method.
+Per request: LongBench's middle truncation of the prompt tokens (lm-eval itself would cut from the
+left), then the chat template (not for LongBench's few-shot and code tasks), then greedy generation
+capped at `max_gen_cap` tokens, stopping at the task's stop strings after leading newlines
+(LongBench's first-line rule). lm-eval receives the first method's answers under the first protocol;
+the others are kept (`answers`, `records`) and scored by kvbench.quality.run through each task's own
+`process_results`. Requests never share a cache, and lm-eval's response cache is not used: it is
+keyed by the request, not by the method.
 """
 
 from __future__ import annotations
@@ -16,23 +16,23 @@ from __future__ import annotations
 import gc
 import sys
 import time
-import traceback
-from typing import Any
+from typing import Any, Mapping
 
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from kvbench.harness import context_bucket, generate_scored
+from kvbench.fidelity import Reference
+from kvbench.harness import context_bucket
 from kvbench.prompts import chat_ids
-from kvbench.quality.fidelity import Reference, compare, prompt_hash, reference_from_logits
-
-RECORD_KEYS = ("ttft_s", "tpot_s", "e2e_s", "forward_s", "new_tokens", "kv_bytes_prefill", "kv_bytes_end",
-               "full16_bytes_prefill", "full16_bytes_end", "ratio_prefill", "ratio_end", "first_divergence")
+from kvbench.quality import engine
+from kvbench.quality.engine import QUERY_AWARE, Prompt
 
 
-def reference_key(task: str, doc_id: int) -> str:
-    return f"{task}/{doc_id}"
+def prompt_key(task: str, doc: Mapping[str, Any] | None, doc_id: int) -> str:
+    """A sample's key: its task and its record's `_id` (LongBench's and kvbench's records have one),
+    else lm-eval's document index."""
+    return f"{task}/{(doc or {}).get('_id', doc_id)}"
 
 
 def visible(text: str, until: list[str]) -> str:
@@ -48,21 +48,52 @@ def cut_at_stop(text: str, until: list[str]) -> str:
     return text
 
 
+def split_point(tokenizer: Any, text: str, ids: list[int], chat: bool, context: str | None) -> tuple[int | None, str | None]:
+    """How many of the prompt's tokens are its context (everything up to the end of the document(s);
+    the question and the instructions after it follow): (tokens, None), or (None, why not).
+
+    The context's last characters are found in the prompt text; a token that straddles that point
+    belongs to the question part. `ids` must be what `text` tokenizes to (chat template applied)."""
+    if not context:
+        return None, "the sample has no context field"
+    tail = context.rstrip()[-64:]
+    end = text.rfind(tail)
+    if end < 0:
+        return None, "the context's end was truncated away"
+    end += len(tail)
+    full = (tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=False) if chat else text)
+    offset = full.find(text) if chat else 0
+    encoded = tokenizer(full, add_special_tokens=not chat, return_offsets_mapping=True)
+    if list(encoded.input_ids) != ids:
+        return None, "the prompt does not re-tokenize to its ids"
+    boundary = offset + end
+    split = next((i for i, (_, stop) in enumerate(encoded.offset_mapping) if stop > boundary), len(ids))
+    if not 0 < split < len(ids):
+        return None, f"no question after the context (split at {split} of {len(ids)} tokens)"
+    return split, None
+
+
 @register_model("kvbench")
 class KvbenchLM(LM):
     def __init__(
-        self, model: Any, tokenizer: Any, method: str, spec: dict[str, Any], *, seed: int, max_gen_cap: int,
-        max_prompt_tokens: int, plain_tasks: frozenset[str] = frozenset(),
-        references: dict[str, Reference] | None = None, keep_references: bool = False, top_k: int | None = None,
+        self, model: Any, tokenizer: Any, methods: Mapping[str, dict[str, Any]], *, seed: int, max_gen_cap: int,
+        max_prompt_tokens: int, plain_tasks: frozenset[str] = frozenset(), protocols: tuple[str, ...] = (QUERY_AWARE,),
+        reference: str | None = None, references: dict[str, Reference] | None = None, top_k: int | None = None,
+        fidelity_positions: int | None = None, prompts_per_batch: int = 8, max_rows: int = 64,
     ) -> None:
         super().__init__()
-        self.model, self.tokenizer, self.method, self.spec = model, tokenizer, method, spec
+        self.model, self.tokenizer, self.methods = model, tokenizer, dict(methods)
         self.seed, self.max_gen_cap, self.max_prompt_tokens = seed, max_gen_cap, max_prompt_tokens
-        self.plain_tasks, self.references, self.keep_references = plain_tasks, references, keep_references
-        self.top_k = top_k
-        self.records: dict[str, dict[str, Any]] = {}
+        self.plain_tasks, self.protocols, self.reference = plain_tasks, tuple(protocols), reference
+        self.references, self.top_k, self.fidelity_positions = references, top_k, fidelity_positions
+        self.prompts_per_batch, self.max_rows = prompts_per_batch, max_rows
+        self.prompt_info: dict[str, dict[str, Any]] = {}  # by prompt key
+        self.outcomes: dict[tuple[str, str, str], engine.Outcome] = {}
+        self.until: dict[str, list[str]] = {}
         self.new_references: dict[str, Reference] = {}
         self.max_context = int(model.config.max_position_embeddings)
+        self.cost = engine.Cost()  # the timed runs' (the warm-up's is left out)
         self.warm = False
 
     def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
@@ -71,20 +102,9 @@ class KvbenchLM(LM):
     def loglikelihood_rolling(self, requests: list[Instance]) -> list[float]:
         raise NotImplementedError("the kvbench model runs generation tasks (LongBench) only")
 
-    def warm_up(self, ids: list[int]) -> None:
-        """One excluded run before the first timed request (as the system stage's `run_row`), so the
-        first sample's TTFT carries no one-off initialisation; long enough to pass the quantizers'
-        residual windows."""
-        if not self.warm:
-            generate_scored(self.model, self.spec, ids[:256], 2, seed=self.seed)
-            self.warm = True
-            gc.collect()
-
-    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        return [self._answer(i, len(requests), request) for i, request in enumerate(requests, start=1)]
-
-    def prompt(self, task: str, text: str) -> tuple[list[int], int, bool]:
-        """Token ids after LongBench's middle truncation and (unless a plain task) the chat template."""
+    def prompt(self, task: str, text: str) -> tuple[list[int], str, int, bool]:
+        """Token ids after LongBench's middle truncation and (unless a plain task) the chat template;
+        the text they come from, the prompt's tokens before truncation, and whether it was cut."""
         raw = self.tokenizer(text).input_ids
         truncated = len(raw) > self.max_prompt_tokens
         if truncated:  # as LongBench's pred.py: decode both halves, join the text
@@ -92,57 +112,68 @@ class KvbenchLM(LM):
             text = (self.tokenizer.decode(raw[:half], skip_special_tokens=True)
                     + self.tokenizer.decode(raw[-half:], skip_special_tokens=True))
         ids = list(self.tokenizer(text).input_ids) if task in self.plain_tasks else chat_ids(self.tokenizer, text)
-        return ids, len(raw), truncated
+        return ids, text, len(raw), truncated
 
-    def _answer(self, i: int, total: int, request: Instance) -> str:
+    def _prepare(self, request: Instance) -> Prompt:
         text, gen_kwargs = request.args
-        task, key = request.task_name, reference_key(request.task_name, request.doc_id)
+        task, key = request.task_name, prompt_key(request.task_name, request.doc, request.doc_id)
         until = [u for u in (gen_kwargs.get("until") or []) if u]
         longbench_max = int(gen_kwargs.get("max_gen_toks", self.max_gen_cap))
-        record: dict[str, Any] = {"max_gen_tokens": longbench_max, "max_gen_cap": self.max_gen_cap,
-                                  "max_new_tokens": min(longbench_max, self.max_gen_cap), "error": None,
-                                  "fidelity_note": None}
-        self.records[key] = record
+        ids, final, raw_tokens, truncated = self.prompt(task, text)
+        split, note = split_point(self.tokenizer, final, ids, task not in self.plain_tasks, (request.doc or {}).get("context"))
+        self.until[key] = until
+        self.prompt_info[key] = {
+            "max_gen_tokens": longbench_max, "max_gen_cap": self.max_gen_cap,
+            "max_new_tokens": min(longbench_max, self.max_gen_cap), "prompt_tokens": raw_tokens, "truncated": truncated,
+            "context_tokens": len(ids), "question_tokens": len(ids) - split if split else None,
+            "bucket": context_bucket(len(ids), self.max_context)}
+
+        def stop(tokens: list[int]) -> bool:
+            return any(u in visible(self.tokenizer.decode(tokens, skip_special_tokens=True), until) for u in until)
+
+        return Prompt(key, ids, split, self.prompt_info[key]["max_new_tokens"], stop if until else None, note)
+
+    def warm_up(self, prompt: Prompt) -> None:
+        """One excluded run of every method and protocol on the first prompt's first 256 tokens (2 new
+        tokens) before the first timed one: one-off initialisations (kernel builds, allocator growth)
+        are not timed."""
+        if self.warm:
+            return
+        ids = prompt.ids[:256]
+        split = min(prompt.split or len(ids) - 8, len(ids) - 8)
+        engine.run(self.model, [Prompt("warm-up", ids, split if split > 0 else None, 2)], self.methods,
+                   protocols=self.protocols, seed=self.seed, reference=self.reference, log=lambda _: None)
+        self.warm = True
+        gc.collect()
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        prompts = [self._prepare(r) for r in requests]
+        if prompts:
+            self.warm_up(prompts[0])
         start = time.monotonic()
-        answer, reference, result = "", None, None
-        try:
-            ids, raw_tokens, truncated = self.prompt(task, text)
-            record |= {"prompt_tokens": raw_tokens, "truncated": truncated, "context_tokens": len(ids),
-                       "bucket": context_bucket(len(ids), self.max_context)}
-            reference = self.references.get(key) if self.references is not None else None
-            if self.references is not None and reference is None:  # the reference run failed on this sample
-                record["fidelity_note"] = "fidelity: no full-cache reference (the reference failed on this sample)"
-            if reference is not None and reference.prompt_hash != prompt_hash(ids):
-                raise ValueError(f"the reference for {key} answered another prompt: rerun the reference job")
+        self.outcomes, self.new_references = engine.run(
+            self.model, prompts, self.methods, protocols=self.protocols, seed=self.seed, reference=self.reference,
+            references=self.references, top_k=self.top_k, fidelity_positions=self.fidelity_positions,
+            prompts_per_batch=self.prompts_per_batch,
+            max_rows=self.max_rows, cost=self.cost)
+        cost = self.cost
+        print(f"[quality] {len(prompts)} prompts x {len(self.methods)} methods x {len(self.protocols)} protocols in "
+              f"{time.monotonic() - start:.0f} s: prefill {cost.prefill_s:.0f} s, forks {cost.fork_s:.0f} s, questions "
+              f"{cost.question_s:.0f} s, decode {cost.decode.seconds:.0f} s ({cost.decode.steps} steps, "
+              f"{cost.decode.row_steps} row-steps)", file=sys.stderr, flush=True)
+        first = next(iter(self.methods))
+        return [self.answer(first, self.protocols[0], p.key) for p in prompts]
 
-            def stop(tokens: list[int]) -> bool:
-                text = visible(self.tokenizer.decode(tokens, skip_special_tokens=True), until)
-                return any(u in text for u in until)
+    def answer(self, method: str, protocol: str, key: str) -> str:
+        outcome = self.outcomes[(method, protocol, key)]
+        text = self.tokenizer.decode(outcome.tokens, skip_special_tokens=True) if outcome.error is None else ""
+        return cut_at_stop(text, self.until[key])
 
-            self.warm_up(ids)
-            result = generate_scored(self.model, self.spec, ids, record["max_new_tokens"],
-                                     reference=reference.tokens if reference else None,
-                                     stop=stop if until else None, seed=self.seed)
-            answer = cut_at_stop(self.tokenizer.decode(result["tokens"], skip_special_tokens=True), until)
-            record |= {k: result[k] for k in RECORD_KEYS} | {"output_ids": result["tokens"]}
-            if not answer.strip():
-                record["error"] = "empty output"
-        except Exception as err:  # an OOM or a method failure on this sample: a row with its error
-            traceback.print_exc()
-            record["error"] = f"{type(err).__name__}: {err}"
-            gc.collect()
-            result = None
-        if result is not None:
-            try:  # a failure here loses the fidelity, not the prediction
-                if reference is not None:
-                    record |= compare(reference, result["logits"])
-                if self.keep_references:
-                    self.new_references[key] = reference_from_logits(result["tokens"], result["logits"], ids, self.top_k)
-            except Exception as err:
-                traceback.print_exc()
-                record["fidelity_note"] = f"fidelity: {type(err).__name__}: {err}"
-        status = record["error"] or f"{record.get('context_tokens')} tokens, {record.get('new_tokens')} new"
-        status += f"; {record['fidelity_note']}" if record["fidelity_note"] else ""
-        print(f"[quality] {self.method} {i}/{total} {key}: {status} ({time.monotonic() - start:.1f} s)",
-              file=sys.stderr, flush=True)
-        return answer
+    def record(self, method: str, protocol: str, key: str) -> dict[str, Any]:
+        """Everything measured for one sample of one method under one protocol."""
+        outcome = self.outcomes[(method, protocol, key)]
+        record = {**self.prompt_info[key], "fidelity_note": None, **outcome.record, "error": outcome.error,
+                  "output_ids": outcome.tokens if outcome.error is None else None}
+        if outcome.error is None and not self.answer(method, protocol, key).strip():
+            record["error"] = "empty output"
+        return record

@@ -1,5 +1,7 @@
-"""One method over every task: lm-eval's `simple_evaluate` with the kvbench model, then one row
-per sample joining lm-eval's score with what the adapter measured."""
+"""The quality tasks with several methods and protocols: lm-eval's `simple_evaluate` with the kvbench
+model (every method and protocol from one shared prefill per sample), then one row per sample ×
+method × protocol joining the task's own score (lm-eval's `process_results`, applied to each
+method's answer) with what the engine measured."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from kvbench.quality.adapter import KvbenchLM, reference_key
-from kvbench.quality.fidelity import Reference
+from kvbench.fidelity import Reference
+from kvbench.quality.adapter import KvbenchLM, prompt_key
+from kvbench.quality.engine import QUERY_AWARE
 from kvbench.quality.kinds import dataset_of
 from kvbench.quality.longbench import spec as longbench_spec
 from kvbench.quality.taskfiles import metric_key, read_manifest
@@ -33,12 +36,13 @@ def task_table(tasks_dir: str | Path, lm_eval_tasks: list[str]) -> dict[str, dic
     return table
 
 
-def evaluate_method(
-    model: Any, tokenizer: Any, method: str, spec: dict[str, Any], tasks_dir: str | Path, cfg: Mapping[str, Any],
-    seed: int, references: dict[str, Reference] | None = None, keep_references: bool = False,
+def evaluate(
+    model: Any, tokenizer: Any, methods: Mapping[str, dict[str, Any]], tasks_dir: str | Path, cfg: Mapping[str, Any],
+    seed: int, *, protocols: tuple[str, ...] = (QUERY_AWARE,), reference: str | None = None,
+    references: dict[str, Reference] | None = None,
 ) -> tuple[pd.DataFrame, KvbenchLM]:
-    """Rows for every sample of every task (an error where the sample failed), and the model object
-    (its `new_references` hold the full cache's references when `keep_references`)."""
+    """Rows for every sample of every task, method and protocol (an error where it failed), and the
+    model object (its `new_references` hold the reference method's continuations, if it ran)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -46,35 +50,52 @@ def evaluate_method(
     tasks = task_table(tasks_dir, official)
     if not tasks:
         raise ValueError(f"{tasks_dir}: no task has samples (see logs/quality/tasks.log) and no lm_eval_tasks")
-    lm = KvbenchLM(model, tokenizer, method, spec, seed=seed, max_gen_cap=int(cfg["max_gen_cap"]),
+    lm = KvbenchLM(model, tokenizer, methods, seed=seed, max_gen_cap=int(cfg["max_gen_cap"]),
                    max_prompt_tokens=max_prompt_tokens(cfg, model),
-                   plain_tasks=frozenset(name for name, t in tasks.items() if not t["chat"]),
-                   references=references, keep_references=keep_references, top_k=cfg.get("reference_top_k"))
+                   plain_tasks=frozenset(name for name, t in tasks.items() if not t["chat"]), protocols=protocols,
+                   reference=reference, references=references, top_k=cfg.get("reference_top_k"),
+                   fidelity_positions=cfg.get("fidelity_positions"),
+                   prompts_per_batch=int(cfg.get("prompts_per_batch") or 8), max_rows=int(cfg.get("max_rows") or 64))
     manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
     start = time.monotonic()
-    limit = cfg.get("lm_eval_limit")  # lm-eval's own tasks only: kvbench's are sized when built
-    samples = None
-    if limit and official:
-        samples = {name: list(range(limit)) for name in official}
+    samples = _official_samples(official, cfg.get("lm_eval_limit"), seed)
     results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, log_samples=True, bootstrap_iters=0,
                               samples=samples, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                               fewshot_random_seed=seed)
-    print(f"[quality] {method}: lm-eval finished in {time.monotonic() - start:.0f} s")
+    print(f"[quality] lm-eval finished in {time.monotonic() - start:.0f} s")
+    task_objects = manager.load(list(results["samples"]))["tasks"]
     rows = []
-    for task, samples in results["samples"].items():
+    for task, task_samples in results["samples"].items():
         info = tasks[task]
-        for sample in samples:
+        for sample in task_samples:
             doc = sample["doc"]
-            record = lm.records[reference_key(task, sample["doc_id"])]
-            failed = record["error"] is not None and record["error"] != "empty output"
-            rows.append({
-                "method": method, "kind": spec["kind"], "params": str(sorted(spec.items())), "task": task,
-                "longbench": info["longbench"], "category": info["category"], "metric": info["metric"],
-                "sample_id": str(doc.get("_id", sample["doc_id"])), "lm_eval_doc_id": int(sample["doc_id"]),
-                "doc_ids": json.dumps(doc.get("doc_ids")), "target_tokens": doc.get("target_tokens"),
-                "prediction": sample["filtered_resps"][0], "references": json.dumps(doc["answers"]),
-                "score": None if failed else float(sample["score"]),
-                "metric_score": None if failed else float(sample[metric_key(info["metric"])]),
-                **{k: v for k, v in record.items()},
-            })
+            key = prompt_key(task, doc, sample["doc_id"])
+            for method, spec in methods.items():
+                for protocol in protocols:
+                    rows.append(_row(lm, task_objects[task], task, info, doc, sample, key, method, spec, protocol))
     return pd.DataFrame(rows), lm
+
+
+def _official_samples(official: list[str], limit: int | None, seed: int) -> dict[str, list[int]] | None:
+    """lm-eval's own tasks: the first `limit` documents (kvbench's tasks are sized when built)."""
+    if not (limit and official):
+        return None
+    return {name: list(range(limit)) for name in official}
+
+
+def _row(lm: KvbenchLM, task_object: Any, task: str, info: Mapping[str, Any], doc: Mapping[str, Any],
+         sample: Mapping[str, Any], key: str, method: str, spec: Mapping[str, Any], protocol: str) -> dict[str, Any]:
+    record = lm.record(method, protocol, key)
+    failed = record["error"] is not None and record["error"] != "empty output"
+    answer = lm.answer(method, protocol, key)
+    metrics = None if failed else task_object.process_results(doc, [answer])
+    return {
+        "method": method, "kind": spec["kind"], "params": str(sorted(spec.items())), "protocol": protocol,
+        "task": task, "longbench": info["longbench"], "category": info["category"], "metric": info["metric"],
+        "sample_id": str(doc.get("_id", sample["doc_id"])), "lm_eval_doc_id": int(sample["doc_id"]),
+        "doc_ids": json.dumps(doc.get("doc_ids")), "target_tokens": doc.get("target_tokens"),
+        "prediction": answer, "references": json.dumps(doc["answers"]),
+        "score": None if failed else float(metrics["score"]),
+        "metric_score": None if failed else float(metrics[metric_key(info["metric"])]),
+        **record,
+    }

@@ -14,11 +14,11 @@ import numpy as np
 import pandas as pd
 
 FIDELITY_COLUMNS = ("kl_first", "kl_mean", "kl_max", "top1_agreement", "first_divergence", "fidelity_positions",
-                    "fidelity_note")
-JOB_COLUMNS = ("job_wall_s", "job_forward_s", "job_cpu_s")
-# Per row of a job's table, the same for every row of a method (method_wall_s) or of the job.
-RUN_COLUMNS = ("job_methods", "method_wall_s", *JOB_COLUMNS)
-SAMPLE = ["task", "sample_id"]
+                    "fidelity_note", "fidelity_reference", "same_output_as_reference")
+JOB_COLUMNS = ("job_wall_s", "job_forward_s", "job_fork_s", "job_cpu_s", "job_decode_steps", "job_decode_row_steps")
+# Per row of a job's table, the same for every row of the job.
+RUN_COLUMNS = ("job_methods", *JOB_COLUMNS)
+SAMPLE = ["task", "sample_id", "protocol"]
 
 
 def _weighted(values: pd.Series, weights: pd.Series) -> float:
@@ -44,9 +44,11 @@ def _summarize(rows: pd.DataFrame) -> dict[str, object]:
         "score_relative": paired["score"].mean() / reference_mean if reference_mean > 0 else float("nan"),
         # KL and agreement pooled over every teacher-forced decode position, not averaged per sample
         "kl_mean": _weighted(ok["kl_mean"], ok["fidelity_positions"]),
+        # the first answer token's distribution: 0 under query-aware by construction, the method's under context-only
+        "kl_first_mean": float(ok["kl_first"].astype(float).mean()) if compared.any() else float("nan"),
         "top1_agreement": _weighted(ok["top1_agreement"], ok["fidelity_positions"]),
         "fidelity_positions": int(ok["fidelity_positions"].fillna(0).sum()),
-        "identical_outputs": int((compared & ok["first_divergence"].isna()).sum()),
+        "identical_outputs": int(ok["same_output_as_reference"].fillna(False).astype(bool).sum()),
         "first_divergence_median": float(diverged.median()) if len(diverged) else float("nan"),
         "ratio_end_mean": ok["ratio_end"].mean(), "kv_bytes_end_mean": ok["kv_bytes_end"].mean(),
         "ttft_s_median": ok["ttft_s"].median(), "tpot_s_median": ok["tpot_s"].median(),
@@ -73,15 +75,16 @@ def summarize(table: pd.DataFrame, reference: str) -> dict[str, pd.DataFrame]:
     job_columns = [c for c in JOB_COLUMNS if c in table]
     scores = table.drop(columns=[*FIDELITY_COLUMNS, *(c for c in RUN_COLUMNS if c in table)])
     fidelity = table.loc[table.method != reference, [
-        "method", "kind", "task", "category", "sample_id", "bucket", "context_tokens", "new_tokens", *FIDELITY_COLUMNS,
-        "ratio_end", "error"]].reset_index(drop=True)
+        "method", "kind", "params", "protocol", "task", "category", "sample_id", "bucket", "context_tokens",
+        "question_tokens", "new_tokens", *FIDELITY_COLUMNS, "ratio_end", "kv_bytes_end", "error"]].reset_index(drop=True)
     ref_scores = table.loc[table.method == reference].set_index(SAMPLE)["score"]
     paired = table.join(ref_scores.rename("reference_score"), on=SAMPLE)
     rows = []
-    for (method, kind), mine in paired.groupby(["method", "kind"], sort=False):
+    for (method, kind, protocol), mine in paired.groupby(["method", "kind", "protocol"], sort=False):
+        head = {"method": method, "kind": kind, "protocol": protocol}
         for category, group in mine.groupby("category", sort=False):
-            rows.append({"method": method, "kind": kind, "category": category, **_summarize(group)})
-        rows.append({"method": method, "kind": kind, "category": "all", **_summarize(mine)})
+            rows.append({**head, "category": category, **_summarize(group)})
+        rows.append({**head, "category": "all", **_summarize(mine)})
     summary = pd.DataFrame(rows)
     jobs = _jobs(table, job_columns)
     print(summary.to_string(float_format="%.3f"), file=sys.stderr)

@@ -72,7 +72,7 @@ def build_tasks(tasks_cfg: Mapping[str, Any], sources: Sources, seed: int) -> li
             built = len(task.samples)
             print(f"[quality] {task.name}: {built}/{task.requested} samples", file=sys.stderr, flush=True)
             if built < task.requested:
-                print(f"[quality] {task.name}: only {built} samples passed the presence and fit checks",
+                print(f"[quality] {task.name}: only {built} samples passed the presence, uniqueness and fit checks",
                       file=sys.stderr, flush=True)
             files.append(task)
     return files

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pandas as pd
 
 from kvbench.corpus.factsheets import vocabulary
-from kvbench.corpus.realistic import mention_spans
+from kvbench.corpus.realistic import NAME_NEIGHBOURS, mention_spans
 from kvbench.prompts import middle_truncate
 from kvbench.quality.kinds import TASK_SETTINGS
 
@@ -141,6 +141,62 @@ def contains(text: str, answer: str) -> bool:
     """Whole-word, case-insensitive: an absence check (no distractor mentions the answer), and the
     presence check of imported answers, which have no located span."""
     return re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", text, re.IGNORECASE) is not None
+
+
+# The uniqueness check: an answer's context must state no second plausible answer of its kind (the
+# LLM writes around the fact sheet and may add "hypertension and obesity" to a comorbidity of
+# hypertension). Kinds whose vocabulary (kvbench/data/<domain>.yaml) lists every value the fact
+# sheets draw: any other listed value counts (kind: list, field of its entries).
+LISTED_KINDS: dict[str, tuple[str, str | None]] = {
+    "hospital": ("hospitals", None), "symptom": ("symptoms", None), "comorbidity": ("comorbidities", None),
+    **{kind: ("conditions", kind) for kind in ("diagnosis", "drug", "dose", "test", "finding")},
+    "contract_kind": ("contract_kinds", "kind"), "subject": ("contract_kinds", "subject"), "clause": ("clauses", None),
+    "claim": ("case_kinds", "claim"), "remedy": ("case_kinds", "remedy"), "court": ("courts", None),
+    "governing_state": ("governing_states", None),
+}
+# People asked for by a role that a title marks: any other person with that title counts.
+_WORD = r"[A-Z](?:\.|[a-z'’]*(?:-?[A-Z][a-z'’]+)*\b)"  # J., Mcmillan, McMillan, O'Brien, Parrish-Ayala; not "MD"
+_NAME = rf"{_WORD}(?: {_WORD}){{0,2}}"
+ROLE_NAMES: dict[str, re.Pattern[str]] = {
+    "attending": re.compile(rf"\b(?:Dr\.?|Doctor) ({_NAME})"),
+    "judge": re.compile(rf"\b(?:Judge|Justice) ({_NAME})"),
+    "attorney": re.compile(rf"({_NAME}),? Esq\b"),
+}
+# Not checked: kinds whose question singles out one of several values of one type that a document
+# holds by design (admission vs discharge date, effective vs deposition date, first vs second party;
+# the age, record number, amount or term among other numbers), and names or places that no title or
+# list marks (patient, witness, city, sex): any other person or place would count.
+
+
+def _name_words(name: str) -> set[str]:
+    return {w for w in re.findall(r"[a-z'’-]+", name.lower()) if w not in NAME_NEIGHBOURS and len(w) > 1}
+
+
+def listed_rival(text: str, answer: str, values: list[str]) -> str | None:
+    """The first of `values` other than `answer` that `text` states (whole words, case-insensitive),
+    not counting a match inside one of the answer's ("chronic kidney disease" inside "chronic kidney
+    disease stage 3"); a longer value that contains the answer does count."""
+    own = [m.span() for m in re.finditer(rf"(?<!\w){re.escape(answer)}(?!\w)", text, re.IGNORECASE)]
+    for value in values:
+        if value.lower() != answer.lower():
+            for m in re.finditer(rf"(?<!\w){re.escape(value)}(?!\w)", text, re.IGNORECASE):
+                if not any(a <= m.start() and m.end() <= b for a, b in own):
+                    return value
+    return None
+
+
+def second_answer(domain: str, kind: str, answer: str, text: str) -> str | None:
+    """A second plausible answer of `kind` that `text` (a sample's context as cut) states, or None."""
+    if kind in LISTED_KINDS:
+        name, key = LISTED_KINDS[kind]
+        values = [str(entry[key] if key else entry) for entry in vocabulary(domain)[name]]
+        return listed_rival(text, answer, values)
+    if kind in ROLE_NAMES:
+        mine = _name_words(answer)
+        for m in ROLE_NAMES[kind].finditer(text):
+            if not _name_words(m.group(1)) <= mine:  # "Dr. Oliver" is Dr. William Oliver
+                return m.group(0)
+    return None
 
 
 def prompt_overhead(sources: Sources, spec: TaskSpec, **fields: str) -> int:

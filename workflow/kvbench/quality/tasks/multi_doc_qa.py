@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvbench.quality.tasks.base import Sources, TaskSpec, contains, prompt_overhead, simple_task
+from kvbench.quality.tasks.base import Sources, TaskSpec, contains, prompt_overhead, second_answer, simple_task
 
 SPEC = TaskSpec(
     category="multi_doc_qa", metric="qa_f1", max_gen_tokens=32, chat=True, longbench="hotpotqa",
@@ -47,8 +47,11 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
             passages = [sources.trim(d.text, share) for d in distractors]
             mine, kept = sources.trim_kept(doc.text, share)
             passages.insert(slot, mine)
-            # the located answer and anchor survive the cut of their passage; no distractor names either
+            # the located answer and anchor survive the cut of their passage, which states no second answer
+            # of the kind (the distractors hold other documents' values by design: the anchor picks the
+            # passage); no distractor names either
             if (sources.survives(doc, fact, kept) and sources.survives(doc, anchor, kept)
+                    and second_answer(doc.domain, fact.fact, fact.value, mine) is None
                     and not any(contains(p, v) for j, p in enumerate(passages) if j != slot for v in (fact.value, anchor.value))):
                 context = "\n".join(f"Passage {i}:\n{p}" for i, p in enumerate(passages, start=1))
                 samples.append({"context": context, "question": question, "answers": [fact.value],

@@ -1,12 +1,13 @@
-"""Single-document QA: one document and a question whose answer is one of its unambiguous facts
-(LongBench's multifieldqa_en: its prompt verbatim, qa_f1, 64 tokens)."""
+"""Single-document QA: one document and a question whose answer is one of its unambiguous facts, the
+only value of its kind that the context states (LongBench's multifieldqa_en: its prompt verbatim,
+qa_f1, 64 tokens)."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
 
-from kvbench.quality.tasks.base import Sources, TaskSpec, prompt_overhead, simple_task
+from kvbench.quality.tasks.base import Sources, TaskSpec, prompt_overhead, second_answer, simple_task
 
 SPEC = TaskSpec(
     category="single_doc_qa", metric="qa_f1", max_gen_tokens=64, chat=True, longbench="multifieldqa_en",
@@ -31,7 +32,8 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
         for fact in facts_in_order(sources, doc.doc_id, rng):
             budget = target - prompt_overhead(sources, SPEC, question=fact.question)
             context, kept = sources.trim_kept(doc.text, budget)
-            if sources.survives(doc, fact, kept):  # the presence check: no sample whose located answer is cut
+            # the presence check (no sample whose located answer is cut) and the uniqueness check
+            if sources.survives(doc, fact, kept) and second_answer(doc.domain, fact.fact, fact.value, context) is None:
                 samples.append({"context": context, "question": fact.question, "answers": [fact.value],
                                 "doc_ids": [doc.doc_id], "fact": fact.fact})
                 break

@@ -22,7 +22,7 @@ from kvbench.atomic import atomic_path
 @dataclass(frozen=True)
 class Reference:
     tokens: list[int]  # the full cache's greedy continuation
-    logprobs: torch.Tensor  # [len(tokens), vocab or k] log-softmax behind each of them
+    logprobs: torch.Tensor | None  # [len(tokens), vocab or k] log-softmax behind each of them (None: tokens only)
     prompt_hash: str  # the prompt it answered (a method run must see the same prompt)
     indices: torch.Tensor | None = None  # [len(tokens), k] token ids of `logprobs` (None: the whole vocabulary)
 
@@ -32,11 +32,46 @@ def prompt_hash(ids: list[int]) -> str:
 
 
 def reference_from_logits(tokens: list[int], logits: torch.Tensor, ids: list[int], top_k: int | None) -> Reference:
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    if top_k is None or top_k >= logprobs.shape[-1]:
-        return Reference(tokens, logprobs, prompt_hash(ids))
-    top = logprobs.topk(top_k, dim=-1)
-    return Reference(tokens, top.values, prompt_hash(ids), top.indices)
+    return reduced(Reference(tokens, torch.log_softmax(logits.float(), dim=-1), prompt_hash(ids)), top_k)
+
+
+def reduced(reference: Reference, top_k: int | None) -> Reference:
+    """`reference` keeping each position's `top_k` most likely tokens (None: unchanged)."""
+    if top_k is None or reference.indices is not None or top_k >= reference.logprobs.shape[-1]:
+        return reference
+    top = reference.logprobs.topk(top_k, dim=-1)
+    return Reference(reference.tokens, top.values, reference.prompt_hash, top.indices)
+
+
+def kl_top1(reference: Reference, positions: slice, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(full || method) and top-1 agreement at the reference's `positions`, from the method's logits
+    there [n, V] (log-probabilities are logits too: log_softmax is idempotent)."""
+    method = torch.log_softmax(logits.float(), dim=-1)
+    full = reference.logprobs[positions].float()
+    if reference.indices is not None:  # the reference's top k, and the rest as one outcome
+        method = method.gather(-1, reference.indices[positions])
+        full = torch.cat([full, torch.log1p(-full.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-7))], dim=-1)
+        method_rest = torch.log1p(-method.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-7))
+        method = torch.cat([method, method_rest], dim=-1)
+    kl = (full.exp() * (full - method)).sum(dim=-1).clamp_min(0.0)  # rounding can dip below 0 by ~1e-7
+    top1 = logits.argmax(dim=-1) == torch.tensor(reference.tokens[positions], device=logits.device)
+    return kl, top1
+
+
+def position_fidelity(reference: Reference, i: int, logits: torch.Tensor) -> tuple[float, bool]:
+    """KL and top-1 agreement at position `i` from the method's distribution there [V]."""
+    kl, top1 = kl_top1(reference, slice(i, i + 1), logits[None])
+    return float(kl[0]), bool(top1[0])
+
+
+def summarize(kl: list[float], top1: list[bool]) -> dict[str, float | int | None]:
+    """Per-sample fidelity from per-position values: position 0 (after the prompt) alone as `kl_first`,
+    the decode positions (1 onwards) pooled; see `compare`."""
+    decode_kl, decode_top1 = kl[1:], top1[1:]
+    n = len(decode_kl)
+    return {"kl_first": float(kl[0]) if kl else None, "kl_mean": sum(decode_kl) / n if n else None,
+            "kl_max": max(decode_kl) if n else None, "top1_agreement": sum(decode_top1) / n if n else None,
+            "fidelity_positions": n}
 
 
 def compare(reference: Reference, logits: torch.Tensor) -> dict[str, float | int | None]:
@@ -48,20 +83,8 @@ def compare(reference: Reference, logits: torch.Tensor) -> dict[str, float | int
     check: non-zero means a method changed its prefill). With a one-token reference there is no
     decode position: the pooled values are None and `fidelity_positions` is 0.
     """
-    method = torch.log_softmax(logits.float(), dim=-1)
-    full = reference.logprobs.float()
-    if reference.indices is not None:  # the reference's top k, and the rest as one outcome
-        method = method.gather(-1, reference.indices)
-        full = torch.cat([full, torch.log1p(-full.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-7))], dim=-1)
-        method_rest = torch.log1p(-method.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-7))
-        method = torch.cat([method, method_rest], dim=-1)
-    kl = (full.exp() * (full - method)).sum(dim=-1).clamp_min(0.0)  # rounding can dip below 0 by ~1e-7
-    top1 = (logits.argmax(dim=-1) == torch.tensor(reference.tokens)).float()
-    decode_kl, decode_top1 = kl[1:], top1[1:]
-    n = len(decode_kl)
-    return {"kl_first": float(kl[0]), "kl_mean": float(decode_kl.mean()) if n else None,
-            "kl_max": float(decode_kl.max()) if n else None,
-            "top1_agreement": float(decode_top1.mean()) if n else None, "fidelity_positions": n}
+    kl, top1 = kl_top1(reference, slice(0, len(reference.tokens)), logits)
+    return summarize(kl.tolist(), top1.tolist())
 
 
 def save_references(references: dict[str, Reference], path: str | Path) -> None:
