@@ -12,8 +12,8 @@ the bootstrap"): the percentile interval read at alpha' = 2 Phi(sqrt(n / (n - 1)
 instead of alpha, which repairs the plain percentile interval's under-coverage at small n (it is
 about a t interval's width on symmetric data and keeps the percentile interval's skew). The p-value
 inverts the same interval family: p < alpha exactly when the interval at level 1 - alpha excludes
-the null. Tails thinner than TAIL_DRAWS draws are read from a normal fit to the draws instead of
-being counted (a count of 0 would say p = 0 whatever the number of draws).
+the null. Tails thinner than TAIL_DRAWS draws are not counted alone (a count of 0 would say p = 0
+whatever the number of draws): see tail_mass.
 """
 
 from __future__ import annotations
@@ -65,8 +65,11 @@ class Interval:
 
 
 def tail_mass(draws: np.ndarray, bound: float, above: bool) -> float:
-    """The share of draws at or beyond `bound` (above it if `above`), counted where TAIL_DRAWS or
-    more draws lie there, else from a normal fit to the draws. Draws equal to the bound count half."""
+    """The share of draws at or beyond `bound` (above it if `above`; draws equal to it count half),
+    counted where TAIL_DRAWS or more draws lie there. A thinner tail is the smaller of a normal fit
+    to the draws and (count + 1) / (draws + 1): the fit resolves p-values below 1 / draws, the
+    count keeps a bounded distribution (a rank correlation near 1, a minimum) from being read as
+    having a normal tail it does not have."""
     beyond = draws > bound if above else draws < bound
     count = beyond.sum() + 0.5 * (draws == bound).sum()
     if count >= TAIL_DRAWS:
@@ -75,7 +78,8 @@ def tail_mass(draws: np.ndarray, bound: float, above: bool) -> float:
     z = (bound - draws.mean()) / sd if sd > 0 else math.copysign(math.inf, bound - draws.mean())
     if z != z:  # every draw equals the bound
         return 0.5
-    return float(stats.norm.sf(z) if above else stats.norm.cdf(z))
+    fit = float(stats.norm.sf(z) if above else stats.norm.cdf(z))
+    return min(fit, float((count + 1) / (len(draws) + 1)))
 
 
 def p_beyond(draws: np.ndarray, n: int, bound: float, above: bool) -> float:

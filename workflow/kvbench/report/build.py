@@ -89,6 +89,7 @@ def power_tables(paired: pd.DataFrame | None, units: pd.DataFrame | None, baseli
         frames.append(system.assign(stage="system", unit="prompts", quantity="log " + system.quantity))
     columns = ["stage", "model", "protocol", "method", "category", "bucket", "quantity", "unit", "estimate", "n", "sd",
                "se", "mde", "effect", "n_needed", "level", "power"]
+    frames = [f for f in frames if len(f)]
     return pd.concat(frames, ignore_index=True).reindex(columns=columns) if frames else pd.DataFrame(columns=columns)
 
 

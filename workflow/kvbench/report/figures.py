@@ -43,7 +43,8 @@ def method_colors(methods: Iterable[str]) -> dict[str, Any]:
 
 
 def _err(value: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
-    return np.vstack([value - low, high - value])
+    """Bar lengths below and above (0 where rounding puts an end a hair past the point)."""
+    return np.clip(np.vstack([value - low, high - value]), 0.0, None)
 
 
 def points(ax: plt.Axes, x: np.ndarray, y: np.ndarray, xlow: np.ndarray | None, xhigh: np.ndarray | None,
