@@ -268,3 +268,14 @@ def test_a_claim_on_pure_noise_is_inconclusive(claim_id, frames):
         assert len(verdicts) and verdicts.isin([C.INCONCLUSIVE, C.CONFIRMED, C.CONTRADICTED]).all()
         decided += (verdicts != C.INCONCLUSIVE).any()
     assert decided / sims <= 0.05, (claim_id, decided)
+
+
+def test_the_schemas_effects_are_the_power_modules():
+    import yaml
+
+    from kvbench.report.power import DEFAULT_EFFECTS
+    from workflow_helpers import REPO
+
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    effects = schema["properties"]["report"]["properties"]["power"]["properties"]["effects"]
+    assert effects["propertyNames"]["enum"] == list(DEFAULT_EFFECTS)
