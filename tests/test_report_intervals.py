@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from matplotlib.container import ErrorbarContainer
 
 from kvbench.report import build as rb
 from kvbench.report.differences import quality_differences, system_ratios
@@ -156,8 +155,9 @@ def test_the_first_page_shows_the_recommendation_and_which_claims_are_decided():
     assert "Holm-adjusted p-value" in page
 
 
-def _errorbar_points(ax) -> int:
-    return sum(len(c.lines[0].get_xdata()) for c in ax.containers if isinstance(c, ErrorbarContainer))
+def _errorbar_points(ax, axis: str = "y") -> int:
+    """Points with an interval bar on `axis` (one segment each in the `interval-<axis>` collections)."""
+    return sum(len(c.get_segments()) for c in ax.collections if c.get_gid() == f"interval-{axis}")
 
 
 def test_the_frontier_marks_the_pareto_front_joins_sweeps_and_draws_every_interval(tmp_path, monkeypatch):
@@ -174,7 +174,7 @@ def test_the_frontier_marks_the_pareto_front_joins_sweeps_and_draws_every_interv
     axes = drawn["fig"].axes
     assert len(axes) == 3 * 3  # score, KL, top-1 x (qa, summarization, all)
     for ax in axes:
-        assert _errorbar_points(ax) == 2  # kivi2 and kivi4, each with its interval
+        assert _errorbar_points(ax, "x") == _errorbar_points(ax, "y") == 2  # kivi2 and kivi4, each with both
         lines = [ln for ln in ax.lines if ln.get_linestyle() == "-" and ln.get_color() == "#9aa5b1"]
         assert len(lines) == 1 and len(lines[0].get_xdata()) == 2  # kivi2 and kivi4: one sweep over bits
     # kivi2 compresses more but agrees less: both are on the frontier of the top-1 row

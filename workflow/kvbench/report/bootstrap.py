@@ -21,10 +21,11 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
-from scipy import stats
+from scipy import special
 
 MIN_UNITS = 5  # fewer units give no interval: a resample of 3 samples has 10 distinct values
 TAIL_DRAWS = 20  # a tail holding fewer draws is extrapolated from a normal fit
@@ -39,12 +40,17 @@ def rng_for(seed: int, *key: object) -> np.random.Generator:
 def resample_counts(strata: Sequence[int], n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """Draws x units: how often each unit is drawn, units grouped by stratum (sizes `strata`, in
     order), each stratum resampled to its own size."""
-    parts = [rng.multinomial(size, np.full(size, 1.0 / size), size=n_boot) for size in strata if size > 0]
+    parts = []
+    for size in strata:
+        if size > 0:
+            drawn = rng.integers(0, size, size=(n_boot, size)) + size * np.arange(n_boot)[:, None]
+            parts.append(np.bincount(drawn.ravel(), minlength=n_boot * size).reshape(n_boot, size))
     return np.concatenate(parts, axis=1).astype(float) if parts else np.zeros((n_boot, 0))
 
 
+@lru_cache(maxsize=4096)
 def expanded_alpha(alpha: float, n: int) -> float:
-    return float(2 * stats.norm.cdf(math.sqrt(n / (n - 1)) * stats.t.ppf(alpha / 2, n - 1)))
+    return float(2 * special.ndtr(math.sqrt(n / (n - 1)) * special.stdtrit(n - 1, alpha / 2)))
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ def tail_mass(draws: np.ndarray, bound: float, above: bool) -> float:
     z = (bound - draws.mean()) / sd if sd > 0 else math.copysign(math.inf, bound - draws.mean())
     if z != z:  # every draw equals the bound
         return 0.5
-    fit = float(stats.norm.sf(z) if above else stats.norm.cdf(z))
+    fit = float(special.ndtr(-z) if above else special.ndtr(z))
     return min(fit, float((count + 1) / (len(draws) + 1)))
 
 
@@ -89,7 +95,7 @@ def p_beyond(draws: np.ndarray, n: int, bound: float, above: bool) -> float:
     tail = tail_mass(draws, bound, above)
     if tail <= 0:
         return 0.0
-    return float(min(1.0, 2 * stats.t.cdf(stats.norm.ppf(tail) / math.sqrt(n / (n - 1)), n - 1)))
+    return float(min(1.0, 2 * special.stdtr(n - 1, special.ndtri(tail) / math.sqrt(n / (n - 1)))))
 
 
 def interval(estimate: float, draws: np.ndarray, n: int, level: float, null: float = 0.0) -> Interval:

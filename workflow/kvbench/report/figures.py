@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.collections import LineCollection
 from matplotlib.lines import Line2D
 
 from kvbench.plots import save
@@ -42,28 +43,37 @@ def method_colors(methods: Iterable[str]) -> dict[str, Any]:
     return {m: cmap(i % 20) for i, m in enumerate(sorted(set(methods)))}
 
 
-def _err(value: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """Bar lengths below and above (0 where rounding puts an end a hair past the point)."""
-    return np.clip(np.vstack([value - low, high - value]), 0.0, None)
+def _ends(low: Any, high: Any, like: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    low = np.full_like(like, np.nan) if low is None else np.asarray(low, float)
+    high = np.full_like(like, np.nan) if high is None else np.asarray(high, float)
+    return low, high, np.isfinite(low) & np.isfinite(high)
 
 
-def points(ax: plt.Axes, x: np.ndarray, y: np.ndarray, xlow: np.ndarray | None, xhigh: np.ndarray | None,
-           ylow: np.ndarray | None, yhigh: np.ndarray | None, color: Any, marker: str, size: float = 5) -> None:
-    """Points with their intervals as error bars where both ends are known; hollow where a point has
-    none on either axis (too few units for an interval)."""
+def points(ax: plt.Axes, x: Any, y: Any, xlow: Any, xhigh: Any, ylow: Any, yhigh: Any, colors: list[Any],
+           marker: str, size: float = 5) -> None:
+    """Points (`colors`: one per point) with their intervals as bars where both ends are known (the
+    line collections `interval-x` and `interval-y`: one segment per point with that interval);
+    hollow where a point has an interval on neither axis (too few units). One call per panel:
+    matplotlib's errorbar per point made a large frontier take seconds."""
     x, y = np.asarray(x, float), np.asarray(y, float)
-    lows = [np.asarray(v, float) if v is not None else np.full_like(x, np.nan) for v in (xlow, xhigh, ylow, yhigh)]
-    has_x, has_y = np.isfinite(lows[0]) & np.isfinite(lows[1]), np.isfinite(lows[2]) & np.isfinite(lows[3])
     ok = np.isfinite(x) & np.isfinite(y)
-    full = ok & (has_x | has_y)
-    if full.any():
-        xerr = np.where(has_x[full], _err(x[full], lows[0][full], lows[1][full]), 0.0) if xlow is not None else None
-        yerr = np.where(has_y[full], _err(y[full], lows[2][full], lows[3][full]), 0.0) if ylow is not None else None
-        ax.errorbar(x[full], y[full], xerr=xerr, yerr=yerr, fmt=marker, color=color, ms=size, elinewidth=0.9,
-                    capsize=2, alpha=0.9)
-    bare = ok & ~(has_x | has_y)
-    if bare.any():
-        ax.plot(x[bare], y[bare], marker, ms=size, mfc="none", mec=color, ls="none")
+    xl, xh, has_x = _ends(xlow, xhigh, x)
+    yl, yh, has_y = _ends(ylow, yhigh, y)
+    for name, mask, ends in (("interval-x", ok & has_x, lambda i: [(xl[i], y[i]), (xh[i], y[i])]),
+                             ("interval-y", ok & has_y, lambda i: [(x[i], yl[i]), (x[i], yh[i])])):
+        idx = np.flatnonzero(mask)
+        if len(idx):
+            segments = [ends(i) for i in idx]
+            ax.add_collection(LineCollection(segments, colors=[colors[i] for i in idx], linewidths=0.9, alpha=0.9,
+                                             gid=name), autolim=False)
+            ax.update_datalim(np.array(segments).reshape(-1, 2))
+    for mask, hollow in ((ok & (has_x | has_y), False), (ok & ~(has_x | has_y), True)):
+        idx = np.flatnonzero(mask)
+        if len(idx):
+            shade = [colors[i] for i in idx]
+            ax.scatter(x[idx], y[idx], marker=marker, s=size ** 2, zorder=3, edgecolors=shade,
+                       facecolors="none" if hollow else shade)
+    ax.autoscale_view()
 
 
 def _method_legend(fig: plt.Figure, colors: Mapping[str, Any], extra: list[Line2D] = ()) -> None:
@@ -92,7 +102,7 @@ def correlation_figure(corr: pd.DataFrame, png: str | os.PathLike, svg: str | os
             _empty(ax, "not measured", clear_y=False)
             continue
         y = np.array([labels.index(name(r)) for r in rows.itertuples()], float)
-        points(ax, rows.rho, y, rows.ci_low, rows.ci_high, None, None, "#1f3b73", "o")
+        points(ax, rows.rho, y, rows.ci_low, rows.ci_high, None, None, ["#1f3b73"] * len(rows), "o")
         for r, yy in zip(rows.itertuples(), y):  # samples behind each point: one row each, nothing to collide with
             ax.annotate(f"n={r.samples}", (r.rho, yy), fontsize=7, xytext=(0, 6), textcoords="offset points",
                         ha="center", color="#52606d")
@@ -135,10 +145,10 @@ def tradeoff_figure(table: pd.DataFrame, baseline: str, png: str | os.PathLike, 
             continue
         groups = sorted(rows[marker_by].astype(str).unique())
         markers = {g: MARKERS[i % len(MARKERS)] for i, g in enumerate(groups)}
-        for (model, method, group), part in rows.groupby(["model", "method", rows[marker_by].astype(str)]):
+        for group, part in rows.groupby(rows[marker_by].astype(str)):
             xlo, xhi = _bounds(part, "ratio")
             ylo, yhi = _bounds(part, column)
-            points(ax, part.ratio, part[column], xlo, xhi, ylo, yhi, colors[method], markers[group])
+            points(ax, part.ratio, part[column], xlo, xhi, ylo, yhi, [colors[m] for m in part.method], markers[group])
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xlabel(f"measured KV compression ratio vs {baseline}")
         title = marker_by + (" (models: " + ", ".join(sorted(rows.model.unique())) + ")" if several else "")
@@ -206,10 +216,9 @@ def frontier_figure(diff: pd.DataFrame, methods: Mapping[str, Mapping[str, Any]]
             for protocol in sorted(set(both.get_level_values(0))):
                 sel = both[both.get_level_values(0) == protocol]
                 marker = PROTOCOL_MARKERS.get(protocol, "D")
-                for key in sel:
-                    points(ax, [x.value[key]], [y[column][key]], [x.value_low[key]], [x.value_high[key]],
-                           [y_low[key]], [y_high[key]], colors[key[1]], marker)
                 xv, yv = x.value[sel].to_numpy(float), y[column][sel].to_numpy(float)
+                points(ax, xv, yv, x.value_low[sel], x.value_high[sel], y_low[sel], y_high[sel],
+                       [colors[method] for _, method in sel], marker)
                 front = pareto(xv, yv, higher)
                 order = np.argsort(xv[front])
                 ax.plot(xv[front][order], yv[front][order], ls="--", lw=0.9, color="black", zorder=1)

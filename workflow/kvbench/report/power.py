@@ -12,11 +12,12 @@ run's sample counts can be chosen from a small run's spread.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Iterable, Mapping
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import special
 
 POWER = 0.80
 # Effects a run should be able to detect, per compared quantity (`report.power.effects` overrides):
@@ -28,9 +29,10 @@ DEFAULT_EFFECTS = {"score": 0.05, "kl_mean": 0.01, "kl_first": 0.01, "top1_agree
 MAX_N = 10_000_000
 
 
+@lru_cache(maxsize=65536)
 def _factor(n: float, level: float, power: float) -> float:
     df = max(n - 1, 1)
-    return float(stats.t.ppf(1 - (1 - level) / 2, df) + stats.t.ppf(power, df))
+    return float(special.stdtrit(df, 1 - (1 - level) / 2) + special.stdtrit(df, power))
 
 
 def mde(se: float, n: int, level: float, power: float = POWER) -> float:
@@ -49,7 +51,7 @@ def n_needed(se: float, n: int, effect: float, level: float, power: float = POWE
     sd = se * math.sqrt(n)
     if sd == 0:
         return 2.0
-    z = stats.norm.ppf(1 - (1 - level) / 2) + stats.norm.ppf(power)
+    z = special.ndtri(1 - (1 - level) / 2) + special.ndtri(power)
     m = max(2, math.ceil((z * sd / effect) ** 2))
     if m > MAX_N:
         return math.inf
