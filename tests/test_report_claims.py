@@ -379,3 +379,11 @@ def test_holm_over_the_family_can_leave_a_claim_that_alone_would_pass_inconclusi
     found, adjusted = verdicts([test(0.03), test(0.001), None, test(0.2)], 0.95)
     assert found == [C.INCONCLUSIVE, C.CONFIRMED, None, C.INCONCLUSIVE]  # 0.03 * 2 = 0.06 after the first step
     assert np.allclose(adjusted[[0, 1, 3]], [0.06, 0.003, 0.2])
+
+
+def test_an_outcome_every_method_shares_has_no_ranking_to_test():
+    frames = {"system": system({m: {"ratio_end": r} for m, r in (("full", 1.0), ("kivi2", 4.0), ("kivi4", 2.5))},
+                               prompts=6)}  # TPOT 0.1 for every method
+    rows = report(frames).claims.query("claim_id == 'ratio-predicts-poorly'")
+    tpot = rows[rows.ours.str.startswith("TPOT")].iloc[0]
+    assert tpot.verdict == C.NOT_MEASURABLE and "no ranking" in tpot.ours

@@ -658,7 +658,7 @@ def _rank_estimate(counts: np.ndarray, x: np.ndarray, y: np.ndarray, n: int) -> 
 
 
 def _predicts(ev: Evidence, what: str, cell: Cell, x: pd.DataFrame, y: pd.DataFrame, unit: str,
-              key: tuple) -> tuple[str, Test] | None:
+              key: tuple) -> tuple[str, Test | None] | None:
     """The band test of rho(ratio, outcome) across methods, needing the methods to differ in the
     outcome (equal_means_test) to confirm."""
     keep = x.columns[x.notna().any() & y.notna().any()]
@@ -666,12 +666,21 @@ def _predicts(ev: Evidence, what: str, cell: Cell, x: pd.DataFrame, y: pd.DataFr
         return None
     xv, yv = x[keep].to_numpy(float), y[keep].to_numpy(float)
     est = _rank_estimate(cell.resample.counts, xv, yv, cell.n_units)
+    if est.estimate != est.estimate:
+        return f"{what}: no ranking (every method's {what} or ratio is the same)", None
     p_differ, _ = equal_means_test(yv, ev.n_boot, rng_for(ev.seed, "methods-differ", *key))
     p_differ = p_differ if p_differ == p_differ else 1.0
     test = band_test(f"measured ratio vs {what} across {len(keep)} methods",
                      f"Spearman's rho (poorly: inside +-{PREDICTS_RHO:g}; methods differ in {what}: p {p_differ:.2g})",
                      est, PREDICTS_RHO, ev.level, unit, RANK_EFFECT, also_needed=p_differ)
     return f"{what}: rho {_ci(est, ev.level)}, methods differ p {p_differ:.2g}", test
+
+
+def _predicts_finding(found: tuple[str, Test | None], src: str, rule: str, model: str, protocol: str) -> Finding:
+    ours, test = found
+    if test is None:
+        return Finding(NOT_MEASURABLE, ours, src, rule, model, protocol=protocol)
+    return Finding(None, ours, src, rule, model, test.interval.estimate, protocol, test)
 
 
 @claim("ratio-predicts-poorly", "paper",
@@ -694,8 +703,7 @@ def ratio_predicts_poorly(ev: Evidence) -> list[Finding]:
             continue
         found = _predicts(ev, "task score", cell, x, cell.matrix("score"), "samples", (model, protocol))
         if found:
-            ours, test = found
-            out.append(Finding(None, ours, src, rule, model, test.interval.estimate, protocol, test))
+            out.append(_predicts_finding(found, src, rule, model, protocol))
     if ev.units is not None:
         for model in _system_models(ev):
             cell = _system_cell(ev, ev.units[ev.units.model == model], "ratio-predicts")
@@ -704,8 +712,7 @@ def ratio_predicts_poorly(ev: Evidence) -> list[Finding]:
             for what, column in (("TTFT", "lg_ttft_s"), ("TPOT", "lg_tpot_s")):
                 found = _predicts(ev, what, cell, cell.matrix("ratio"), cell.matrix(column), "prompts", (model, what))
                 if found:
-                    ours, test = found
-                    out.append(Finding(None, ours, src, rule, model, test.interval.estimate, test=test))
+                    out.append(_predicts_finding(found, src, rule, model, "-"))
     if not out:
         ran = ev.tables.stage_ran("quality") or ev.tables.stage_ran("system")
         return [Finding(NOT_MEASURABLE if ran else NOT_RUN,
