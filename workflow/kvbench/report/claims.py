@@ -420,8 +420,8 @@ def kivi4_most_stable(ev: Evidence) -> list[Finding]:
     rule = (f"per method of the paper's four families: its worst category's relative quality (mean score / the "
             f"baseline's on the same samples; categories where the baseline scores < {SCORE_FLOOR:g} left out; top-1 "
             "agreement with the baseline where it scores below that everywhere); paired differences between a 4-bit "
-            "KIVI and every other method on one stratified bootstrap: confirmed if it exceeds every one, "
-            "contradicted if another exceeds it")
+            "KIVI and every other method on one stratified bootstrap (n: the smallest category's samples): "
+            "confirmed if it exceeds every one, contradicted if another exceeds it")
     kivi4 = _named(ev, "kivi", bits=4)
     src = ev.tables.source("quality_scores", "method", "category", "score") + " (relative to the baseline)"
     if not ev.tables.stage_ran("quality"):
@@ -611,8 +611,8 @@ def summarization_fragile(ev: Evidence) -> list[Finding]:
     rule = (f"per category: relative quality (mean score / the baseline's on the same samples) averaged over the "
             f"methods of the paper's four families (categories where the baseline scores < {SCORE_FLOOR:g} left out); "
             f"paired differences between {CATEGORY_SUMMARIZATION!r} and every other category on one bootstrap "
-            "stratified by category and bucket: confirmed if summarization's is lower than every one, contradicted "
-            "if another category's is lower than summarization's")
+            "stratified by category and bucket (n: the smaller category's samples): confirmed if summarization's "
+            "is lower than every one, contradicted if another category's is lower than summarization's")
     if not ev.tables.stage_ran("quality"):
         return [Finding(NOT_RUN, "stage quality not run", src, rule)]
     out = []
