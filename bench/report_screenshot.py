@@ -3,9 +3,10 @@
     python bench/report_screenshot.py [--report results/report.html] [--out results/bench/report]
 
 Writes one PNG per view: the landing page, and the report's claims, recommendation, differences,
-power, frontier, correlation figure and pipeline-cost pages opened the way a click would open them
-(a copy of the report with a few lines of script appended; the report itself is not changed). Prints the seconds each view
-took. Chromium runs with a fresh profile, no network services and no sandbox (root in a VM).
+power, frontier, correlation figure and pipeline-cost pages opened the way a click would open
+them (a copy of the report with a few lines of script appended; the report itself is not
+changed). Prints the seconds each view took. Chromium runs with a fresh profile, no network
+services and no sandbox (root in a VM).
 """
 
 from __future__ import annotations

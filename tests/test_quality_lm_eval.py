@@ -125,8 +125,8 @@ def test_simple_evaluate_runs_kvbench_by_name_as_the_pipeline_does(model, tokeni
     config.write_text(yaml.safe_dump({"seed": 3, "methods": {"kivi4": spec}, "quality": {"max_gen_cap": 6}}))
     tasks = ["kvbench_few_shot", "kvbench_single_doc_qa"]
     results = simple_evaluate(model="kvbench", model_args=f"model={model_dir},method=kivi4,config={config}",
-                              tasks=tasks, task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
-                              log_samples=True, bootstrap_iters=0)
+                              tasks=tasks, log_samples=True, bootstrap_iters=0,
+                              task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False))
     by_name = {t: [s["filtered_resps"][0] for s in results["samples"][t]] for t in tasks}
     assert all(results["results"][t]["score,none"] == results["results"][t]["score,none"] for t in tasks)  # scored
     # The pipeline's path on the same tasks: the same answers, so the same spec, cap, seed and chat rule
@@ -145,6 +145,6 @@ def test_by_name_specs_come_from_the_config_or_inline_and_bad_ones_name_the_prob
         method_spec("kivi2", config, {})
     with pytest.raises(ValueError, match=r"bits"):
         method_spec("kivi4", config, {"bits": 3})
-    assert [uses_chat(t) for t in ("kvbench_few_shot", "kvbench_single_doc_qa", "longbench_trec", "longbench_hotpotqa_e",
-                                   "kvbench_longbench_samsum", "kvbench_longbench_qasper")] == [
-        False, True, False, True, False, True]
+    names = ("kvbench_few_shot", "kvbench_single_doc_qa", "longbench_trec", "longbench_hotpotqa_e",
+             "kvbench_longbench_samsum", "kvbench_longbench_qasper")
+    assert [uses_chat(t) for t in names] == [False, True, False, True, False, True]

@@ -231,8 +231,9 @@ def _noise_scores(rng: np.random.Generator, samples: int = 8) -> pd.DataFrame:
         difficulty = rng.uniform(0.2, 0.8, samples)
         for m in FAMILIES:
             noise = rng.normal(0, 0.1, samples)
-            rows += [{"model": "m", "method": m, "task": f"{c}_task", "category": c, "metric": "qa_f1", "bucket": "0-4k",
-                      "context_tokens": 1000, "sample": s, "score": float(np.clip(difficulty[s] + noise[s], 0, 1)),
+            rows += [{"model": "m", "method": m, "task": f"{c}_task", "category": c, "metric": "qa_f1",
+                      "bucket": "0-4k", "context_tokens": 1000, "sample": s,
+                      "score": float(np.clip(difficulty[s] + noise[s], 0, 1)),
                       "error": None, "ttft_s": math.nan, "tpot_s": math.nan, "kv_bytes": math.nan,
                       "ratio": RATIOS[m] * (1 + rng.normal(0, 0.01))} for s in range(samples)]
     return pd.DataFrame(rows)

@@ -212,8 +212,9 @@ def differences_page(report: ReportTables) -> str:
             "count at the continuation's length; ratio: measured bytes. mde: the difference a two-sided paired test "
             "detects with 80 % power at this n and spread; n_needed: the samples 'effect' needs.")
     pooled = diff[(diff.category == "all") & (diff.bucket == "all")] if len(diff) else diff
-    ratio_note = ("Geometric mean over prompts of the ratio method / baseline on the same prompt and repeat ('pairing' "
-                  "says how the runs were paired), with its interval over prompts; mde and effect are relative changes.")
+    ratio_note = ("Geometric mean over prompts of the ratio method / baseline on the same prompt and repeat "
+                  "('pairing' says how the runs were paired), with its interval over prompts; mde and effect are "
+                  "relative changes.")
     return html_page("Each method against the reference, with intervals", [
         ("Pooled over categories and buckets", note, pooled if len(pooled) else None),
         ("TTFT, TPOT, decode speed and end-to-end time, paired with the baseline", ratio_note,

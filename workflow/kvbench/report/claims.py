@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.report.bootstrap import Estimate, Resample, equal_means_test, rng_for
-from kvbench.report.cells import Cell, Panel, quality_panel, system_panel
+from kvbench.report.cells import Cell, Panel, quality_panel
 from kvbench.report.contracts import CATEGORY_SUMMARIZATION, Tables
 from kvbench.report.decide import (CONFIRMED, CONTRADICTED, INCONCLUSIVE, Test, band_test, extreme_test,
                                    family_threshold_test, no_interval, threshold_test, verdicts)
@@ -194,8 +194,8 @@ def token_diversity(ev: Evidence) -> Finding:
         mask = np.isin(np.arange(len(realistic)), rows)
         div = r.mean(np.where(mask, realistic.diversity_pct, np.nan))
         tokens = r.mean(np.where(mask, realistic.tokens, np.nan))
-        folds.append(Estimate(div.estimate / (100 * unique / tokens.estimate), div.draws / (100 * unique / tokens.draws),
-                              div.n))
+        scale = 100 * unique  # a synthetic document of T tokens has diversity 100 * unique / T %
+        folds.append(Estimate(div.estimate * tokens.estimate / scale, div.draws * tokens.draws / scale, div.n))
     worst = Estimate(min(f.estimate for f in folds), np.min(np.vstack([f.draws for f in folds]), axis=0),
                      len(realistic))
     ours = (f"{_fmt(synthetic.diversity_pct.mean())} % ({unique:.0f} unique tokens in "
@@ -310,7 +310,8 @@ def _codec_tau(ev: Evidence, kv: pd.DataFrame) -> tuple[Estimate | None, int]:
             ests.append(res.ratio(raw, comp))
         ratios[corpus] = (np.array([e.estimate for e in ests]), np.column_stack([e.draws for e in ests]))
     point = kendall_tau_rows(ratios["synthetic"][0][None], ratios["realistic"][0][None])[0]
-    return Estimate(float(point), kendall_tau_rows(ratios["synthetic"][1], ratios["realistic"][1]), sum(sizes)), len(codecs)
+    draws = kendall_tau_rows(ratios["synthetic"][1], ratios["realistic"][1])
+    return Estimate(float(point), draws, sum(sizes)), len(codecs)
 
 
 def _serve_tau(offload: pd.DataFrame, value: str) -> tuple[float, int]:
@@ -440,8 +441,8 @@ def kivi4_most_stable(ev: Evidence) -> list[Finding]:
         family = [m for m in kivi4 if m in worst]
         rivals = [m for m in worst if m not in family]
         if not family or not rivals:
-            why = ("the baseline scores 0 and no fidelity rows" if not column else
-                   f"no {column} for {kivi4[0]}" if not family else "fewer than 2 methods of the four families measured")
+            why = ("the baseline scores 0 and no fidelity rows" if not column else f"no {column} for {kivi4[0]}"
+                   if not family else "fewer than 2 methods of the four families measured")
             out.append(Finding(NOT_MEASURABLE, why, src, rule, model, protocol=protocol))
             continue
         ours = f"worst-category {column}: {_listed(worst, ev.level)}"
@@ -551,8 +552,8 @@ def _spread(cell: Cell, method: str) -> Estimate:
     """Standard deviation over prompts of log(measured ratio)."""
     x = cell.matrix("lg_ratio")[method].to_numpy(float)
     m1, m2 = cell.resample.mean(x), cell.resample.mean(x * x)
-    return Estimate(math.sqrt(max(m2.estimate - m1.estimate ** 2, 0.0)), np.sqrt(np.clip(m2.draws - m1.draws ** 2, 0, None)),
-                    m1.n)
+    return Estimate(math.sqrt(max(m2.estimate - m1.estimate ** 2, 0.0)),
+                    np.sqrt(np.clip(m2.draws - m1.draws ** 2, 0, None)), m1.n)
 
 
 @claim("cam-ratio-varies", "paper",

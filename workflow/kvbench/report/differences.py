@@ -90,7 +90,8 @@ def system_ratios(units: pd.DataFrame | None, source: str, in_process: bool, bas
                 log_effect = math.log1p(effect) if effect == effect else math.nan
                 rows.append({**cell.key, "method": method, "metric": metric, "ratio": math.exp(log_est.estimate),
                              "ci_low": math.exp(iv.low), "ci_high": math.exp(iv.high), "prompts": log_est.n,
-                             "pairs": int(paired[method].fillna(0).sum()), "failed": int(failed[method].fillna(0).sum()),
+                             "pairs": int(paired[method].fillna(0).sum()),
+                             "failed": int(failed[method].fillna(0).sum()),
                              "p_value": iv.p_value, "mde": math.expm1(mde(iv.se, log_est.n, level, power)),
                              "effect": effect, "n_needed": n_needed(iv.se, log_est.n, log_effect, level, power),
                              "pairing": pairing, "source": source, "level": level, "bootstrap": n_boot,

@@ -58,7 +58,7 @@ def _put(out: dict, column: str, value: Estimate | None, rel: Estimate | None, l
     ratio to the baseline (None: not defined)."""
     for suffix, est in (("", value), ("_rel", rel)):
         if est is None:
-            out |= {f"{column}{suffix}": math.nan, f"{column}{suffix}_low": math.nan, f"{column}{suffix}_high": math.nan}
+            out |= {f"{column}{suffix}{end}": math.nan for end in ("", "_low", "_high")}
             continue
         iv = est.interval(level, null=1.0 if suffix else 0.0)
         out |= {f"{column}{suffix}": est.estimate, f"{column}{suffix}_low": iv.low, f"{column}{suffix}_high": iv.high}
@@ -105,8 +105,8 @@ def quality_side(paired: pd.DataFrame, baseline: str, n_boot: int, seed: int, le
             _put(out, "kl_mean", kl_est, None, level)
             _put(out, "top1_agreement", top1_est, top1_est, level)  # the baseline's is 1
             fd_known = np.isfinite(fd).any()
-            _put(out, "first_divergence", r.mean(fd) if fd_known else None, r.ratio(fd, positions) if fd_known else None,
-                 level)
+            _put(out, "first_divergence", r.mean(fd) if fd_known else None,
+                 r.ratio(fd, positions) if fd_known else None, level)
             for c in PER_SAMPLE:
                 measured = np.isfinite(col[c]).any()
                 rel = r.geometric_mean(_log_ratio(col[c], base[c])) if measured and np.isfinite(base[c]).any() else None

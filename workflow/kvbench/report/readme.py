@@ -42,8 +42,8 @@ def _claims(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _recommendations(t: pd.DataFrame) -> pd.DataFrame:
-    return t.assign(interval=_interval(t.best_value, t.best_ci_low, t.best_ci_high))[
-        ["scenario", "model", "protocol", "category", "bucket", "best", "interval", "best_n", "runner_up", "why"]].rename(
+    shown = ["scenario", "model", "protocol", "category", "bucket", "best", "interval", "best_n", "runner_up", "why"]
+    return t.assign(interval=_interval(t.best_value, t.best_ci_low, t.best_ci_high))[shown].rename(
         columns={"runner_up": "runner-up", "best_n": "n", "interval": "preferred value [interval]"})
 
 

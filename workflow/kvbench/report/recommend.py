@@ -210,7 +210,8 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dic
         word = "highest" if scenario.order == "max" else "lowest"
         name = " = ".join([best["method"], *unresolved]) if unresolved else best["method"]
         out |= {"best": f"tie: {name}" if unresolved else name, "best_value": best.get(scenario.prefer),
-                "best_ci_low": _num(best, f"{scenario.prefer}_low"), "best_ci_high": _num(best, f"{scenario.prefer}_high"),
+                "best_ci_low": _num(best, f"{scenario.prefer}_low"),
+                "best_ci_high": _num(best, f"{scenario.prefer}_high"),
                 "best_n": _num(best, f"{scenario.prefer}_n"), "numbers": numbers(best),
                 "tied": ", ".join(r["method"] for r in tied) or None}
         why = (f"{name}: {word} {_value(best, scenario.prefer, baseline)} of {len(ok)} method(s) whose intervals meet "
