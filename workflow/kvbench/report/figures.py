@@ -192,6 +192,7 @@ def frontier_figure(diff: pd.DataFrame, methods: Mapping[str, Mapping[str, Any]]
     both protocols (markers), with both intervals; the Pareto frontier of each panel and protocol
     ringed and joined; the points of one sweep (one kind, one setting varied) joined by a thin line."""
     rows = _frontier_rows(diff) if len(diff) else diff
+    kinds = rows.dropna(subset=["kind"]).drop_duplicates("method").set_index("method").kind.to_dict() if len(rows) else {}
     columns = sorted({(r.model, r.category) for r in rows.itertuples()}, key=lambda k: (k[0], k[1] == ALL, k[1]))
     several = len({m for m, _ in columns}) > 1
     colors = method_colors([*methods, *rows.method])
@@ -224,8 +225,9 @@ def frontier_figure(diff: pd.DataFrame, methods: Mapping[str, Mapping[str, Any]]
                 ax.plot(xv[front][order], yv[front][order], ls="--", lw=0.9, color="black", zorder=1)
                 ax.plot(xv[front], yv[front], marker, ms=10, mfc="none", mec="black", ls="none", zorder=1)
                 sweeps: dict[tuple, list[int]] = {}
-                for k, (_, method) in enumerate(sel):
-                    sweeps.setdefault(sweep_key(methods.get(method, {"kind": method})), []).append(k)
+                for k, (_, method) in enumerate(sel):  # a method not in the config: its kind alone
+                    spec = methods.get(method) or {"kind": kinds.get(method, method)}
+                    sweeps.setdefault(sweep_key(spec), []).append(k)
                 for members in sweeps.values():
                     if len(members) > 1:
                         idx = np.array(members)[np.argsort(xv[members])]
