@@ -200,3 +200,33 @@ def test_the_tradeoff_figure_draws_every_interval_and_names_methods_in_a_legend_
     assert not any(ax.texts for ax in fig.axes)  # no text next to points: nothing to overlap
     labels = {t.get_text() for legend in fig.legends for t in legend.get_texts()}
     assert {"full", "kivi2", "kivi4"} <= labels
+
+
+def test_a_pooled_cell_of_one_sample_categories_is_not_falsely_narrow():
+    # the default run's shape: 7 categories of one sample each, method - reference from -0.34 to +1
+    diffs = [-0.34, 0.0, 0.0, 0.5, 1.0, 0.0, 0.5]
+    rows = []
+    for i, d in enumerate(diffs):
+        for method, score in (("full", 0.3), ("fp8", 0.3 + d)):
+            rows.append({"model": "m", "method": method, "task": f"t{i}", "category": f"c{i}", "metric": "qa_f1",
+                         "bucket": "0-4k", "context_tokens": 1000, "sample": 0, "score": score, "error": None,
+                         "ttft_s": math.nan, "tpot_s": math.nan, "kv_bytes": math.nan, "ratio": math.nan})
+    diff = quality_differences(paired_quality(tables(quality_scores=pd.DataFrame(rows)), "full"), "full", 2000, 1,
+                               0.95)
+    pooled = _row(diff, category="all", bucket="all", quantity="score")
+    # resampled within each one-sample category it would be [0.24, 0.24]; the samples vary by 0.46 (sd)
+    assert pooled.n == 7 and pooled.ci_low < 0.0 and pooled.ci_high > 0.5
+
+
+def test_large_categories_are_resampled_within_each():
+    from kvbench.report.cells import STRATUM_MIN, quality_panel
+
+    scores = quality({"full": {"qa": 0.5, "summarization": 0.3}, "kivi2": {"qa": 0.4, "summarization": 0.3}},
+                     samples=STRATUM_MIN)
+    cell = next(quality_panel(paired_quality(tables(quality_scores=scores), "full"), 100, 1).cells(("all",)))
+    qa = (cell.units.category == "qa").to_numpy()
+    assert (cell.resample.counts[:, qa].sum(axis=1) == STRATUM_MIN).all()  # every draw: 20 qa samples
+    small = quality({"full": {"qa": 0.5, "summarization": 0.3}}, samples=STRATUM_MIN - 1)
+    cell = next(quality_panel(paired_quality(tables(quality_scores=small), "full"), 100, 1).cells(("all",)))
+    qa = (cell.units.category == "qa").to_numpy()
+    assert cell.resample.counts[:, qa].sum(axis=1).std() > 0  # resampled together

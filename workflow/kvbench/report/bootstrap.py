@@ -5,7 +5,8 @@ A cell's units (quality samples, or system prompts with their repeats averaged) 
 with replacement once, as a count matrix (draws x units), and every statistic of the cell is a
 matrix product with it: all methods of a cell see the same resamples, so a difference between two
 of them is paired. A pooled cell (several categories or buckets) resamples within each of them
-(stratified: the design fixes how many samples each holds).
+where each holds enough units (stratified: the design fixes how many samples each holds; see
+kvbench.report.cells.STRATUM_MIN), else all of its units together.
 
 Intervals are expanded percentile intervals (Hesterberg 2015, "What teachers should know about
 the bootstrap"): the percentile interval read at alpha' = 2 Phi(sqrt(n / (n - 1)) t_{alpha/2, n-1})

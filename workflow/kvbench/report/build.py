@@ -207,7 +207,7 @@ def differences_page(report: ReportTables) -> str:
     diff, ratios = report.differences, report.system_ratios
     note = ("Per method: its value and its difference from the reference on the same samples (paired), with "
             "expanded percentile bootstrap intervals over samples (a pooled row resamples within each category and "
-            "bucket); per comparison, not adjusted (the claims are). score: task score; kl_mean, top1_agreement: "
+            "bucket where each holds 20 samples or more, else all its samples together); per comparison, not adjusted (the claims are). score: task score; kl_mean, top1_agreement: "
             "pooled over teacher-forced positions (the reference's: 0 and 1); first_divergence: identical outputs "
             "count at the continuation's length; ratio: measured bytes. mde: the difference a two-sided paired test "
             "detects with 80 % power at this n and spread; n_needed: the samples 'effect' needs.")

@@ -4,7 +4,8 @@ Quality: per model x protocol, a cell is one task category x context bucket (a l
 a category over its buckets, a bucket over its categories, everything (`ALL`). A pooled cell
 resamples within each leaf (stratified). System: per model, one cell per bucket and one over all
 buckets (stratified alike), units are prompts. Every cell draws from its own generator (the run's
-seed and the cell's key), so its intervals do not depend on what else the run holds.
+seed and the cell's key), so its intervals do not depend on what else the run holds. Leaves too
+small to stratify on (STRATUM_MIN) are resampled together.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from kvbench.report.bootstrap import Resample, rng_for
 
 ALL = "all"
 LEVELS = ("leaf", "category", "bucket", "all")
+# A pooled cell resamples within its leaves only when each holds at least this many units: a
+# stratified bootstrap's variance falls short by (n - 1) / n per stratum (to nothing at 1 unit,
+# which the default run's one-sample categories would make of every pooled interval). Smaller
+# leaves are resampled together, which the spread between them can only widen.
+STRATUM_MIN = 20
 
 
 @dataclass
@@ -87,6 +93,7 @@ class Panel:
                         continue
                     key = {**base, **fixed, **{p: ALL for p in pooled}}
                     strata = chosen.groupby(self.strata, sort=True).size().to_numpy()
+                    strata = strata if strata.min() >= STRATUM_MIN else [len(chosen)]
                     rng = rng_for(self.seed, self.tag, *key.values())
                     yield Cell(key, chosen.reset_index(drop=True), Resample.of(strata, self.n_boot, rng), self)
 

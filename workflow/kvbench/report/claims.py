@@ -367,7 +367,8 @@ def hi_ranks_wrong(ev: Evidence) -> Finding:
 
 
 def _quality_cells(ev: Evidence) -> list[Cell]:
-    """One cell per model x protocol over every category and bucket (resampled within each)."""
+    """One cell per model x protocol over every category and bucket (resampled within each where each
+    holds enough samples: kvbench.report.cells.STRATUM_MIN)."""
     if ev.paired is None or not len(ev.paired):
         return []
     return list(quality_panel(ev.paired, ev.n_boot, ev.seed).cells(("all",)))
@@ -421,7 +422,8 @@ def kivi4_most_stable(ev: Evidence) -> list[Finding]:
     rule = (f"per method of the paper's four families: its worst category's relative quality (mean score / the "
             f"baseline's on the same samples; categories where the baseline scores < {SCORE_FLOOR:g} left out; top-1 "
             "agreement with the baseline where it scores below that everywhere); paired differences between a 4-bit "
-            "KIVI and every other method on one stratified bootstrap (n: the smallest category's samples): "
+            "KIVI and every other method on one bootstrap of the samples (within each category x bucket where each "
+            "holds 20 or more; n: the smallest category's samples): "
             "confirmed if it exceeds every one, contradicted if another exceeds it")
     kivi4 = _named(ev, "kivi", bits=4)
     src = ev.tables.source("quality_scores", "method", "category", "score") + " (relative to the baseline)"
@@ -612,7 +614,8 @@ def summarization_fragile(ev: Evidence) -> list[Finding]:
     rule = (f"per category: relative quality (mean score / the baseline's on the same samples) averaged over the "
             f"methods of the paper's four families (categories where the baseline scores < {SCORE_FLOOR:g} left out); "
             f"paired differences between {CATEGORY_SUMMARIZATION!r} and every other category on one bootstrap "
-            "stratified by category and bucket (n: the smaller category's samples): confirmed if summarization's "
+            "of the samples (within each category x bucket where each holds 20 or more; n: the smaller category's "
+            "samples): confirmed if summarization's "
             "is lower than every one, contradicted if another category's is lower than summarization's")
     if not ev.tables.stage_ran("quality"):
         return [Finding(NOT_RUN, "stage quality not run", src, rule)]
@@ -692,7 +695,7 @@ def ratio_predicts_poorly(ev: Evidence) -> list[Finding]:
                                                                                                  "ttft_s", "tpot_s"))
     rule = (f"the claim says methods differ in an end-to-end outcome in ways their measured ratio does not order. Per "
             f"outcome (task score per protocol, TTFT, TPOT), Spearman's rho across methods between mean measured ratio "
-            f"and the mean outcome, bootstrap over samples (stratified by category and bucket) or prompts: confirmed "
+            f"and the mean outcome, bootstrap over samples or prompts: confirmed "
             f"only if the methods differ in the outcome (bootstrap test of equal means) and rho's interval lies inside "
             f"+-{PREDICTS_RHO:g}; contradicted if it lies beyond {PREDICTS_RHO:g} or -{PREDICTS_RHO:g} (the ratio "
             "orders the outcome); noise with no difference between methods decides nothing")
