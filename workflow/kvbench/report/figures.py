@@ -76,8 +76,11 @@ def points(ax: plt.Axes, x: Any, y: Any, xlow: Any, xhigh: Any, ylow: Any, yhigh
     ax.autoscale_view()
 
 
-def _method_legend(fig: plt.Figure, colors: Mapping[str, Any], extra: list[Line2D] = ()) -> None:
-    handles = [Line2D([], [], color=c, marker="o", ls="none", label=m) for m, c in colors.items()]
+def _method_legend(fig: plt.Figure, colors: Mapping[str, Any], drawn: Iterable[str],
+                   extra: list[Line2D] = ()) -> None:
+    """One legend for the figure: each method drawn (colours stable across figures), then `extra`."""
+    drawn = set(drawn)
+    handles = [Line2D([], [], color=c, marker="o", ls="none", label=m) for m, c in colors.items() if m in drawn]
     handles.append(Line2D([], [], color="#52606d", marker="o", mfc="none", ls="none", label="no interval (n < 5)"))
     fig.legend(handles=[*handles, *extra], loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
 
@@ -154,7 +157,7 @@ def tradeoff_figure(table: pd.DataFrame, baseline: str, png: str | os.PathLike, 
         title = marker_by + (" (models: " + ", ".join(sorted(rows.model.unique())) + ")" if several else "")
         ax.legend(handles=[Line2D([], [], color="#52606d", marker=markers[g], ls="none", label=g) for g in groups],
                   fontsize=7, title=title, title_fontsize=7)
-    _method_legend(fig, colors)
+    _method_legend(fig, colors, table.method if len(table) else [])
     fig.suptitle("Trade-offs per method (bars: bootstrap intervals; quality and bytes per sample, timings per "
                  "prompt, paired with the baseline)")
     save(fig, png, svg)
@@ -240,7 +243,7 @@ def frontier_figure(diff: pd.DataFrame, methods: Mapping[str, Mapping[str, Any]]
     extra = [Line2D([], [], color="#52606d", marker=m, ls="none", label=p) for p, m in PROTOCOL_MARKERS.items()]
     extra += [Line2D([], [], color="black", marker="o", mfc="none", ms=10, ls="--", lw=0.9, label="Pareto frontier"),
               Line2D([], [], color="#9aa5b1", lw=0.7, label="one sweep (kind, setting varied)")]
-    _method_legend(fig, colors, extra)
+    _method_legend(fig, colors, rows.method if len(rows) else [], extra)
     fig.suptitle("Compression frontier: fidelity and score vs measured ratio per category (bars: paired bootstrap "
                  "intervals over samples)")
     fig.tight_layout()
