@@ -37,7 +37,7 @@ def report(frames: Mapping[str, pd.DataFrame], scenarios: Mapping | None = None,
 
 def corpus_stats(synthetic_unique: int = 2, synthetic_tokens: int = 10_000, realistic_tokens: int = 10_000,
                  realistic_diversity: Mapping[str, float] = {"medical": 14.2, "legal": 9.4},
-                 docs: int = 3) -> pd.DataFrame:
+                 docs: int = 5) -> pd.DataFrame:
     rows = [{"corpus": "synthetic", "domain": "synthetic", "doc_id": f"s{i}", "tokens": synthetic_tokens,
              "unique_tokens": synthetic_unique, "diversity_pct": 100 * synthetic_unique / synthetic_tokens}
             for i in range(3)]
@@ -56,7 +56,7 @@ def kv_summary(dummy: float, synthetic: float, dtype: str = "bf16", codec: str =
     ])
 
 
-def kv_compressibility(ratios: Mapping[str, Mapping[str, float]], dtype: str = "bf16", docs: int = 3,
+def kv_compressibility(ratios: Mapping[str, Mapping[str, float]], dtype: str = "bf16", docs: int = 5,
                        weights: str = "real", jitter: float = 0.0) -> pd.DataFrame:
     """ratios[corpus][codec] -> one K row of 1000 raw bytes per document x codec (`docs` per corpus),
     the ratio of document i scaled by 1 + jitter * (i - mid)."""

@@ -197,7 +197,7 @@ def token_diversity(ev: Evidence) -> Finding:
         scale = 100 * unique  # a synthetic document of T tokens has diversity 100 * unique / T %
         folds.append(Estimate(div.estimate * tokens.estimate / scale, div.draws * tokens.draws / scale, div.n))
     worst = Estimate(min(f.estimate for f in folds), np.min(np.vstack([f.draws for f in folds]), axis=0),
-                     len(realistic))
+                     min(len(g) for g in groups))  # n: the smallest domain's documents
     ours = (f"{_fmt(synthetic.diversity_pct.mean())} % ({unique:.0f} unique tokens in "
             f"{synthetic.tokens.mean():.0f}) vs " + ", ".join(
                 f"{_fmt(row.diversity)} % {d} ({row.tokens:.0f} tokens)" for d, row in domains.iterrows())
@@ -311,7 +311,7 @@ def _codec_tau(ev: Evidence, kv: pd.DataFrame) -> tuple[Estimate | None, int]:
         ratios[corpus] = (np.array([e.estimate for e in ests]), np.column_stack([e.draws for e in ests]))
     point = kendall_tau_rows(ratios["synthetic"][0][None], ratios["realistic"][0][None])[0]
     draws = kendall_tau_rows(ratios["synthetic"][1], ratios["realistic"][1])
-    return Estimate(float(point), draws, sum(sizes)), len(codecs)
+    return Estimate(float(point), draws, min(sizes)), len(codecs)  # n: the smaller corpus's documents
 
 
 def _serve_tau(offload: pd.DataFrame, value: str) -> tuple[float, int]:
