@@ -2,10 +2,11 @@
 
     python bench/report_screenshot.py [--report results/report.html] [--out results/bench/report]
 
-Writes one PNG per view: the landing page, and the report's claims, recommendation, correlation
-figure and pipeline-cost pages opened the way a click would open them (a copy of the report with
-a few lines of script appended; the report itself is not changed). Prints the seconds each view
-took. Chromium runs with a fresh profile, no network services and no sandbox (root in a VM).
+Writes one PNG per view: the landing page, and the report's claims, recommendation, differences,
+power, frontier, correlation figure and pipeline-cost pages opened the way a click would open
+them (a copy of the report with a few lines of script appended; the report itself is not
+changed). Prints the seconds each view took. Chromium runs with a fresh profile, no network
+services and no sandbox (root in a VM).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
 # view name -> file name of the registered result to open (None: the landing page)
 VIEWS = {"landing": None, "overview": "overview.html", "claims": "claims.html", "recommendations": "recommendations.html",
+         "differences": "differences.html", "power": "power.html", "frontier": "frontier.png",
          "correlation": "correlation.png", "pipeline_cost": "pipeline_cost.html"}
 OPEN = """
 <script>

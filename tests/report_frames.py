@@ -8,6 +8,7 @@ import itertools
 import math
 from typing import Iterable, Mapping
 
+import numpy as np
 import pandas as pd
 
 from kvbench.report.build import build
@@ -35,13 +36,14 @@ def report(frames: Mapping[str, pd.DataFrame], scenarios: Mapping | None = None,
 
 
 def corpus_stats(synthetic_unique: int = 2, synthetic_tokens: int = 10_000, realistic_tokens: int = 10_000,
-                 realistic_diversity: Mapping[str, float] = {"medical": 14.2, "legal": 9.4}) -> pd.DataFrame:
+                 realistic_diversity: Mapping[str, float] = {"medical": 14.2, "legal": 9.4},
+                 docs: int = 5) -> pd.DataFrame:
     rows = [{"corpus": "synthetic", "domain": "synthetic", "doc_id": f"s{i}", "tokens": synthetic_tokens,
              "unique_tokens": synthetic_unique, "diversity_pct": 100 * synthetic_unique / synthetic_tokens}
             for i in range(3)]
     for domain, div in realistic_diversity.items():
         rows += [{"corpus": "realistic", "domain": domain, "doc_id": f"{domain}{i}", "tokens": realistic_tokens,
-                  "unique_tokens": int(realistic_tokens * div / 100), "diversity_pct": div} for i in range(2)]
+                  "unique_tokens": int(realistic_tokens * div / 100), "diversity_pct": div} for i in range(docs)]
     return pd.DataFrame(rows)
 
 
@@ -54,12 +56,14 @@ def kv_summary(dummy: float, synthetic: float, dtype: str = "bf16", codec: str =
     ])
 
 
-def kv_compressibility(ratios: Mapping[str, Mapping[str, float]], dtype: str = "bf16") -> pd.DataFrame:
-    """ratios[corpus][codec] -> one K row of 1000 raw bytes per corpus x codec, real weights."""
+def kv_compressibility(ratios: Mapping[str, Mapping[str, float]], dtype: str = "bf16", docs: int = 5,
+                       weights: str = "real", jitter: float = 0.0) -> pd.DataFrame:
+    """ratios[corpus][codec] -> one K row of 1000 raw bytes per document x codec (`docs` per corpus),
+    the ratio of document i scaled by 1 + jitter * (i - mid)."""
     return pd.DataFrame([
-        {"corpus": corpus, "weights": "real", "doc_id": f"{corpus}-0", "dtype": dtype, "codec": codec, "part": "K",
-         "raw_bytes": 1000, "compressed_bytes": 1000 / r, "error": None}
-        for corpus, codecs in ratios.items() for codec, r in codecs.items()
+        {"corpus": corpus, "weights": weights, "doc_id": f"{corpus}-{i}", "dtype": dtype, "codec": codec, "part": "K",
+         "raw_bytes": 1000, "compressed_bytes": 1000 / (r * (1 + jitter * (i - (docs - 1) / 2))), "error": None}
+        for corpus, codecs in ratios.items() for codec, r in codecs.items() for i in range(docs)
     ])
 
 
@@ -74,9 +78,11 @@ def serve_offload(rows: Iterable[tuple[str, str, str, float, float]], status: st
 
 
 def system(values: Mapping[str, Mapping[str, float]], prompts: int = 3, target: int = 1024, model: str = "m",
-           errors: Mapping[str, int] | None = None) -> pd.DataFrame:
+           errors: Mapping[str, int] | None = None, noise: float = 0.0) -> pd.DataFrame:
     """values[method] = {column: value}; every prompt gets the same values (ttft_s scaled slightly
-    per prompt), so medians equal them."""
+    per prompt), so medians equal them; `noise`: each row's ttft_s and decode_tok_s also times a
+    seeded lognormal factor of that sd."""
+    rng = np.random.default_rng(0)
     rows = []
     for method, cols in values.items():
         for p in range(prompts):
@@ -87,7 +93,8 @@ def system(values: Mapping[str, Mapping[str, float]], prompts: int = 3, target: 
                    "peak_memory_mb": 1000.0, "error": "RuntimeError: out of memory" if failed else None,
                    "ttft_s_std": 0.0, "repeats": 1}
             row.update(cols)
-            row["ttft_s"] = row["ttft_s"] * (1 + 0.1 * p)
+            row["ttft_s"] = row["ttft_s"] * (1 + 0.1 * p) * rng.lognormal(0, noise)
+            row["decode_tok_s"] = row["decode_tok_s"] * rng.lognormal(0, noise)
             if failed:
                 for col in ("ttft_s", "tpot_s", "decode_tok_s", "kv_bytes_end", "ratio_end"):
                     row[col] = None

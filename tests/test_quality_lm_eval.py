@@ -117,3 +117,40 @@ def test_fake_end_of_sequence_first_is_an_empty_output_row(model, tokenizer, tas
     monkeypatch.setattr(engine, "run", eos_only)
     table, _ = evaluate(model, tokenizer, {"full": {"kind": "full"}}, tasks_dir, CFG, seed=3)
     assert (table.error == "empty output").all() and (table.score == 0).all() and (table.prediction == "").all()
+
+
+def test_simple_evaluate_runs_kvbench_by_name_as_the_pipeline_does(model, tokenizer, model_dir, tasks_dir, tmp_path):
+    import yaml
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    import kvbench.quality  # noqa: F401  (registers the name "kvbench")
+
+    spec = {"kind": "kivi", "bits": 4, "group_size": 32, "residual": 32}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"seed": 3, "methods": {"kivi4": spec}, "quality": {"max_gen_cap": 6}}))
+    tasks = ["kvbench_few_shot", "kvbench_single_doc_qa"]
+    results = simple_evaluate(model="kvbench", model_args=f"model={model_dir},method=kivi4,config={config}",
+                              tasks=tasks, log_samples=True, bootstrap_iters=0,
+                              task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False))
+    by_name = {t: [s["filtered_resps"][0] for s in results["samples"][t]] for t in tasks}
+    assert all(results["results"][t]["score,none"] == results["results"][t]["score,none"] for t in tasks)  # scored
+    # The pipeline's path on the same tasks: the same answers, so the same spec, cap, seed and chat rule
+    # (the task manifest's flags there, the task names here: few-shot plain, QA with the chat template).
+    table, _ = evaluate_method(model, tokenizer, "kivi4", spec, tasks_dir, CFG, seed=3)
+    assert by_name == {t: list(table[table.task == t].sort_values("lm_eval_doc_id").prediction) for t in tasks}
+
+
+def test_by_name_specs_come_from_the_config_or_inline_and_bad_ones_name_the_problem():
+    from kvbench.quality.adapter import method_spec, uses_chat
+
+    config = {"methods": {"kivi4": {"kind": "kivi", "bits": 4}}}
+    assert method_spec("kivi4", config, {"residual": 64}) == {"kind": "kivi", "bits": 4, "residual": 64}
+    assert method_spec("mine", None, {"kind": "snapkv", "keep_ratio": 0.1}) == {"kind": "snapkv", "keep_ratio": 0.1}
+    with pytest.raises(ValueError, match=r"method 'kivi2' is not in the config's methods \(the config's: kivi4\)"):
+        method_spec("kivi2", config, {})
+    with pytest.raises(ValueError, match=r"bits"):
+        method_spec("kivi4", config, {"bits": 3})
+    names = ("kvbench_few_shot", "kvbench_single_doc_qa", "longbench_trec", "longbench_hotpotqa_e",
+             "kvbench_longbench_samsum", "kvbench_longbench_qasper")
+    assert [uses_chat(t) for t in names] == [False, True, False, True, False, True]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -19,9 +20,10 @@ SYSTEM = system({
     "kivi4": {"kv_bytes_end": 0.40e6, "ttft_s": 1.01, "tpot_s": 0.11, "ratio_end": 2.5},
     "snapkv": {"kv_bytes_end": 0.26e6, "ttft_s": 1.03, "tpot_s": 0.09, "ratio_end": 3.9},
     "turboquant3": {"kv_bytes_end": 0.20e6, "ttft_s": 1.20, "tpot_s": 0.40, "ratio_end": 5.0},
-})
+}, prompts=6)
 QUALITY = quality({m: {"single_doc_qa": q} for m, q in
-                   {"full": 0.50, "kivi2": 0.49, "kivi4": 0.50, "snapkv": 0.40, "turboquant3": 0.485}.items()})
+                   {"full": 0.50, "kivi2": 0.49, "kivi4": 0.50, "snapkv": 0.40, "turboquant3": 0.485}.items()},
+                  samples=6)
 MEMORY = {"limits": {"kv_bytes": {"max": 0.30, "relative": True}, "quality": {"min": 0.95, "relative": True}},
           "prefer": {"max": "quality"}}
 LATENCY = {"limits": {"ttft_s": {"max": 1.05, "relative": True}, "tpot_s": {"max": 1.20, "relative": True}},
@@ -37,7 +39,9 @@ def test_memory_bound_picks_the_best_quality_within_the_limits():
     # kivi2 (0.25x, 0.98x) and turboquant3 (0.20x, 0.97x) qualify; snapkv fails quality, kivi4 bytes.
     assert (row["best"], row["runner_up"], row["qualifying"], row["candidates"]) == ("kivi2", "turboquant3", 2, 5)
     assert row["best_value"] == pytest.approx(0.49)
-    assert "kv_bytes 0.25 MB (0.25x full)" in row["numbers"] and "runner-up turboquant3" in row["why"]
+    assert "kv_bytes 0.25 MB (0.25x full [0.25, 0.25]), n = 6 prompts" in row["numbers"]
+    assert "quality 0.49 [0.47, 0.51] (0.98x full [0.979, 0.981]), n = 6 samples" in row["numbers"]
+    assert "runner-up turboquant3" in row["why"] and (row["best_n"], row["best_ci_low"]) == (6, pytest.approx(0.47))
 
 
 def test_changing_the_scenario_changes_the_answer():
@@ -54,7 +58,7 @@ def test_none_qualifies_names_the_closest_method_and_its_misses():
     strict = {"limits": {"kv_bytes": {"max": 0.1, "relative": True}}, "prefer": {"min": "kv_bytes"}}
     (row,) = recs({"strict": strict}).to_dict("records")
     assert row["best"] == NONE and row["qualifying"] == 0
-    assert "closest turboquant3 misses kv_bytes <= 0.1x full (0.2)" in row["why"]
+    assert "closest turboquant3 misses kv_bytes <= 0.1x full (0.2 [0.2, 0.2])" in row["why"]
 
 
 def test_an_unmeasured_column_cannot_be_met():
@@ -65,14 +69,14 @@ def test_an_unmeasured_column_cannot_be_met():
 
 def test_a_method_that_failed_on_a_sample_does_not_qualify():
     failing = system({"full": {"kv_bytes_end": 1e6}, "kivi2": {"kv_bytes_end": 0.25e6},
-                      "snapkv": {"kv_bytes_end": 0.26e6}}, errors={"kivi2": 1})
+                      "snapkv": {"kv_bytes_end": 0.26e6}}, errors={"kivi2": 1}, prompts=6)
     cheap = {"limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"min": "kv_bytes"}}
     (row,) = recs({"cheap": cheap}, frames={"system": failing}).to_dict("records")
     assert row["best"] == "snapkv"
 
 
 def test_one_answer_per_model_category_and_bucket():
-    long = system({"full": {}, "kivi2": {"kv_bytes_end": 0.2e6}}, target=6000)
+    long = system({"full": {}, "kivi2": {"kv_bytes_end": 0.2e6}}, target=6000, prompts=6)
     frames = {"system": pd.concat([SYSTEM, long])}
     rows = recs({"latency-bound": LATENCY}, frames=frames)
     assert sorted(rows.bucket) == ["0-4k", "4-8k"]
@@ -110,8 +114,8 @@ def test_an_unknown_baseline_is_refused_with_the_key_named():
 
 def test_a_method_only_the_system_stage_ran_can_be_named_and_is_said_to_lack_quality():
     sys_rows = system({"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.4e6},
-                       "cam": {"kv_bytes_end": 0.25e6}})
-    scores = quality({"full": {"qa": 0.5}, "kivi4": {"qa": 0.5}})
+                       "cam": {"kv_bytes_end": 0.25e6}}, prompts=6)
+    scores = quality({"full": {"qa": 0.5}, "kivi4": {"qa": 0.5}}, samples=6)
     frames = {"system": sys_rows, "quality_scores": scores}
     small = {"limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"min": "kv_bytes"}}
     (row,) = recs({"small": small}, frames=frames).to_dict("records")
@@ -123,13 +127,15 @@ def test_a_method_only_the_system_stage_ran_can_be_named_and_is_said_to_lack_qua
 
 def test_a_method_whose_preferred_column_was_not_measured_is_never_named():
     # decode_tok_s comes from the system stage only: snapkv50 (quality only) has none
-    frames = {"system": SYSTEM, "quality_scores": pd.concat([QUALITY, quality({"snapkv50": {"single_doc_qa": 0.5}})])}
+    frames = {"system": SYSTEM, "quality_scores": pd.concat([QUALITY, quality({"snapkv50": {"single_doc_qa": 0.5}},
+                                                                                samples=6)])}
     fast = {"limits": {"quality": {"min": 0.99, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
     (row,) = recs({"fast": fast}, frames=frames).to_dict("records")
     assert "snapkv50" not in (row["best"], row["runner_up"]) and row["best"] in ("full", "kivi4")
     # snapkv50 alone meets the limit: without a decode_tok_s it is still not named
     only = {"limits": {"quality": {"min": 1.1, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
-    frames = {"system": system({"full": {}}), "quality_scores": quality({"full": {"q": 0.5}, "snapkv50": {"q": 0.6}})}
+    frames = {"system": system({"full": {}}, prompts=6),
+              "quality_scores": quality({"full": {"q": 0.5}, "snapkv50": {"q": 0.6}}, samples=6)}
     (row,) = recs({"only": only}, frames=frames).to_dict("records")
     assert row["best"] == NONE and row["qualifying"] == 0
 
@@ -137,7 +143,7 @@ def test_a_method_whose_preferred_column_was_not_measured_is_never_named():
 def test_ties_are_broken_by_a_second_measured_column_or_reported():
     tied = system({"full": {"kv_bytes_end": 1e6, "decode_tok_s": 10.0},
                    "kivi4": {"kv_bytes_end": 0.4e6, "decode_tok_s": 10.0},
-                   "snapkv": {"kv_bytes_end": 0.4e6, "decode_tok_s": 10.0}})
+                   "snapkv": {"kv_bytes_end": 0.4e6, "decode_tok_s": 10.0}}, prompts=6)
     fast = {"limits": {"ttft_s": {"max": 2.0, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
     (row,) = recs({"fast": fast}, frames={"system": tied}).to_dict("records")
     assert row["best"] == "tie: kivi4 = snapkv" and row["runner_up"] == "full"
@@ -146,3 +152,46 @@ def test_ties_are_broken_by_a_second_measured_column_or_reported():
     (row,) = recs({"fast": fast}, frames={"system": broken}).to_dict("records")
     assert row["best"] == "snapkv" and row["runner_up"] == "kivi4"
     assert "tied on decode_tok_s with kivi4, full; the smaller kv_bytes decides" in row["why"]
+
+
+def test_a_limit_is_met_only_by_the_intervals_unfavourable_end():
+    # kivi4 scores 0.96x full on average, but samples spread +-0.15: its interval holds 0.95
+    rng = np.random.default_rng(0)
+    scores = quality({m: {"qa": q} for m, q in {"full": 0.5, "kivi4": 0.48, "kivi2": 0.3}.items()}, samples=8)
+    scores.loc[scores.method == "kivi4", "score"] += rng.normal(0, 0.15, 8)
+    sys_rows = system({"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.25e6},
+                       "kivi2": {"kv_bytes_end": 0.15e6}}, prompts=6)
+    (row,) = recs({"memory-bound": MEMORY}, frames={"system": sys_rows, "quality_scores": scores}).to_dict("records")
+    assert row["best"] == "undecided at n = 8 samples" and row["undecided"] == "kivi4" and row["qualifying"] == 0
+    assert "quality >= 0.95x full" in row["why"] and "n = 8 samples" in row["why"]
+    # the same mean without the spread: decided, with the pick's interval and n
+    steady = quality({m: {"qa": q} for m, q in {"full": 0.5, "kivi4": 0.49, "kivi2": 0.3}.items()}, samples=8)
+    (row,) = recs({"memory-bound": MEMORY}, frames={"system": sys_rows, "quality_scores": steady}).to_dict("records")
+    assert row["best"] == "kivi4" and row["best_n"] == 8 and row["best_ci_low"] <= 0.49 <= row["best_ci_high"]
+
+
+def test_a_better_method_still_undecided_is_named_next_to_the_pick():
+    rng = np.random.default_rng(1)
+    scores = quality({m: {"qa": q} for m, q in {"full": 0.5, "kivi4": 0.49, "kivi2": 0.499}.items()}, samples=8)
+    scores.loc[scores.method == "kivi2", "score"] += rng.normal(0, 0.15, 8)
+    sys_rows = system({"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.25e6},
+                       "kivi2": {"kv_bytes_end": 0.15e6}}, prompts=6)
+    small = {"limits": {"quality": {"min": 0.95, "relative": True}}, "prefer": {"min": "kv_bytes"}}
+    (row,) = recs({"small": small}, frames={"system": sys_rows, "quality_scores": scores}).to_dict("records")
+    assert row["best"] == "kivi4" and "kivi2 might do better but is undecided at n = 8 samples" in row["why"]
+
+
+def test_too_few_units_leave_every_answer_undecided():
+    (row,) = recs({"memory-bound": MEMORY}, frames={"system": system({"full": {"kv_bytes_end": 1e6}, "kivi2": {
+        "kv_bytes_end": 0.25e6}}, prompts=3), "quality_scores": quality({"full": {"qa": 0.5}, "kivi2": {"qa": 0.5}},
+                                                                         samples=3)}).to_dict("records")
+    assert row["best"].startswith("undecided at n = 3") and "no interval" in row["why"]
+
+
+def test_each_protocol_gets_its_own_answer_and_says_which_it_read():
+    qa = quality({m: {"qa": q} for m, q in {"full": 0.5, "kivi2": 0.49, "turboquant3": 0.40}.items()}, samples=6)
+    co = quality({m: {"qa": q} for m, q in {"full": 0.5, "kivi2": 0.30, "turboquant3": 0.49}.items()}, samples=6)
+    frames = {"system": SYSTEM, "quality_scores": pd.concat([qa.assign(protocol="query-aware"),
+                                                             co.assign(protocol="context-only")])}
+    rows = recs({"memory-bound": MEMORY}, frames=frames).set_index("protocol").best
+    assert rows.to_dict() == {"context-only": "turboquant3", "query-aware": "kivi2"}

@@ -178,18 +178,19 @@ def test_cost_table_sums_job_seconds_per_rule_and_stage(tmp_path):
 
 def test_every_report_table_takes_the_provenance_columns(tmp_path):
     from kvbench.provenance import PROVENANCE_COLUMNS, write_table
-    from kvbench.report.build import table_provenance
+    from kvbench.report.build import TABLES, table_provenance
     from report_frames import corpus_stats, kv_summary
 
-    built = report({"system": system({"full": {}, "kivi4": {}, "cam": {}}), "corpus_stats": corpus_stats(),
-                    "kv_summary": kv_summary(30, 1.2)},
+    built = report({"system": system({"full": {}, "kivi4": {}, "cam": {}}, prompts=6), "corpus_stats": corpus_stats(),
+                    "kv_summary": kv_summary(30, 1.2),
+                    "quality_scores": quality({m: {"qa": 0.5} for m in ("full", "kivi4")}, samples=6)},
                    scenarios={"s": {"limits": {"ttft_s": {"max": 2, "relative": True}}, "prefer": {"max": "ratio"}}})
     prov = {col: "x" for col in PROVENANCE_COLUMNS} | {"seed": 1234}
-    for name in ("methods", "corpora", "correlations", "claims", "recommendations", "stages"):
+    for name in TABLES:
         table = getattr(built, name)
         write_table(table, tmp_path / f"{name}.parquet", table_provenance(table, prov))
         back = pd.read_parquet(tmp_path / f"{name}.parquet")
-        assert set(back.seed) == {1234} and back[list(PROVENANCE_COLUMNS)].notna().all().all(), name
+        assert len(back) and set(back.seed) == {1234} and back[list(PROVENANCE_COLUMNS)].notna().all().all(), name
 
 
 def test_pages_are_self_contained_and_escape_text():

@@ -8,7 +8,7 @@ from kvbench.provenance import provenance, write_table
 from kvbench.report import build as rb
 from kvbench.report.contracts import CONTRACTS, load_tables
 from kvbench.report.costs import pipeline_cost, read_benchmarks
-from kvbench.report.figures import correlation_figure, tradeoff_figure
+from kvbench.report.figures import correlation_figure, frontier_figure, tradeoff_figure
 
 
 def write(table, path, prov):
@@ -26,16 +26,20 @@ with job_log(snakemake.log[0], snakemake.config):
     report = rb.build(tables, cfg, snakemake.params.methods, snakemake.params.seed)
     costs = pipeline_cost(read_benchmarks(os.getcwd(), snakemake.params.benchmarks))
     print(report.stages.to_string(index=False))
-    print(report.claims[["claim_id", "model", "verdict", "ours"]].to_string(index=False))
-    print(report.recommendations[["scenario", "model", "category", "bucket", "best", "why"]].to_string(index=False))
+    print(report.claims[["claim_id", "model", "protocol", "verdict", "ours"]].to_string(index=False))
+    print(report.recommendations[["scenario", "model", "protocol", "category", "bucket", "best", "why"]]
+          .to_string(index=False))
     prov = provenance(snakemake.config, model=",".join(sorted(set(report.methods.model))) or "-")
-    for name in ("methods", "corpora", "correlations", "claims", "recommendations", "stages"):
+    for name in rb.TABLES:
         write(getattr(report, name), out[name], prov)
     write(costs, out.costs, prov)
     write_text(out.overview_html, rb.overview_page(report))
     write_text(out.claims_html, rb.claims_page(report))
     write_text(out.recommendations_html, rb.recommendations_page(report, cfg["baseline"]))
     write_text(out.correlations_html, rb.correlations_page(report))
+    write_text(out.differences_html, rb.differences_page(report))
+    write_text(out.power_html, rb.power_page(report))
     write_text(out.costs_html, rb.costs_page(costs))
     correlation_figure(report.correlations, out.correlation_png, out.correlation_svg)
-    tradeoff_figure(report.methods, cfg["baseline"], out.tradeoff_png, out.tradeoff_svg)
+    tradeoff_figure(report.methods, cfg["baseline"], out.tradeoff_png, out.tradeoff_svg, snakemake.params.methods)
+    frontier_figure(report.differences, snakemake.params.methods, out.frontier_png, out.frontier_svg)

@@ -9,13 +9,24 @@ capped at `max_gen_cap` tokens, stopping at the task's stop strings after leadin
 the others are kept (`answers`, `records`) and scored by kvbench.quality.run through each task's own
 `process_results`. Requests never share a cache, and lm-eval's response cache is not used: it is
 keyed by the request, not by the method.
+
+By name, through lm-eval's own API (after `import kvbench.quality`, which registers it):
+`simple_evaluate(model="kvbench", model_args="model=<folder>,method=kivi4,config=config/config.yaml", ...)`.
+`model` is a Hugging Face model folder; the method's spec is the config file's `methods:` entry of
+that name (its `seed` and `quality:` settings apply too) with any inline settings (`bits=2`) over
+it, or, without a config entry, the inline settings alone (`method=mine,kind=kivi,bits=4`). The rest
+defaults to the pipeline's: float32 on the CPU, LongBench's own maximum generation lengths (no cap),
+middle truncation at the model's context - 500, LongBench's chat-template rule per task name, and
+the query-aware protocol (`protocol=context_only` for the other).
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 import sys
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 from lm_eval.api.instance import Instance
@@ -27,6 +38,43 @@ from kvbench.harness import context_bucket
 from kvbench.prompts import chat_ids
 from kvbench.quality import engine
 from kvbench.quality.engine import QUERY_AWARE, Prompt
+
+
+# model_args the by-name path reads itself; any other is a setting of the method's spec.
+OPTIONS = ("model", "method", "config", "seed", "max_gen_cap", "max_prompt_tokens", "dtype", "device", "top_k",
+           "plain_tasks", "protocol")
+NO_CAP = 1 << 30  # LongBench's own maximum generation length decides
+
+
+def uses_chat(task: str) -> bool:
+    """LongBench's rule (pred.py) for a task named by lm-eval: no chat template for its few-shot and
+    code datasets (lm-eval's `longbench_*` and kvbench's imported `kvbench_longbench_*` tasks), and
+    for kvbench's own tasks what the task's builder says; the chat template otherwise."""
+    from kvbench.quality.kinds import LONGBENCH_CATEGORY, dataset_of
+    from kvbench.quality.longbench import NO_CHAT
+
+    name = task.removeprefix("kvbench_")
+    dataset = dataset_of(name)
+    if name.startswith("longbench_") and dataset in LONGBENCH_CATEGORY:
+        return dataset not in NO_CHAT
+    try:
+        return bool(importlib.import_module(f"kvbench.quality.tasks.{name}").SPEC.chat)
+    except ModuleNotFoundError:
+        return True
+
+
+def method_spec(method: str, config: Mapping[str, Any] | None, inline: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's entry for `method` with `inline` settings over it, checked as the config is."""
+    from kvbench.methods.kinds import check_spec
+
+    methods = (config or {}).get("methods") or {}
+    if method not in methods and "kind" not in inline:
+        known = f" (the config's: {', '.join(sorted(methods))})" if methods else ""
+        raise ValueError(f"kvbench: method {method!r} is not in the config's methods{known}; name one, or give its "
+                         "settings inline (kind=...,bits=...)")
+    spec = {**methods.get(method, {}), **inline}
+    check_spec(spec)
+    return spec
 
 
 def prompt_key(task: str, doc: Mapping[str, Any] | None, doc_id: int) -> str:
@@ -78,7 +126,7 @@ def split_point(tokenizer: Any, text: str, ids: list[int], chat: bool, context: 
 class KvbenchLM(LM):
     def __init__(
         self, model: Any, tokenizer: Any, methods: Mapping[str, dict[str, Any]], *, seed: int, max_gen_cap: int,
-        max_prompt_tokens: int, plain_tasks: frozenset[str] = frozenset(), protocols: tuple[str, ...] = (QUERY_AWARE,),
+        max_prompt_tokens: int, plain_tasks: frozenset[str] | None = frozenset(), protocols: tuple[str, ...] = (QUERY_AWARE,),
         reference: str | None = None, references: dict[str, Reference] | None = None, top_k: int | None = None,
         fidelity_positions: int | None = None, prompts_per_batch: int = 8, max_rows: int = 64,
     ) -> None:
@@ -96,6 +144,44 @@ class KvbenchLM(LM):
         self.cost = engine.Cost()  # the timed runs' (the warm-up's is left out)
         self.warm = False
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "KvbenchLM":
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "KvbenchLM":
+        """The by-name path (module docstring): load the folder's model and tokenizer, resolve the
+        method's spec, take the rest from the config's `quality:` section or the defaults."""
+        import torch
+        import yaml
+
+        from kvbench.models import load_model, load_tokenizer
+        from kvbench.quality.run import max_prompt_tokens
+
+        args = dict(arg_dict)
+        if "model" not in args or "method" not in args:
+            raise ValueError("kvbench: model_args needs model=<model folder> and method=<name>")
+        config = yaml.safe_load(Path(args["config"]).read_text()) if args.get("config") else {}
+        quality = config.get("quality") or {}
+        inline = {k: v for k, v in args.items() if k not in OPTIONS}
+        method = str(args["method"])
+        spec = method_spec(method, config, inline)
+        seed = int(args.get("seed", config.get("seed", 0)))
+        device = str(args.get("device") or (additional_config or {}).get("device") or quality.get("device", "cpu"))
+        dtype = getattr(torch, str(args.get("dtype", quality.get("compute_dtype", "float32"))))
+        model = load_model(args["model"], "real", seed, dtype, device)
+        cap = args.get("max_gen_cap", quality.get("max_gen_cap"))
+        prompt_cap = args.get("max_prompt_tokens", quality.get("max_prompt_tokens"))
+        plain = args.get("plain_tasks")
+        return cls(model, load_tokenizer(args["model"]), {method: spec}, seed=seed,
+                   protocols=(str(args.get("protocol", QUERY_AWARE)),),
+                   max_gen_cap=int(cap) if cap else NO_CAP,
+                   max_prompt_tokens=max_prompt_tokens({"max_prompt_tokens": prompt_cap}, model),
+                   plain_tasks=frozenset(str(plain).split("|")) if plain else None,
+                   top_k=args.get("top_k", quality.get("reference_top_k")))
+
     def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
         raise NotImplementedError("the kvbench model runs generation tasks (LongBench) only")
 
@@ -111,8 +197,13 @@ class KvbenchLM(LM):
             half = self.max_prompt_tokens // 2
             text = (self.tokenizer.decode(raw[:half], skip_special_tokens=True)
                     + self.tokenizer.decode(raw[-half:], skip_special_tokens=True))
-        ids = list(self.tokenizer(text).input_ids) if task in self.plain_tasks else chat_ids(self.tokenizer, text)
+        ids = chat_ids(self.tokenizer, text) if self.chat(task) else list(self.tokenizer(text).input_ids)
         return ids, text, len(raw), truncated
+
+    def chat(self, task: str) -> bool:
+        """Whether `task`'s prompts take the chat template: the pipeline says which tasks are plain;
+        by name, LongBench's rule (`uses_chat`)."""
+        return task not in self.plain_tasks if self.plain_tasks is not None else uses_chat(task)
 
     def _prepare(self, request: Instance) -> Prompt:
         text, gen_kwargs = request.args
@@ -120,7 +211,7 @@ class KvbenchLM(LM):
         until = [u for u in (gen_kwargs.get("until") or []) if u]
         longbench_max = int(gen_kwargs.get("max_gen_toks", self.max_gen_cap))
         ids, final, raw_tokens, truncated = self.prompt(task, text)
-        split, note = split_point(self.tokenizer, final, ids, task not in self.plain_tasks, (request.doc or {}).get("context"))
+        split, note = split_point(self.tokenizer, final, ids, self.chat(task), (request.doc or {}).get("context"))
         self.until[key] = until
         self.prompt_info[key] = {
             "max_gen_tokens": longbench_max, "max_gen_cap": self.max_gen_cap,

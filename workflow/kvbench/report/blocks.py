@@ -53,15 +53,26 @@ def interval(row: pd.Series, column: str) -> str:
 
 # --- stage tables -------------------------------------------------------------------------------
 
+def _interval(estimate: pd.Series, low: pd.Series, high: pd.Series) -> list[str]:
+    return ["" if e != e else f"{e:.3g} [{lo:.3g}, {hi:.3g}]" if lo == lo else f"{e:.3g} (no interval)"
+            for e, lo, hi in zip(estimate, low, high)]
+
+
 def _claims(t: pd.DataFrame) -> pd.DataFrame:
-    t = t.assign(claim=t.origin + ": " + t.claim)
-    return t[["claim", "seed_number", "model", "ours", "verdict", "source"]].rename(
-        columns={"seed_number": "seed's number"})
+    """Each verdict with the test it rests on: statistic, interval, n, MDE, the n the stated effect
+    needs, and the Holm-adjusted p-value."""
+    n = ["" if v != v else f"{v:.0f} {u}" for v, u in zip(t.n, t.unit)]
+    return pd.DataFrame({
+        "claim": t.origin + ": " + t.claim, "seed's number": t.seed_number, "model": t.model, "protocol": t.protocol,
+        "ours": t.ours, "verdict": t.verdict, "test": t.compared.fillna("") + "; " + t.statistic.fillna(""),
+        "interval": _interval(t.estimate, t.ci_low, t.ci_high), "n": n, "MDE": t.mde, "n needed": t.n_needed,
+        "p (Holm)": t.p_holm, "source": t.source})
 
 
 def _recommendations(t: pd.DataFrame) -> pd.DataFrame:
-    return t[["scenario", "model", "category", "bucket", "best", "runner_up", "why"]].rename(
-        columns={"runner_up": "runner-up"})
+    shown = ["scenario", "model", "protocol", "category", "bucket", "best", "interval", "best_n", "runner_up", "why"]
+    return t.assign(interval=_interval(t.best_value, t.best_ci_low, t.best_ci_high))[shown].rename(
+        columns={"runner_up": "runner-up", "best_n": "n", "interval": "preferred value [interval]"})
 
 
 def _costs(t: pd.DataFrame) -> pd.DataFrame:

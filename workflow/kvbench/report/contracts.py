@@ -67,6 +67,14 @@ CONTRACTS: dict[str, Contract] = {
               "tpot_s", "decode_tok_s", "kv_bytes_end", "ratio_end", "peak_memory_mb", "error"),
         optional=_same("ttft_s_std", "repeats"),
     ),
+    # Issue 18 (paired timing): per model, one row per method x prompt x repeat; the runs of one
+    # (prompt, repeat) ran in one process, interleaved, so they pair with the baseline's.
+    "system_runs": Contract(
+        "system", "results/system/{model}/runs.parquet",
+        _same("model", "method", "prompt_id", "corpus", "repeat", "ttft_s", "tpot_s", "decode_tok_s", "kv_bytes_end",
+              "ratio_end", "error"),
+        optional=_same("kind", "params", "e2e_s", "bucket", "target_context", "context_tokens"),
+    ),
     # Issue 9 (quality): per model, one row per method x task x sample (categories: CATEGORY_* below).
     "quality_scores": Contract(
         "quality", "results/quality/{model}/scores.parquet",
@@ -74,14 +82,16 @@ CONTRACTS: dict[str, Contract] = {
          "sample": "sample_id"},
         # Per-sample timings and bytes of the same pass (issue 9, item 3); "empty output" rows keep
         # their score (an empty answer scores 0): only a null score is a failed sample.
-        optional={"ttft_s": "ttft_s", "tpot_s": "tpot_s", "kv_bytes": "kv_bytes_end", "ratio": "ratio_end"},
+        optional={"ttft_s": "ttft_s", "tpot_s": "tpot_s", "kv_bytes": "kv_bytes_end", "ratio": "ratio_end",
+                  **_same("protocol", "kind", "params")},
     ),
     "quality_fidelity": Contract(
         "quality", "results/quality/{model}/fidelity.parquet",
         {**_same("model", "method", "category", "kl_mean", "top1_agreement", "first_divergence", "error"),
          "sample": "sample_id"},
         # first_divergence is null where the outputs are identical: the continuation's length then.
-        optional={"bucket": "bucket", "positions": "fidelity_positions"},
+        # protocol: absent before issue 18 (one protocol, query-aware); kl_first: the first answer token.
+        optional={"bucket": "bucket", "positions": "fidelity_positions", **_same("protocol", "task", "kl_first")},
     ),
     # Issue 11 (serve): per backend x codec x corpus. Bytes and ratio exist only for backends that
     # store through a codec (valkey), TTFT and hits only for rows that ran (not "unsupported").
@@ -98,6 +108,10 @@ CONTRACTS: dict[str, Contract] = {
 
 # Task category names of the quality stage that claims refer to.
 CATEGORY_SUMMARIZATION = "summarization"
+# The quality stage's protocols (issue 18). Tables without a `protocol` column come from the stage
+# before it, which compressed after the whole prompt: they read as this protocol.
+QUERY_AWARE, CONTEXT_ONLY = "query-aware", "context-only"
+DEFAULT_PROTOCOL = QUERY_AWARE
 
 STAGES = ("corpus", "kv", "system", "quality", "serve")
 

@@ -5,14 +5,19 @@ a paired bootstrap interval over samples (the same resampled samples for every m
 The quality categories hold few samples each on a small run (below MIN_SAMPLES: no interval), so
 each model also gets one row per outcome over all its categories pooled (category POOLED). Its
 bootstrap resamples samples across categories (not within them: with one or two samples per
-category a stratified draw would hardly vary), so differences between categories widen it."""
+category a stratified draw would hardly vary), so differences between categories widen it.
+Quality rows are per protocol. `methods_differ_p` tests whether the methods differ in the outcome
+at all (kvbench.report.bootstrap.equal_means_test): where they do not, no rank correlation with
+anything can be told from noise."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from kvbench.report.contracts import CONTRACTS, Tables
+from kvbench.report.bootstrap import equal_means_test, rng_for
+from kvbench.report.contracts import CONTRACTS, DEFAULT_PROTOCOL, Tables
 from kvbench.report.joined import SYSTEM_CATEGORY, workload_prompts
+from kvbench.report.samples import with_protocol
 from kvbench.report.stats import bootstrap_spearman
 
 OUTCOMES = ("quality", "ttft_s", "tpot_s")
@@ -31,14 +36,14 @@ def _broadcast(per_method: pd.Series, like: pd.DataFrame) -> pd.DataFrame:
 
 
 def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
-    """(model, category, outcome, source, x, y) from the quality stage: the ratio per sample
+    """(model, protocol, category, outcome, source, x, y) from the quality stage: the ratio per sample
     if it recorded one, else each method's median ratio over the system stage's workload prompts.
     Every scored sample counts (an empty output scores 0); per category, and pooled per model."""
     ratio_of = None
     if system is not None:
         sys_ok = workload_prompts(system[system.error.isna()])
         ratio_of = sys_ok.groupby(["model", "method"]).ratio_end.median()
-    for model, part in scores.groupby("model"):
+    for (model, protocol), part in with_protocol(scores).groupby(["model", "protocol"]):
         groups = [(c, rows) for c, rows in part.groupby("category")]
         if len(groups) > 1:
             groups.append((POOLED, part))
@@ -56,7 +61,7 @@ def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
                     src = f"{scores_path} + ratio from {CONTRACTS['system'].path}"
                 else:
                     continue
-                yield model, category, outcome, src, x, y
+                yield model, protocol, category, outcome, src, x, y
 
 
 def _system_pairs(system: pd.DataFrame):
@@ -64,7 +69,8 @@ def _system_pairs(system: pd.DataFrame):
     for model, part in rows.groupby("model"):
         x = _matrix(part, ["prompt_id"], "ratio_end")
         for outcome in ("ttft_s", "tpot_s"):
-            yield model, SYSTEM_CATEGORY, outcome, CONTRACTS["system"].path, x, _matrix(part, ["prompt_id"], outcome)
+            yield (model, DEFAULT_PROTOCOL, SYSTEM_CATEGORY, outcome, CONTRACTS["system"].path, x,
+                   _matrix(part, ["prompt_id"], outcome))
 
 
 def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.95) -> pd.DataFrame:
@@ -72,15 +78,18 @@ def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.9
     pairs = []
     if scores is not None:
         pairs += list(_quality_pairs(scores, system))
-    covered = {(m, o) for m, _, o, *_ in pairs}
+    covered = {(m, o) for m, _, _, o, *_ in pairs}
     if system is not None:  # TTFT and TPOT from the system stage where the quality pass has none
-        pairs += [p for p in _system_pairs(system) if (p[0], p[2]) not in covered]
+        pairs += [p for p in _system_pairs(system) if (p[0], p[3]) not in covered]
     rows = []
-    for model, category, outcome, source, x, y in pairs:
+    for model, protocol, category, outcome, source, x, y in pairs:
         r = bootstrap_spearman(x, y, n_boot, seed, level)
-        rows.append({"model": model, "category": category, "outcome": outcome, "rho": r.rho, "ci_low": r.ci_low,
-                     "ci_high": r.ci_high, "methods": r.n_items, "samples": r.n_samples, "level": level,
-                     "bootstrap": n_boot, "bootstrap_seed": seed, "source": source})
-    columns = ["model", "category", "outcome", "rho", "ci_low", "ci_high", "methods", "samples", "level",
-               "bootstrap", "bootstrap_seed", "source"]
+        differ, _ = equal_means_test(y.to_numpy(float), n_boot, rng_for(seed, "correlations", model, protocol,
+                                                                          category, outcome))
+        rows.append({"model": model, "protocol": protocol, "category": category, "outcome": outcome, "rho": r.rho,
+                     "ci_low": r.ci_low, "ci_high": r.ci_high, "methods": r.n_items, "samples": r.n_samples,
+                     "methods_differ_p": differ, "level": level, "bootstrap": n_boot, "bootstrap_seed": seed,
+                     "source": source})
+    columns = ["model", "protocol", "category", "outcome", "rho", "ci_low", "ci_high", "methods", "samples",
+               "methods_differ_p", "level", "bootstrap", "bootstrap_seed", "source"]
     return pd.DataFrame(rows, columns=columns)

@@ -1,25 +1,31 @@
-"""Joined tables of the report: per model x method x task category x context bucket (quality,
-fidelity, TTFT, TPOT, measured bytes and ratio, each also relative to the baseline method), and
-per corpus (diversity, KV compressibility, bytes on the wire)."""
+"""Joined tables of the report: per model x method x protocol x task category x context bucket
+(quality, fidelity, TTFT, TPOT, measured bytes and ratio, each also relative to the baseline
+method, each with its bootstrap interval), and per corpus (diversity, KV compressibility, bytes on
+the wire)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pandas as pd
 
 from kvbench.kv.summary import pooled_ratios
-from kvbench.report.contracts import CONTRACTS, Tables
+from kvbench.report.bootstrap import Estimate
+from kvbench.report.cells import ALL, quality_panel, system_panel
+from kvbench.report.contracts import CONTRACTS, DEFAULT_PROTOCOL, Tables
+from kvbench.report.samples import CONTROL_CORPUS, paired_quality, system_units
 
 # Without a quality stage the system prompts are the only workload: their rows get this category.
 SYSTEM_CATEGORY = "system prompts"
-CONTROL_CORPUS = "synthetic"  # the "hi hi hi" control: not a workload a recommendation is for
-KEYS = ["model", "method", "category", "bucket"]
-# Measured columns a scenario may limit or rank by; each also exists as <name>_rel (/ baseline).
+KEYS = ["model", "method", "protocol", "category", "bucket"]
+# Measured columns a scenario may limit or rank by; each also exists as <name>_rel (/ baseline),
+# and both with their interval (<name>_low, <name>_high, <name>_rel_low, <name>_rel_high) and the
+# units behind them (<name>_n: samples, or prompts for the system stage's columns).
 MEASURED = ["quality", "kl_mean", "top1_agreement", "first_divergence", "ttft_s", "tpot_s", "decode_tok_s",
             "kv_bytes", "ratio", "peak_memory_mb"]
-
+BOUNDS = ["low", "high", "rel_low", "rel_high", "n"]
 
 def _sources(tables: Tables, *names: str) -> str:
     """Provenance of the stage tables a row was built from (JSON)."""
@@ -42,141 +48,194 @@ def workload_prompts(system: pd.DataFrame) -> pd.DataFrame:
 # Per-sample timings and bytes the quality pass records: per category, they replace the system
 # stage's numbers (measured on other prompts at another length) wherever they exist.
 PER_SAMPLE = ["ttft_s", "tpot_s", "kv_bytes", "ratio"]
+TIMINGS = ["ttft_s", "tpot_s"]
 SYSTEM_ONLY = ["decode_tok_s", "peak_memory_mb"]
 QUALITY_COLUMNS = ["quality", "kl_mean", "top1_agreement", "first_divergence"]
 
 
-def system_cells(system: pd.DataFrame) -> pd.DataFrame:
-    """Medians over the workload prompts per model x method x bucket; errors counted, not hidden."""
-    rows = workload_prompts(system)
-    ok = rows[rows.error.isna()]
-    med = ok.groupby(["model", "method", "bucket"], as_index=False).agg(
-        ttft_s=("ttft_s", "median"), tpot_s=("tpot_s", "median"), decode_tok_s=("decode_tok_s", "median"),
-        kv_bytes=("kv_bytes_end", "median"), ratio=("ratio_end", "median"),
-        peak_memory_mb=("peak_memory_mb", "max"),
-    )
-    counts = rows.groupby(["model", "method", "bucket"], as_index=False).agg(
-        prompts=("prompt_id", "size"), system_errors=("error", lambda e: int(e.notna().sum())))
-    return counts.merge(med, on=["model", "method", "bucket"], how="left")
+def _put(out: dict, column: str, value: Estimate | None, rel: Estimate | None, level: float) -> None:
+    """column, column_rel and their intervals and n from an estimate of the value and one of its
+    ratio to the baseline (None: not defined)."""
+    for suffix, est in (("", value), ("_rel", rel)):
+        if est is None:
+            out |= {f"{column}{suffix}{end}": math.nan for end in ("", "_low", "_high")}
+            continue
+        iv = est.interval(level, null=1.0 if suffix else 0.0)
+        out |= {f"{column}{suffix}": est.estimate, f"{column}{suffix}_low": iv.low, f"{column}{suffix}_high": iv.high}
+    out[f"{column}_n"] = (value or rel).n if (value or rel) is not None else 0
 
 
-def quality_cells(scores: pd.DataFrame) -> pd.DataFrame:
-    """Mean score per cell over every scored sample. An "empty output" keeps its score (an empty
-    answer is a wrong one): it is counted in `empty_outputs`, not dropped; only a sample without a
-    score is a failure (`quality_errors`). Timings and bytes: medians of the pass's own samples."""
-    scored = scores[scores.score.notna()]
-    mean = scored.groupby(KEYS, as_index=False).agg(quality=("score", "mean"))
-    counts = scores.groupby(KEYS, as_index=False).agg(
-        samples=("sample", "size"), quality_errors=("score", lambda s: int(s.isna().sum())),
-        empty_outputs=("error", lambda e: int((e == "empty output").sum())))
-    timed = scores.astype({c: float for c in PER_SAMPLE}).groupby(KEYS, as_index=False)[PER_SAMPLE].median()
-    return counts.merge(mean, on=KEYS, how="left").merge(timed, on=KEYS, how="left")
+def _log_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where((num > 0) & (den > 0), np.log(num / den), np.nan)
 
 
-def fidelity_cells(fidelity: pd.DataFrame) -> pd.DataFrame:
-    """Per cell: KL and top-1 agreement pooled over positions (weighted by each sample's positions,
-    as the quality stage's summary pools them), median first divergence."""
-    keys = [k for k in KEYS if k != "bucket" or fidelity["bucket"].notna().any()]
-    ok = fidelity[fidelity.kl_mean.notna()]
-    # Identical outputs never diverge (null): they count as diverging after the whole continuation.
-    weight = ok.positions.fillna(1.0).clip(lower=1.0) if "positions" in ok else pd.Series(1.0, index=ok.index)
-    ok = ok.assign(first_divergence=ok.first_divergence.astype(float).fillna(ok.positions), _w=weight,
-                   _kl=ok.kl_mean * weight, _top1=ok.top1_agreement * weight)
-    out = ok.groupby(keys, as_index=False).agg(
-        _kl=("_kl", "sum"), _top1=("_top1", "sum"), _w=("_w", "sum"), first_divergence=("first_divergence", "median"),
-        positions=("positions", "median"))
-    return out.assign(kl_mean=out._kl / out._w, top1_agreement=out._top1 / out._w).drop(columns=["_kl", "_top1", "_w"])
+def quality_side(paired: pd.DataFrame, baseline: str, n_boot: int, seed: int, level: float) -> pd.DataFrame:
+    """Per model x method x protocol x category x bucket of the quality stage: counts, mean score
+    (over scored samples; an empty output scores 0 and is counted, not dropped), fidelity (KL and
+    top-1 agreement pooled over positions, first divergence a mean with identical outputs at the
+    continuation's length; the baseline agrees with itself: KL 0, top-1 1), and the pass's own
+    timings and bytes (medians), each with its interval and its ratio to the baseline (paired by
+    sample: a ratio of means for score and divergence, a geometric mean of per-sample ratios for
+    timings and bytes)."""
+    rows = []
+    for cell in quality_panel(paired, n_boot, seed).cells(("leaf",)):
+        m = {c: cell.matrix(c) for c in ("score", "failed", "empty", "kl_mean", "top1_agreement", "first_divergence",
+                                         "positions", *PER_SAMPLE)}
+        positions = m["positions"].max(axis=1).to_numpy(float)  # the reference continuation's, for any method
+        r = cell.resample
+        base = {c: m[c][baseline].to_numpy(float) if baseline in m[c] else np.full(cell.n_units, np.nan)
+                for c in ("score", *PER_SAMPLE)}
+        for method in m["score"].columns:
+            present = m["failed"][method].notna()
+            if not present.any():
+                continue
+            col = {c: m[c][method].to_numpy(float) for c in m}
+            out = {**cell.key, "method": method, "samples": int(present.sum()),
+                   "quality_errors": int(np.nansum(col["failed"])), "empty_outputs": int(np.nansum(col["empty"]))}
+            _put(out, "quality", r.mean(col["score"]), r.ratio(col["score"], base["score"]), level)
+            if method == baseline:
+                known = np.isfinite(positions)
+                kl, top1, fd = np.where(known, 0.0, np.nan), np.where(known, 1.0, np.nan), positions
+            else:
+                kl, top1, fd = col["kl_mean"], col["top1_agreement"], col["first_divergence"]
+            weights = np.nan_to_num(positions, nan=1.0).clip(min=1.0)
+            kl_est = r.mean(kl, weights) if np.isfinite(kl).any() else None
+            top1_est = r.mean(top1, weights) if np.isfinite(top1).any() else None
+            _put(out, "kl_mean", kl_est, None, level)
+            _put(out, "top1_agreement", top1_est, top1_est, level)  # the baseline's is 1
+            fd_known = np.isfinite(fd).any()
+            _put(out, "first_divergence", r.mean(fd) if fd_known else None,
+                 r.ratio(fd, positions) if fd_known else None, level)
+            for c in PER_SAMPLE:
+                measured = np.isfinite(col[c]).any()
+                rel = r.geometric_mean(_log_ratio(col[c], base[c])) if measured and np.isfinite(base[c]).any() else None
+                _put(out, c, r.median(col[c]) if measured else None, rel, level)
+            rows.append(out)
+    return pd.DataFrame(rows)
 
 
-def add_relative(table: pd.DataFrame, baseline: str, columns: list[str] = MEASURED) -> pd.DataFrame:
-    """<col>_rel = the row's value / the baseline method's value in the same model x category x bucket."""
-    group = ["model", "category", "bucket"]
-    base = table[table.method == baseline].set_index(group)[columns]
-    base = base[~base.index.duplicated()]
-    aligned = base.reindex(pd.MultiIndex.from_frame(table[group])).to_numpy(float)
-    values = table[columns].to_numpy(float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = np.where(aligned != 0, values / aligned, np.nan)
-    return table.assign(**{f"{col}_rel": rel[:, i] for i, col in enumerate(columns)})
+def system_side(units: pd.DataFrame, baseline: str, n_boot: int, seed: int, level: float) -> pd.DataFrame:
+    """Per model x method x bucket of the system stage's workload prompts, and over all its buckets
+    (bucket `all`): prompts, failed runs, medians over prompts (each prompt's repeats averaged), the
+    peak memory's maximum (no interval: a maximum is not resampled), and each column's geometric
+    mean over prompts of the paired ratio to the baseline."""
+    rows = []
+    for cell in system_panel(units, n_boot, seed).cells(("leaf", "all")):
+        runs, failed = cell.matrix("runs"), cell.matrix("failed")
+        peak = cell.matrix("peak_memory_mb")
+        for method in runs.columns:
+            if not runs[method].notna().any():
+                continue
+            out = {**cell.key, "method": method, "prompts": int(runs[method].notna().sum()),
+                   "system_errors": int(failed[method].fillna(0).sum())}
+            for c in ("ttft_s", "tpot_s", "decode_tok_s", "kv_bytes", "ratio"):
+                values, logs = cell.matrix(c)[method].to_numpy(float), cell.matrix(f"lr_{c}")[method].to_numpy(float)
+                measured = np.isfinite(values).any()
+                _put(out, c, cell.resample.median(values) if measured else None,
+                     cell.resample.geometric_mean(logs) if np.isfinite(logs).any() else None, level)
+            value = float(peak[method].max()) if peak[method].notna().any() else math.nan
+            base = float(peak[baseline].max()) if baseline in peak and peak[baseline].notna().any() else math.nan
+            rel = value / base if base and base == base else math.nan
+            out |= {"peak_memory_mb": value, "peak_memory_mb_low": value, "peak_memory_mb_high": value,
+                    "peak_memory_mb_rel": rel, "peak_memory_mb_rel_low": rel, "peak_memory_mb_rel_high": rel,
+                    "peak_memory_mb_n": out["prompts"]}
+            rows.append(out)
+    return pd.DataFrame(rows)
+
+
+def _block(column: str) -> list[str]:
+    return [column, f"{column}_low", f"{column}_high", f"{column}_rel", f"{column}_rel_low", f"{column}_rel_high",
+            f"{column}_n"]
 
 
 def _skeleton(quality: pd.DataFrame | None, system: pd.DataFrame | None) -> pd.DataFrame:
-    """Every model x method x category x bucket either stage measured (an outer join): a method only
-    the system stage ran gets a row in each quality category of its model x bucket (its quality
-    unknown), and "system prompts" where the quality stage has no category in that bucket."""
+    """Every model x method x protocol x category x bucket either stage measured (an outer join): a
+    method only the system stage ran gets a row in each quality protocol x category of its model x
+    bucket (its quality unknown), and "system prompts" where the quality stage has no category in
+    that bucket."""
     parts = []
     if quality is not None:
         parts.append(quality[KEYS])
     if system is not None:
-        cats = (quality[["model", "bucket", "category"]].drop_duplicates() if quality is not None
-                else pd.DataFrame(columns=["model", "bucket", "category"]))
-        sys_keys = system[["model", "method", "bucket"]].merge(cats, on=["model", "bucket"], how="left")
-        parts.append(sys_keys.fillna({"category": SYSTEM_CATEGORY})[KEYS])
+        leaf = system[system.bucket != ALL] if (system.bucket != ALL).any() else system
+        cats = (quality[["model", "bucket", "protocol", "category"]].drop_duplicates() if quality is not None
+                else pd.DataFrame(columns=["model", "bucket", "protocol", "category"]))
+        sys_keys = leaf[["model", "method", "bucket"]].merge(cats, on=["model", "bucket"], how="left")
+        parts.append(sys_keys.fillna({"category": SYSTEM_CATEGORY, "protocol": DEFAULT_PROTOCOL})[KEYS])
+        if quality is not None:  # quality buckets the system stage did not run: its methods still get a row
+            covered = set(leaf.bucket)
+            other = cats[~cats.bucket.isin(covered)].merge(leaf[["model", "method"]].drop_duplicates(), on="model")
+            parts.append(other[KEYS])
     return pd.concat(parts, ignore_index=True).drop_duplicates(ignore_index=True)
 
 
-def _pick_source(table: pd.DataFrame, baseline: str, quality_path: str, system_path: str) -> pd.DataFrame:
-    """TTFT, TPOT, bytes and ratio from the quality pass where it measured both the row and the
-    baseline in the cell (so the _rel columns divide like by like), else from the system stage."""
-    q = add_relative(table.rename(columns={f"q_{c}": c for c in PER_SAMPLE})[[*KEYS, *PER_SAMPLE]], baseline,
-                     PER_SAMPLE)
-    s = add_relative(table.rename(columns={f"s_{c}": c for c in PER_SAMPLE})[[*KEYS, *PER_SAMPLE]], baseline,
-                     PER_SAMPLE)
-    own = q[[f"{c}_rel" for c in PER_SAMPLE]].notna().all(axis=1)
-    has_system = s[PER_SAMPLE].notna().any(axis=1)
+def _with_system(table: pd.DataFrame, system: pd.DataFrame) -> pd.DataFrame:
+    """The system stage's numbers of the row's bucket, or of all its buckets where it ran none of that
+    label (`system_bucket` says which)."""
+    columns = [c for c in system.columns if c not in ("model", "method", "bucket")]
+    own = system.rename(columns={c: f"s_{c}" for c in columns})
+    merged = table.merge(own.assign(system_bucket=own.bucket), on=["model", "method", "bucket"], how="left")
+    pooled = own[own.bucket == ALL].drop(columns="bucket").assign(system_bucket=ALL)
+    missing = merged.system_bucket.isna()
+    if missing.any() and len(pooled):
+        fill = merged.loc[missing, ["model", "method"]].merge(pooled, on=["model", "method"], how="left")
+        fill.index = merged.index[missing]
+        merged.loc[missing, fill.columns] = fill
+    return merged
+
+
+def _pick_source(table: pd.DataFrame, quality_path: str, system_path: str, paired_runs: bool) -> pd.DataFrame:
+    """TTFT and TPOT from the paired system runs where they exist (methods interleaved in one
+    process); else, like bytes and ratio, from the quality pass where it measured both the row and
+    the baseline in the cell (so the _rel columns divide like by like), else from the system stage."""
+    own = table[[f"q_{c}_rel" for c in PER_SAMPLE]].notna().all(axis=1)
     chosen = {}
-    for col in [*PER_SAMPLE, *(f"{c}_rel" for c in PER_SAMPLE)]:
-        chosen[col] = q[col].where(own, s[col])
-    source = np.where(own, quality_path, np.where(has_system, system_path, None))
-    out = table.drop(columns=[f"{p}_{c}" for p in "qs" for c in PER_SAMPLE])
-    return out.assign(**chosen, timing_source=source)
+    for group, columns in (("timing", TIMINGS), ("bytes", ["kv_bytes", "ratio"])):
+        has_system = table[[f"s_{c}" for c in columns]].notna().any(axis=1)
+        use_quality = own & ~(has_system & paired_runs) if group == "timing" else own
+        for c in columns:
+            for part in _block(c):
+                chosen[part] = table[f"q_{part}"].where(use_quality, table[f"s_{part}"])
+        chosen[f"{group}_source"] = np.where(use_quality, quality_path, np.where(has_system, system_path, None))
+    for c in SYSTEM_ONLY:
+        for part in _block(c):
+            chosen[part] = table[f"s_{part}"]
+    out = table.drop(columns=[c for c in table.columns if c.startswith(("q_", "s_"))])
+    return out.assign(**chosen)
 
 
-def _baseline_fidelity(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
-    """The baseline agrees with itself: top-1 1, KL 0, no divergence within the continuation (the
-    quality stage writes no fidelity rows for it)."""
-    measured = table.groupby(["model", "category"]).positions.transform("median")
-    base = (table.method == baseline) & measured.notna()
-    return table.assign(
-        top1_agreement=table.top1_agreement.mask(base & table.top1_agreement.isna(), 1.0),
-        kl_mean=table.kl_mean.mask(base & table.kl_mean.isna(), 0.0),
-        first_divergence=table.first_divergence.mask(base & table.first_divergence.isna(), measured),
-    ).drop(columns="positions")
-
-
-def method_table(tables: Tables, baseline: str) -> pd.DataFrame:
-    """One row per model x method x category x bucket that any method stage measured."""
-    system = tables.get("system")
-    scores = tables.get("quality_scores")
-    quality = quality_cells(scores) if scores is not None and len(scores) else None
-    sys_cells = system_cells(system) if system is not None and len(system) else None
-    if quality is None and sys_cells is None:
-        return pd.DataFrame(columns=[*KEYS, *MEASURED, *(f"{c}_rel" for c in MEASURED), "timing_source", "sources"])
-    table = _skeleton(quality, sys_cells)
+def method_table(tables: Tables, baseline: str, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
+                 paired: pd.DataFrame | None = None, prompts: tuple | None = None) -> pd.DataFrame:
+    """One row per model x method x protocol x category x bucket that any method stage measured
+    (`paired`, `prompts`: the units of kvbench.report.samples, built here when not given)."""
+    paired = paired if paired is not None else paired_quality(tables, baseline)
+    units, system_source, paired_runs = prompts if prompts is not None else system_units(tables, baseline)
+    quality = quality_side(paired, baseline, n_boot, seed, level) if paired is not None else None
+    quality = quality if quality is not None and len(quality) else None
+    system = system_side(units, baseline, n_boot, seed, level) if units is not None and len(units) else None
+    system = system if system is not None and len(system) else None
+    columns = [*KEYS, "samples", "quality_errors", "empty_outputs", "prompts", "system_errors", *MEASURED,
+               *(f"{c}_rel" for c in MEASURED), *(f"{c}_{b}" for c in MEASURED for b in BOUNDS), "timing_source",
+               "bytes_source", "system_bucket", "sources"]
+    if quality is None and system is None:
+        return pd.DataFrame(columns=columns)
+    table = _skeleton(quality, system)
     if quality is not None:
-        table = table.merge(quality.rename(columns={c: f"q_{c}" for c in PER_SAMPLE}), on=KEYS, how="left")
-    if sys_cells is not None:
-        table = table.merge(sys_cells.rename(columns={c: f"s_{c}" for c in PER_SAMPLE}),
-                            on=["model", "method", "bucket"], how="left")
-    for col in [*(f"{p}_{c}" for p in "qs" for c in PER_SAMPLE), *SYSTEM_ONLY, "quality", "samples",
-                "quality_errors", "empty_outputs", "prompts", "system_errors"]:
+        table = table.merge(quality.rename(columns={p: f"q_{p}" for c in PER_SAMPLE for p in _block(c)}), on=KEYS,
+                            how="left")
+    if system is not None:
+        table = _with_system(table, system)
+    for col in [*(f"q_{p}" for c in PER_SAMPLE for p in _block(c)), "samples", "quality_errors", "empty_outputs",
+                *(p for c in QUALITY_COLUMNS for p in _block(c)), "s_prompts", "s_system_errors", "system_bucket",
+                *(f"s_{p}" for c in [*PER_SAMPLE, *SYSTEM_ONLY] for p in _block(c))]:
         if col not in table:
             table[col] = np.nan
-    table = _pick_source(table, baseline, CONTRACTS["quality_scores"].path, CONTRACTS["system"].path)
-    fidelity = tables.get("quality_fidelity")
-    if fidelity is not None and len(fidelity):
-        cells = fidelity_cells(fidelity)
-        table = table.merge(cells, on=[k for k in KEYS if k in cells], how="left")
-    for col in [*QUALITY_COLUMNS, "positions"]:
-        if col not in table:
-            table[col] = np.nan
-    table = _baseline_fidelity(table, baseline)
-    table = add_relative(table, baseline, [c for c in MEASURED if c not in PER_SAMPLE])
-    table = table.reindex(columns=[*dict.fromkeys([*KEYS, "samples", "quality_errors", "empty_outputs", "prompts",
-                                                     "system_errors", *MEASURED, *(f"{c}_rel" for c in MEASURED),
-                                                     *table.columns])])
-    table["sources"] = _sources(tables, "system", "quality_scores", "quality_fidelity")
-    return table.sort_values(KEYS, ignore_index=True)
+    table = table.rename(columns={"s_prompts": "prompts", "s_system_errors": "system_errors"})
+    quality_path = CONTRACTS["quality_scores"].path
+    table = _pick_source(table, quality_path, system_source or CONTRACTS["system"].path, paired_runs)
+    table["sources"] = _sources(tables, "system", "system_runs", "quality_scores", "quality_fidelity")
+    return table.reindex(columns=columns).sort_values(KEYS, ignore_index=True)
 
 
 def corpus_table(tables: Tables, dtype: str, codec: str) -> pd.DataFrame:

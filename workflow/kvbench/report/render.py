@@ -18,6 +18,7 @@ th { background: #f0f4f8; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 td.confirmed { background: #e3f9e5; } td.contradicted { background: #ffe3e3; }
 td.not-measurable, td.not-run, td.none-qualifies { background: #f5f7fa; color: #616e7c; }
+td.inconclusive, td.undecided { background: #fff8e1; color: #6b5900; }
 """
 
 
@@ -35,8 +36,10 @@ def _css_class(value: object, numeric: bool) -> str:
     text = str(value)
     if text.startswith("not measurable"):
         return "not-measurable"
-    return {"confirmed": "confirmed", "contradicted": "contradicted", "not run": "not-run",
-            "none qualifies": "none-qualifies"}.get(text, "")
+    if text.startswith("undecided at n"):
+        return "undecided"
+    return {"confirmed": "confirmed", "contradicted": "contradicted", "inconclusive": "inconclusive",
+            "not run": "not-run", "none qualifies": "none-qualifies"}.get(text, "")
 
 
 def html_table(df: pd.DataFrame, table_id: str) -> str:

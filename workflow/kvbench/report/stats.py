@@ -1,18 +1,20 @@
 """Rank statistics for the report: Spearman's rho across methods with a paired bootstrap over
-samples, and Kendall's tau between two orderings of the same items."""
+samples, and Kendall's tau between two orderings of the same items (also per bootstrap draw)."""
 
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
+from kvbench.report.bootstrap import MIN_UNITS, interval, resample_counts
+
 MIN_METHODS = 3  # fewer items than this give no rank correlation worth a number
-MIN_SAMPLES = 5  # fewer samples give a degenerate bootstrap interval (3 samples: 10 distinct resamples)
+MIN_SAMPLES = MIN_UNITS  # fewer samples give a degenerate bootstrap interval (3 samples: 10 distinct resamples)
 
 
 @dataclass(frozen=True)
@@ -22,9 +24,10 @@ class RankCorrelation:
     ci_high: float
     n_items: int
     n_samples: int
+    draws: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False, compare=False)
 
 
-def _spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Spearman's rho of each row of x with the same row of y (ties: average ranks)."""
     rx = stats.rankdata(x, axis=1)
     ry = stats.rankdata(y, axis=1)
@@ -35,15 +38,25 @@ def _spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.where(denom > 0, (rx * ry).sum(axis=1) / denom, np.nan)
 
 
+def _means(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Draws x items: each item's mean over the drawn units that have a value (NaN: none drawn)."""
+    ok = np.isfinite(values)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (counts @ np.where(ok, values, 0.0)) / (counts @ ok.astype(float))
+
+
 def bootstrap_spearman(
     x: pd.DataFrame, y: pd.DataFrame, n_boot: int, seed: int, level: float = 0.95,
+    strata: Sequence[int] | None = None,
 ) -> RankCorrelation:
     """rho between per-item means of x and y (items = columns, samples = rows, paired: the same
-    sample index in both), with a percentile interval from resampling the samples.
+    sample index in both), with an expanded percentile interval (kvbench.report.bootstrap) from
+    resampling the samples, within `strata` (sizes of consecutive row groups) if given.
 
     A sample missing for an item (NaN) is left out of that item's mean. Items whose mean is
     undefined are dropped; with fewer than MIN_METHODS items the result is NaN, and with fewer
-    than MIN_SAMPLES samples the interval is (resampling a handful of samples says nothing).
+    than MIN_SAMPLES samples the interval is (resampling a handful of samples says nothing). A
+    draw that lost every sample of some item cannot rank it: it counts as undefined.
     """
     x, y = x.align(y, join="inner")
     keep = x.notna().any() & y.notna().any()
@@ -51,23 +64,15 @@ def bootstrap_spearman(
     n_samples, n_items = x.shape
     if n_items < MIN_METHODS or n_samples == 0:
         return RankCorrelation(math.nan, math.nan, math.nan, n_items, n_samples)
-    point = float(_spearman_rows(np.nanmean(x, axis=0)[None], np.nanmean(y, axis=0)[None])[0])
+    point = float(spearman_rows(np.nanmean(x, axis=0)[None], np.nanmean(y, axis=0)[None])[0])
     if n_samples < MIN_SAMPLES:
         return RankCorrelation(point, math.nan, math.nan, n_items, n_samples)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n_samples, size=(n_boot, n_samples))
-    with warnings.catch_warnings():  # an all-NaN slice warns; it is handled below
-        warnings.simplefilter("ignore", RuntimeWarning)
-        bx, by = np.nanmean(x[idx], axis=1), np.nanmean(y[idx], axis=1)
-    # A draw that lost every sample of some item cannot rank it: it counts as undefined.
-    rhos = _spearman_rows(bx, by)
+    counts = resample_counts(list(strata) if strata is not None else [n_samples], n_boot, np.random.default_rng(seed))
+    bx, by = _means(counts, x), _means(counts, y)
+    rhos = spearman_rows(bx, by)
     rhos[np.isnan(bx).any(axis=1) | np.isnan(by).any(axis=1)] = np.nan
-    tail = 100 * (1 - level) / 2
-    if np.isnan(rhos).all():
-        low = high = math.nan
-    else:
-        low, high = np.nanpercentile(rhos, [tail, 100 - tail])
-    return RankCorrelation(point, float(low), float(high), n_items, n_samples)
+    iv = interval(point, rhos, n_samples, level)
+    return RankCorrelation(point, iv.low, iv.high, n_items, n_samples, rhos)
 
 
 def kendall_tau(a: pd.Series, b: pd.Series) -> tuple[float, int]:
@@ -79,3 +84,13 @@ def kendall_tau(a: pd.Series, b: pd.Series) -> tuple[float, int]:
         return math.nan, n
     tau = stats.kendalltau(a[ok].to_numpy(float), b[ok].to_numpy(float)).statistic
     return float(tau), n
+
+
+def kendall_tau_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Kendall's tau-b of each row of a with the same row of b (draws x items), NaN where a row has
+    no untied pair."""
+    i, j = np.triu_indices(a.shape[1], k=1)
+    sa, sb = np.sign(a[:, i] - a[:, j]), np.sign(b[:, i] - b[:, j])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tau = (sa * sb).sum(axis=1) / np.sqrt((sa != 0).sum(axis=1) * (sb != 0).sum(axis=1))
+    return np.where(np.isfinite(tau), tau, np.nan)

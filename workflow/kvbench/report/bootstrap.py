@@ -1,0 +1,229 @@
+"""Paired bootstrap intervals, their p-values, Holm's adjustment and a test that methods differ:
+the statistics behind every comparison the report prints.
+
+A cell's units (quality samples, or system prompts with their repeats averaged) are resampled
+with replacement once, as a count matrix (draws x units), and every statistic of the cell is a
+matrix product with it: all methods of a cell see the same resamples, so a difference between two
+of them is paired. A pooled cell (several categories or buckets) resamples within each of them
+where each holds enough units (stratified: the design fixes how many samples each holds; see
+kvbench.report.cells.STRATUM_MIN), else all of its units together.
+
+Intervals are expanded percentile intervals (Hesterberg 2015, "What teachers should know about
+the bootstrap"): the percentile interval read at alpha' = 2 Phi(sqrt(n / (n - 1)) t_{alpha/2, n-1})
+instead of alpha, which repairs the plain percentile interval's under-coverage at small n (it is
+about a t interval's width on symmetric data and keeps the percentile interval's skew). The p-value
+inverts the same interval family: p < alpha exactly when the interval at level 1 - alpha excludes
+the null. Tails thinner than TAIL_DRAWS draws are not counted alone (a count of 0 would say p = 0
+whatever the number of draws): see tail_mass.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+from scipy import special
+
+MIN_UNITS = 5  # fewer units give no interval: a resample of 3 samples has 10 distinct values
+TAIL_DRAWS = 20  # a tail holding fewer draws is extrapolated from a normal fit
+
+
+def rng_for(seed: int, *key: object) -> np.random.Generator:
+    """A generator per cell from the run's seed and the cell's key: a cell's draws do not depend on
+    which other cells exist or in which order they are computed."""
+    return np.random.default_rng([int(seed), zlib.crc32("\x1f".join(map(str, key)).encode())])
+
+
+def resample_counts(strata: Sequence[int], n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """Draws x units: how often each unit is drawn, units grouped by stratum (sizes `strata`, in
+    order), each stratum resampled to its own size."""
+    parts = []
+    for size in strata:
+        if size > 0:
+            drawn = rng.integers(0, size, size=(n_boot, size)) + size * np.arange(n_boot)[:, None]
+            parts.append(np.bincount(drawn.ravel(), minlength=n_boot * size).reshape(n_boot, size))
+    return np.concatenate(parts, axis=1).astype(float) if parts else np.zeros((n_boot, 0))
+
+
+@lru_cache(maxsize=4096)
+def expanded_alpha(alpha: float, n: int) -> float:
+    return float(2 * special.ndtr(math.sqrt(n / (n - 1)) * special.stdtrit(n - 1, alpha / 2)))
+
+
+@dataclass(frozen=True)
+class Interval:
+    estimate: float
+    low: float
+    high: float
+    n: int
+    se: float  # standard deviation of the draws
+    p_value: float  # two-sided, for `null`
+    level: float
+    null: float = 0.0
+
+    @property
+    def direction(self) -> int:
+        """+1 if the interval lies above the null, -1 below, 0 if it holds it (or there is none)."""
+        return 1 if self.low > self.null else -1 if self.high < self.null else 0
+
+
+def tail_mass(draws: np.ndarray, bound: float, above: bool) -> float:
+    """The share of draws at or beyond `bound` (above it if `above`; draws equal to it count half),
+    counted where TAIL_DRAWS or more draws lie there. A thinner tail is the smaller of a normal fit
+    to the draws and (count + 1) / (draws + 1): the fit resolves p-values below 1 / draws, the
+    count keeps a bounded distribution (a rank correlation near 1, a minimum) from being read as
+    having a normal tail it does not have."""
+    beyond = draws > bound if above else draws < bound
+    count = beyond.sum() + 0.5 * (draws == bound).sum()
+    if count >= TAIL_DRAWS:
+        return float(count / len(draws))
+    sd = draws.std(ddof=1)
+    z = (bound - draws.mean()) / sd if sd > 0 else math.copysign(math.inf, bound - draws.mean())
+    if z != z:  # every draw equals the bound
+        return 0.5
+    fit = float(special.ndtr(-z) if above else special.ndtr(z))
+    return min(fit, float((count + 1) / (len(draws) + 1)))
+
+
+def p_beyond(draws: np.ndarray, n: int, bound: float, above: bool) -> float:
+    """The smallest alpha at which the expanded percentile interval of level 1 - alpha lies
+    entirely below `bound` (`above=True`: the draws' mass above it is the evidence against that)
+    or entirely above it."""
+    tail = tail_mass(draws, bound, above)
+    if tail <= 0:
+        return 0.0
+    return float(min(1.0, 2 * special.stdtr(n - 1, special.ndtri(tail) / math.sqrt(n / (n - 1)))))
+
+
+def interval(estimate: float, draws: np.ndarray, n: int, level: float, null: float = 0.0) -> Interval:
+    """The expanded percentile interval of `draws` (NaN draws, from resamples without data, are
+    left out) and the two-sided p-value for `null`; none below MIN_UNITS units."""
+    draws = np.asarray(draws, float)
+    draws = draws[np.isfinite(draws)]
+    if n < MIN_UNITS or len(draws) < 2 or not math.isfinite(estimate):
+        return Interval(estimate, math.nan, math.nan, n, math.nan, math.nan, level, null)
+    a = expanded_alpha(1 - level, n)
+    low, high = np.quantile(draws, [a / 2, 1 - a / 2])
+    p = min(p_beyond(draws, n, null, above=False), p_beyond(draws, n, null, above=True))
+    return Interval(float(estimate), float(low), float(high), n, float(draws.std(ddof=1)), p, level, null)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A statistic and its bootstrap draws on one cell's resamples (subtracting two estimates of
+    the same cell gives the paired difference)."""
+
+    estimate: float
+    draws: np.ndarray = field(repr=False, compare=False)
+    n: int
+
+    def __sub__(self, other: "Estimate") -> "Estimate":
+        return Estimate(self.estimate - other.estimate, self.draws - other.draws, min(self.n, other.n))
+
+    def interval(self, level: float, null: float = 0.0) -> Interval:
+        return interval(self.estimate, self.draws, self.n, level, null)
+
+
+def _present(*vectors: np.ndarray) -> np.ndarray:
+    return np.logical_and.reduce([np.isfinite(np.asarray(v, float)) for v in vectors])
+
+
+@dataclass(frozen=True)
+class Resample:
+    """One cell's units and their bootstrap count matrix; each method's values are vectors over
+    the same units, NaN where the method has none for a unit."""
+
+    counts: np.ndarray  # draws x units
+
+    @classmethod
+    def of(cls, strata: Sequence[int], n_boot: int, rng: np.random.Generator) -> "Resample":
+        return cls(resample_counts(strata, n_boot, rng))
+
+    def _sums(self, values: np.ndarray, ok: np.ndarray) -> tuple[float, np.ndarray]:
+        filled = np.where(ok, values, 0.0)
+        return float(filled.sum()), self.counts @ filled
+
+    def mean(self, values: np.ndarray, weights: np.ndarray | None = None) -> Estimate:
+        """The (weighted) mean over the units that have a value; a ratio estimator per draw."""
+        values = np.asarray(values, float)
+        w = np.ones_like(values) if weights is None else np.asarray(weights, float)
+        ok = _present(values, w) & (w > 0)
+        num, num_d = self._sums(values * np.where(ok, w, 0.0), ok)
+        den, den_d = self._sums(w, ok)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return Estimate(num / den if den > 0 else math.nan, num_d / den_d, int(ok.sum()))
+
+    def ratio(self, num: np.ndarray, den: np.ndarray) -> Estimate:
+        """sum(num) / sum(den) over the units that have both (paired): a ratio of means."""
+        num, den = np.asarray(num, float), np.asarray(den, float)
+        ok = _present(num, den)
+        n_sum, n_d = self._sums(num, ok)
+        d_sum, d_d = self._sums(den, ok)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return Estimate(n_sum / d_sum if d_sum != 0 else math.nan, np.where(d_d != 0, n_d / d_d, np.nan),
+                            int(ok.sum()))
+
+    def geometric_mean(self, logs: np.ndarray) -> Estimate:
+        """exp(mean of `logs`) over the units that have one: with unit values log(method / baseline),
+        the typical paired ratio."""
+        log_mean = self.mean(logs)
+        return Estimate(math.exp(log_mean.estimate) if log_mean.estimate == log_mean.estimate else math.nan,
+                        np.exp(log_mean.draws), log_mean.n)
+
+    def median(self, values: np.ndarray) -> Estimate:
+        """The median over the units that have a value, per draw from the counts (the lower of the
+        two middle values when a draw holds an even number)."""
+        values = np.asarray(values, float)
+        ok = np.isfinite(values)
+        n = int(ok.sum())
+        if n == 0:
+            return Estimate(math.nan, np.full(len(self.counts), np.nan), 0)
+        order = np.argsort(values[ok], kind="stable")
+        sorted_values = values[ok][order]
+        cum = np.cumsum(self.counts[:, ok][:, order], axis=1)
+        half = cum[:, -1:] / 2
+        at = np.argmax(cum >= half, axis=1)
+        draws = np.where(cum[:, -1] > 0, sorted_values[at], np.nan)
+        return Estimate(float(np.median(sorted_values)), draws, n)
+
+
+def holm(p_values: Sequence[float]) -> np.ndarray:
+    """Holm's step-down adjusted p-values (NaN stays NaN and is not counted in the family)."""
+    p = np.asarray(p_values, float)
+    out = np.full(p.shape, np.nan)
+    idx = np.flatnonzero(np.isfinite(p))
+    m = len(idx)
+    if m:
+        order = idx[np.argsort(p[idx], kind="stable")]
+        stepped = np.maximum.accumulate((m - np.arange(m)) * p[order])
+        out[order] = np.minimum(stepped, 1.0)
+    return out
+
+
+def equal_means_test(values: np.ndarray, n_boot: int, rng: np.random.Generator) -> tuple[float, int]:
+    """Do the columns (methods) of `values` (units x methods, NaN where missing) differ in mean?
+    Statistic: the variance of the column means. Null distribution: the same statistic on
+    resamples of the units after centring every column on the grand mean (rows resampled whole,
+    so the pairing stays). Returns the p-value ((1 + draws at least as large) / (1 + draws)) and
+    the number of units."""
+    values = np.asarray(values, float)
+    ok = np.isfinite(values)
+    keep = ok.any(axis=0)
+    values, ok = values[:, keep], ok[:, keep]
+    rows = ok.any(axis=1)
+    values, ok = values[rows], ok[rows]
+    n = int(len(values))
+    if values.shape[1] < 2 or n < MIN_UNITS:
+        return math.nan, n
+    means = np.nanmean(values, axis=0)
+    observed = means.var()
+    centred = np.where(ok, values - means + np.nanmean(values), 0.0)
+    counts = resample_counts([n], n_boot, rng)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        draws = (counts @ centred) / (counts @ ok.astype(float))
+    null = np.nanvar(draws, axis=1)
+    return float((1 + np.sum(null >= observed * (1 - 1e-12))) / (1 + len(null))), n
