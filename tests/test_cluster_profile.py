@@ -79,8 +79,8 @@ def test_every_gpu_bound_job_requests_a_gpu_on_the_gpu_partition(gpu_plan):
 def test_light_rules_run_locally_and_heavy_ones_never():
     block = re.search(r"^localrules:\n((?:[ \t]+\w+,?\n)+)", (REPO / "Snakefile").read_text(), flags=re.M)
     local = set(re.findall(r"\w+", block.group(1)))
-    assert local == {"all", "corpus_synthetic", "corpus_imported", "corpus_stats", "kv_summary", "system_summary", "serve_summary",
-                     "quality_tasks", "quality_summary", "report_tables"}
+    assert local == {"all", "model_prepare", "corpus_synthetic", "corpus_imported", "corpus_stats", "kv_summary",
+                     "system_summary", "serve_summary", "quality_tasks", "quality_summary", "report_tables"}
     assert not local & device_rules() and local - {"all"} <= set(rule_scripts())
 
 
@@ -111,7 +111,7 @@ def test_conda_env_files_hold_no_relative_path_and_mirror_the_requirements(env):
 def test_hub_downloads_only_the_files_that_get_loaded():
     from huggingface_hub.utils import filter_repo_objects
 
-    from kvbench.models import HUB_FILES
+    from kvbench.hub import HUB_FILES
 
     repos = {  # the seeds' repos as listed on the hub
         "meta-llama/Llama-3.1-8B-Instruct": [

@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow"))
 from kvbench.codehash import code_hash
 from kvbench.config import check_config, model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
+from kvbench.hub import note_configfiles, require_prefetched
 from kvbench.jobs import usable_cpus
 from kvbench.quality.batches import batches as quality_batches
 from kvbench.serve.backends import CONNECTOR_MODULE, SERVER_OF, servers as serve_servers
@@ -18,6 +19,16 @@ from kvbench.report.contracts import CONTRACTS
 # Schema (types, ranges, defaults), method settings per kind, lengths against each model's context
 # and the documents, subsets, references, files: one line per problem, naming the key.
 check_config(config, workflow.source_path("../schemas/config.schema.yaml"))
+
+# The config files of this run, for the prefetch command a job names when the hub cache lacks a file.
+CONFIGFILES = note_configfiles([str(f) for f in workflow.overwrite_configfiles] or ["config/config.yaml"])
+
+
+# Before any job (not in a dry run): everything the config reads from the hub must be in the hub
+# cache (`make prefetch`); jobs never download, and each checks again on its node (kvbench.jobs).
+onstart:
+    require_prefetched(config, CONFIGFILES)
+
 
 PREPARED_MODELS = [m for m, src in config["models"].items() if "path" not in src]
 SYSTEM_MODELS = system_models(config)

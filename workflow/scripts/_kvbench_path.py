@@ -16,3 +16,11 @@ os.environ["KVBENCH_JOB_PARENT"] = f"{os.getpid()}:{os.getppid()}"  # for this p
 LIBRARY = str(Path(__file__).resolve().parents[1])
 if sys.path[:1] != [LIBRARY]:
     sys.path.insert(0, LIBRARY)
+
+# Point huggingface_hub, datasets and lm-eval at the hub cache and keep them offline before they
+# are imported (they read these once); kvbench.jobs.job_log sets the same and checks the cache.
+_job = getattr(sys.modules["__main__"], "snakemake", None)
+if _job is not None:
+    from kvbench.hub import hub_env
+
+    os.environ.update(hub_env(_job.config))

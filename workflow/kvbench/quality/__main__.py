@@ -1,7 +1,7 @@
 """Run KV methods over the quality tasks outside Snakemake (lm-eval's CLI cannot load the
 kvbench model: it has no plugin discovery).
 
-    python -m kvbench.quality --method kivi2 snapkv --tasks results/quality/tasks \\
+    python -m kvbench.quality --method kivi2 snapkv --tasks results/quality/smollm2-135m/tasks \\
         --references results/quality/smollm2-135m/reference.safetensors --out mine.parquet
 
 Methods and settings come from the config (`methods:`, `quality:`); the methods run one after

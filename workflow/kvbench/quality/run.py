@@ -4,6 +4,7 @@ per sample joining lm-eval's score with what the adapter measured."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -33,6 +34,15 @@ def task_table(tasks_dir: str | Path, lm_eval_tasks: list[str]) -> dict[str, dic
     return table
 
 
+def sample_ids(task: str, size: int, limit: int | None, seed: int) -> list[int]:
+    """`limit` of a task's `size` documents, drawn at random under the run seed and the task's name
+    (so every method and model gets the same ones; not lm-eval's first `limit`), in order; all of
+    them when `limit` is None or not smaller."""
+    if not limit or limit >= size:
+        return list(range(size))
+    return sorted(random.Random(f"{seed}:{task}").sample(range(size), limit))
+
+
 def evaluate_method(
     model: Any, tokenizer: Any, method: str, spec: dict[str, Any], tasks_dir: str | Path, cfg: Mapping[str, Any],
     seed: int, references: dict[str, Reference] | None = None, keep_references: bool = False,
@@ -40,12 +50,12 @@ def evaluate_method(
     """Rows for every sample of every task (an error where the sample failed), and the model object
     (its `new_references` hold the full cache's references when `keep_references`)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager, get_task_dict
 
     official = list(cfg.get("lm_eval_tasks") or [])
     tasks = task_table(tasks_dir, official)
     if not tasks:
-        raise ValueError(f"{tasks_dir}: no task has samples (see logs/quality/tasks.log) and no lm_eval_tasks")
+        raise ValueError(f"{tasks_dir}: no task has samples (see logs/quality/<model>/tasks.log) and no lm_eval_tasks")
     lm = KvbenchLM(model, tokenizer, method, spec, seed=seed, max_gen_cap=int(cfg["max_gen_cap"]),
                    max_prompt_tokens=max_prompt_tokens(cfg, model),
                    plain_tasks=frozenset(name for name, t in tasks.items() if not t["chat"]),
@@ -54,11 +64,12 @@ def evaluate_method(
     start = time.monotonic()
     limit = cfg.get("lm_eval_limit")  # lm-eval's own tasks only: kvbench's are sized when built
     samples = None
-    if limit and official:
-        samples = {name: list(range(limit)) for name in official}
-    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, log_samples=True, bootstrap_iters=0,
-                              samples=samples, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                              fewshot_random_seed=seed)
+    if limit and official:  # their sizes, to draw from (lm-eval loads each dataset from its cache)
+        sizes = {name: len(task.eval_docs) for name, task in get_task_dict(official, manager).items()}
+        samples = {name: sample_ids(name, sizes[name], limit, seed) for name in official}
+    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, log_samples=True,
+                              bootstrap_iters=0, samples=samples, random_seed=seed, numpy_random_seed=seed,
+                              torch_random_seed=seed, fewshot_random_seed=seed)
     print(f"[quality] {method}: lm-eval finished in {time.monotonic() - start:.0f} s")
     rows = []
     for task, samples in results["samples"].items():
