@@ -169,3 +169,19 @@ def test_a_script_imports_the_library_without_pythonpath_or_an_install(tmp_path)
     result = subprocess.run([sys.executable, "-S", str(copied)], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert Path(result.stdout.strip()) == REPO / "workflow" / "kvbench" / "__init__.py"
+
+
+def test_the_resource_formula_counts_the_jobs_the_dry_run_plans(gpu_plan):
+    from collections import Counter
+
+    from kvbench.resources import workloads
+
+    config = yaml.safe_load((REPO / "config/gpu.yaml").read_text())
+    formula = Counter()
+    for work in workloads(config):
+        formula[work.rule] += work.jobs
+    planned = Counter(job["rule"] for job in gpu_plan if job["rule"] in formula)
+    assert formula == planned
+    for job in gpu_plan:  # the profile's derived values reach the jobs
+        if job["rule"] in formula:
+            assert int(job["gpu_mem_mb"]) > 0 and int(job["runtime"]) >= 30, job["_text"]

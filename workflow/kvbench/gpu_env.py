@@ -10,7 +10,9 @@ what it found and what it needs. Torch-free: torch's CUDA build is read from its
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import os
 import re
 import subprocess
 from functools import lru_cache
@@ -152,3 +154,44 @@ if __name__ == "__main__":
 
     report_path, requirements_path = sys.argv[1:3]
     print("\n".join(lock_lines(json.loads(Path(report_path).read_text()), Path(requirements_path).read_text())))
+
+
+_LEASES: list[Any] = []  # lock files held for the life of the process
+
+
+def lease_gpus(count: int, available: int, folder: str | Path) -> list[int]:
+    """Take `count` of this node's `available` GPUs that no other job holds, by an exclusive lock
+    on one file per GPU index in `folder`, held until this process ends (the kernel drops it even
+    on SIGKILL). Snakemake counts GPU jobs (`--resources gpu=N`) but does not say which GPU a job
+    gets; outside SLURM (which sets CUDA_VISIBLE_DEVICES itself) this picks distinct ones."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    taken: list[Any] = []
+    for index in range(available):
+        if len(taken) == count:
+            break
+        handle = open(Path(folder) / f"gpu{index}.lock", "w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        handle.write(str(index))
+        handle.flush()
+        taken.append(handle)
+    if len(taken) < count:
+        for handle in taken:
+            handle.close()
+        raise GPUEnvironmentError(f"this job needs {count} GPU(s), but {available - len(taken)} of this node's "
+                                  f"{available} are held by other kvbench jobs ({folder}): --resources gpu=N must "
+                                  "not exceed the node's GPU count")
+    _LEASES.extend(taken)
+    return [int(Path(h.name).stem.removeprefix("gpu")) for h in taken]
+
+
+def assign_gpus(requested: int, env: dict[str, str] | Any, folder: str | Path | None = None) -> None:
+    """Set CUDA_VISIBLE_DEVICES for a job that asks for GPUs, unless a scheduler already did. The
+    leases live in /tmp: one node, every kvbench run of this user on it."""
+    if requested < 1 or "CUDA_VISIBLE_DEVICES" in env or "SLURM_JOB_ID" in env:
+        return
+    folder = folder or Path(f"/tmp/kvbench-gpu-leases-{os.getuid()}")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, lease_gpus(requested, len(nvidia_smi()), folder)))

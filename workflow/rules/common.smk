@@ -38,6 +38,9 @@ SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # would break `--unlock` and the SLURM executor, which do not give one.
 MACHINE_THREADS = len(usable_cpus())
 SERVE_SERVERS = serve_servers(config["serve"]["backends"])
+# GPUs a job of each stage takes (resources gpu): a run on one node with `--resources gpu=N` (the
+# default profile says 1) never holds more GPU jobs than GPUs; each gets its own (kvbench.gpu_env).
+GPUS = {stage: int(config[stage]["device"] == "cuda") for stage in ("vllm", "kv", "system", "quality")}
 # The vLLM settings a server's output depends on: the port and the timeouts are read from the
 # config by the scripts, and changing them reruns nothing.
 VLLM_RUN = {k: v for k, v in config["vllm"].items() if k not in ("port", "startup_timeout_s", "idle_timeout_s")}

@@ -58,6 +58,8 @@ rule quality_reference:
         model="|".join(map(re.escape, QUALITY["models"])),
     # The whole machine per job, as the system stage: every method timed under the same load.
     threads: MACHINE_THREADS
+    resources:
+        gpu=GPUS["quality"],
     log:
         "logs/quality/{model}/job1.log",
     benchmark:
@@ -88,6 +90,8 @@ rule quality_methods:
         model="|".join(map(re.escape, QUALITY["models"])),
         job="|".join(list(QUALITY_JOBS)[1:]) or "^$",
     threads: MACHINE_THREADS
+    resources:
+        gpu=GPUS["quality"],
     log:
         "logs/quality/{model}/job{job}.log",
     benchmark:

@@ -13,6 +13,8 @@ rule system_method:
         code=library_code("system_method.py"),
     # The whole machine per job: timings of different methods are taken under the same load.
     threads: MACHINE_THREADS
+    resources:
+        gpu=GPUS["system"],
     log:
         "logs/system/{model}/{method}.log",
     benchmark:

@@ -17,10 +17,13 @@ LIBRARY = str(Path(__file__).resolve().parents[1])
 if sys.path[:1] != [LIBRARY]:
     sys.path.insert(0, LIBRARY)
 
-# Point huggingface_hub, datasets and lm-eval at the hub cache and keep them offline before they
-# are imported (they read these once); kvbench.jobs.job_log sets the same and checks the cache.
+# Before torch, huggingface_hub, datasets and lm-eval are imported (they read these once): the hub
+# cache, offline (kvbench.jobs.job_log sets the same and checks the cache), and the GPUs a job that
+# asks for them (resources gpu) may use when no scheduler chose them (kvbench.gpu_env.assign_gpus).
 _job = getattr(sys.modules["__main__"], "snakemake", None)
 if _job is not None:
+    from kvbench.gpu_env import assign_gpus
     from kvbench.hub import hub_env
 
     os.environ.update(hub_env(_job.config))
+    assign_gpus(int(_job.resources.get("gpu", 0)), os.environ)
