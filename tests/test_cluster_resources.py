@@ -57,7 +57,8 @@ def test_longer_contexts_need_more_memory_and_time():
 
 def test_every_gpu_job_of_the_gpu_config_fits_the_profiles_gpu():
     # vLLM servers take --gpu-memory-utilization of the GPU: weights and a max_model_len KV pool must fit.
-    util = float(GPU_CONFIG["vllm"]["extra_args"][GPU_CONFIG["vllm"]["extra_args"].index("--gpu-memory-utilization") + 1])
+    extra = GPU_CONFIG["vllm"]["extra_args"]
+    util = float(extra[extra.index("--gpu-memory-utilization") + 1])
     for rule, need in profile_resources(GPU_CONFIG).items():
         limit = util * A100_GIB if rule in ("corpus_realistic", "serve_server") else A100_GIB
         assert need["gpu_mem_mb"] * 2**20 <= limit * GIB, (rule, need)
