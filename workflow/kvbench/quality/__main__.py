@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from kvbench.config import check_config
+from kvbench.hub import hub_env, require_prefetched
 
 SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.save_references and args.method[0] != config["quality"]["reference"]:
         parser.error(f"--save-references stores the first --method's continuations: put the reference "
                      f"({config['quality']['reference']}) first")
-    if config["hf_offline"]:
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ.update(hub_env(config))  # before lm-eval and datasets are imported: they read it once
+    require_prefetched(config, [args.config])
     from kvbench.quality.job import run_job
 
     run_job(config, config["quality"], args.model or config["quality"]["models"][0], args.method, args.tasks,
