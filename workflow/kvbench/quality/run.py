@@ -63,12 +63,12 @@ def evaluate_method(
     manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
     start = time.monotonic()
     limit = cfg.get("lm_eval_limit")  # lm-eval's own tasks only: kvbench's are sized when built
-    samples = None
+    drawn_ids = None
     if limit and official:  # their sizes, to draw from (lm-eval loads each dataset from its cache)
         sizes = {name: len(task.eval_docs) for name, task in get_task_dict(official, manager).items()}
-        samples = {name: sample_ids(name, sizes[name], limit, seed) for name in official}
+        drawn_ids = {name: sample_ids(name, sizes[name], limit, seed) for name in official}
     results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, log_samples=True,
-                              bootstrap_iters=0, samples=samples, random_seed=seed, numpy_random_seed=seed,
+                              bootstrap_iters=0, samples=drawn_ids, random_seed=seed, numpy_random_seed=seed,
                               torch_random_seed=seed, fewshot_random_seed=seed)
     print(f"[quality] {method}: lm-eval finished in {time.monotonic() - start:.0f} s")
     rows = []
@@ -76,7 +76,10 @@ def evaluate_method(
         info = tasks[task]
         for sample in samples:
             doc = sample["doc"]
-            record = lm.records[reference_key(task, sample["doc_id"])]
+            # lm-eval logs a drawn sample under its index in the dataset, but numbers the requests the
+            # model sees (and so the adapter's records and references) by position among the drawn ones.
+            drawn = (drawn_ids or {}).get(task)
+            record = lm.records[reference_key(task, drawn.index(sample["doc_id"]) if drawn else sample["doc_id"])]
             failed = record["error"] is not None and record["error"] != "empty output"
             rows.append({
                 "method": method, "kind": spec["kind"], "params": str(sorted(spec.items())), "task": task,
