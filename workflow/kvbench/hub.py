@@ -254,6 +254,9 @@ def prefetch(config: Mapping[str, Any], log: Callable[[str], None] = print) -> d
         except PrefetchError as err:
             failures.append(str(err))
             continue
+        except Exception as err:  # no network, hub down, a dataset that moved: said per item, the rest tried
+            failures.append(f"{', '.join(need.keys)}: {need.kind} {need.id}: {type(err).__name__}: {err}")
+            continue
         manifest = read_manifest(root)  # reread: another prefetch may have written meanwhile
         manifest[f"{need.kind}s"][need.id] = entry
         with atomic_path(root / MANIFEST) as tmp:
