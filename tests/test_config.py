@@ -203,6 +203,8 @@ def test_default_config_dry_runs_and_lints_clean(tmp_path):
     assert "Congratulations, your workflow is in a good condition!" in result.stdout + result.stderr
     dry = snakemake(tmp_path, default_config(), "-n")
     assert dry.returncode == 0, dry.stderr
+    # CPU jobs take no GPU: the default profile's gpu=1 limit (for GPU configs) never serializes them
+    assert "gpu=1" not in dry.stdout and "kv_capture" in dry.stdout
 
 
 def test_bare_unlock_parses_without_a_core_count(tmp_path):

@@ -20,9 +20,10 @@ def vllm_parser():
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
+
     def parse(argv: list[str]):
-        args = make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server.")) \
-            .parse_args(argv)
+        args = parser.parse_args(argv)
         validate_parsed_serve_args(args)
         return args
 
