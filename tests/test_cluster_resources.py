@@ -107,6 +107,8 @@ def test_gpu_leases_hand_out_distinct_gpus_and_refuse_one_too_many(tmp_path):
         release_leases()
     assert gpu_env.lease_gpus(2, 2, tmp_path) == [0, 1]  # released with their holder
     release_leases()
+    with pytest.raises(gpu_env.GPUEnvironmentError, match="needs 1 GPU\\(s\\); nvidia-smi lists 0 on this node"):
+        gpu_env.lease_gpus(1, 0, tmp_path)
 
 
 def test_a_killed_jobs_gpu_is_free_again(tmp_path):

@@ -164,6 +164,8 @@ def lease_gpus(count: int, available: int, folder: str | Path) -> list[int]:
     on one file per GPU index in `folder`, held until this process ends (the kernel drops it even
     on SIGKILL). Snakemake counts GPU jobs (`--resources gpu=N`) but does not say which GPU a job
     gets; outside SLURM (which sets CUDA_VISIBLE_DEVICES itself) this picks distinct ones."""
+    if available < count:
+        raise GPUEnvironmentError(f"this job needs {count} GPU(s); nvidia-smi lists {available} on this node")
     Path(folder).mkdir(parents=True, exist_ok=True)
     taken: list[Any] = []
     for index in range(available):
