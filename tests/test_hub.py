@@ -92,3 +92,21 @@ def test_the_message_names_the_node_and_the_command(tmp_path, monkeypatch):
     text = missing_message(config_for(tmp_path), ["models.m: ..."], ["config/a.yaml", "config/gpu.yaml"])
     assert f"hub cache {tmp_path}, as node gpu017 sees it" in text
     assert "\n  make prefetch CONFIG=config/gpu.yaml\n" in text
+
+
+def test_one_failing_item_is_reported_with_its_key_and_the_others_are_still_fetched(tmp_path, monkeypatch):
+    import kvbench.hub as hub
+
+    config = config_for(tmp_path)
+    config["models"]["n"] = {"hub": "org/n"}
+
+    def fetch(need, root, log):
+        if need.repo == "org/m":
+            raise ConnectionError("hub unreachable")
+        return {"snapshot": "hub/n", "files": {}}
+
+    monkeypatch.setattr(hub, "_fetch_model", fetch)
+    with pytest.raises(PrefetchError) as err:
+        hub.prefetch(config, log=lambda line: None)
+    assert str(err.value) == "prefetch incomplete:\n  models.m: model org/m: ConnectionError: hub unreachable"
+    assert list(hub.read_manifest(tmp_path)["models"]) == ["org/n"]
