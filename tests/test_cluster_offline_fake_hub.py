@@ -111,14 +111,15 @@ def cluster(hub, tmp_path_factory):
     config = offline_config(workdir, {"smol": {"hub": MODEL_REPO, "max_context": 8192}})
     config_path = write_config(workdir, config)
     os.environ.pop("HF_ENDPOINT", None)
-    refused = snakemake(workdir, None, "--configfile", str(config_path), *TARGETS, slurm=True, timeout=600)
+    # Targets first: --configfile (and --forcerun) take every word up to the next option.
+    refused = snakemake(workdir, None, *TARGETS, "--configfile", str(config_path), slurm=True, timeout=600)
     refused_jobs = fake_slurm_jobs(workdir)
     fetched = prefetch(config_path, endpoint)
     requests_after_prefetch = (root / "requests.log").read_text()
     # The jobs get the endpoint too: any request they made would reach the fake hub's log.
     os.environ["HF_ENDPOINT"] = endpoint
     try:
-        ran = snakemake(workdir, None, "--configfile", str(config_path), *TARGETS, slurm=True, timeout=1200)
+        ran = snakemake(workdir, None, *TARGETS, "--configfile", str(config_path), slurm=True, timeout=1200)
     finally:
         os.environ.pop("HF_ENDPOINT")
     return {"workdir": workdir, "config": config, "config_path": config_path, "refused": refused,
@@ -187,8 +188,8 @@ def test_a_job_whose_node_lacks_a_prefetched_file_fails_naming_the_command(clust
     state = workdir / ".fake_slurm"
     env = dict(os.environ) | {"PATH": f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}", "FAKE_SLURM_DIR": str(state),
                               "FAKE_SLURM_HOLD": str(hold)}
-    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "--configfile", str(cluster["config_path"]),
-           "--forcerun", "quality_reference", *TARGETS, *SLURM_ARGS, "--retries", "0"]
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), *TARGETS, "--configfile",
+           str(cluster["config_path"]), "--retries", "0", "--forcerun", "quality_reference", *SLURM_ARGS]
     before = len(fake_slurm_jobs(workdir))
     with subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
