@@ -8,8 +8,8 @@ REPORT_HTML := results/report.html
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run report readme readme-check test test-unit lint dry-run-gpu bench bench-core bench-peers bench-kill \
-	bench-refactor bench-report clean
+.PHONY: setup run report readme readme-check test test-unit lint dry-run-gpu prefetch lock bench bench-core bench-peers \
+	bench-kill bench-refactor bench-report clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,23 @@ lint: setup
 
 dry-run-gpu: setup
 	$(BIN)/snakemake -n --workflow-profile workflow/profiles/slurm --configfile config/gpu.yaml
+
+# On a node with internet (a cluster's login node), in the environment the jobs use (`python` on
+# PATH: envs/gpu.txt or the container): every hub model and lm-eval dataset CONFIG reads, into its
+# hub_cache. Jobs never download; a run that lacks a file stops before any job (docs/cluster.md).
+CONFIG ?= config/gpu.yaml
+prefetch:
+	PYTHONPATH=workflow python -m kvbench.prefetch --configfile $(CONFIG)
+
+# envs/gpu.lock.txt: envs/gpu.txt resolved by pip for this platform (Linux x86_64, Python 3.11, as the
+# cluster) from PyPI alone (--isolated: no site index, local wheels or caps), every file hashed.
+LOCK_VENV := .bench/lock-venv
+lock: setup
+	test -x $(LOCK_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip --isolated install --quiet --upgrade pip
+	$(LOCK_VENV)/bin/pip --isolated install --dry-run --ignore-installed --quiet --report .bench/gpu-lock.json \
+		-r envs/gpu.txt
+	PYTHONPATH=workflow $(BIN)/python -m kvbench.gpu_env .bench/gpu-lock.json envs/gpu.txt > envs/gpu.lock.txt
 
 clean:
 	rm -rf results logs benchmarks .snakemake .fake_slurm

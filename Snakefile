@@ -20,10 +20,12 @@ include: "workflow/rules/quality.smk"
 include: "workflow/rules/report.smk"
 
 
-# Light jobs (report_tables: seconds, and it reads benchmarks/ of the submitting host) run on the
-# submit host under a cluster executor (no queue wait, no allocation).
+# Light jobs (report_tables: seconds, and it reads benchmarks/ of the submitting host; model_prepare:
+# links a prefetched snapshot or converts the small shipped GGUF) run on the submit host under a
+# cluster executor (no queue wait, no allocation).
 localrules:
     all,
+    model_prepare,
     corpus_synthetic,
     corpus_imported,
     corpus_stats,

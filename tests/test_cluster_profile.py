@@ -80,8 +80,8 @@ def test_every_gpu_bound_job_requests_a_gpu_on_the_gpu_partition(gpu_plan):
 def test_light_rules_run_locally_and_heavy_ones_never():
     block = re.search(r"^localrules:\n((?:[ \t]+\w+,?\n)+)", (REPO / "Snakefile").read_text(), flags=re.M)
     local = set(re.findall(r"\w+", block.group(1)))
-    assert local == {"all", "corpus_synthetic", "corpus_imported", "corpus_stats", "kv_summary", "system_summary", "serve_summary",
-                     "quality_tasks", "quality_summary", "report_tables"}
+    assert local == {"all", "model_prepare", "corpus_synthetic", "corpus_imported", "corpus_stats", "kv_summary",
+                     "system_summary", "serve_summary", "quality_tasks", "quality_summary", "report_tables"}
     assert not local & device_rules() and local - {"all"} <= set(rule_scripts())
 
 
@@ -113,7 +113,7 @@ def test_conda_env_files_hold_no_relative_path_and_mirror_the_requirements(env):
 def test_hub_downloads_only_the_files_that_get_loaded():
     from huggingface_hub.utils import filter_repo_objects
 
-    from kvbench.models import HUB_FILES
+    from kvbench.hub import HUB_FILES
 
     repos = {  # the seeds' repos as listed on the hub
         "meta-llama/Llama-3.1-8B-Instruct": [
@@ -184,3 +184,19 @@ def test_conda_post_deploy_installs_the_checkout_that_created_the_env(name, tmp_
     unset = subprocess.run(["bash", str(REPO / "envs" / f"{name}.post-deploy.sh")],
                            env={k: v for k, v in env.items() if k != "KVBENCH_CHECKOUT"}, capture_output=True, text=True)
     assert unset.returncode != 0 and "KVBENCH_CHECKOUT" in unset.stderr
+
+
+def test_the_resource_formula_counts_the_jobs_the_dry_run_plans(gpu_plan):
+    from collections import Counter
+
+    from kvbench.resources import workloads
+
+    config = yaml.safe_load((REPO / "config/gpu.yaml").read_text())
+    formula = Counter()
+    for work in workloads(config):
+        formula[work.rule] += work.jobs
+    planned = Counter(job["rule"] for job in gpu_plan if job["rule"] in formula)
+    assert formula == planned
+    for job in gpu_plan:  # the profile's derived values reach the jobs
+        if job["rule"] in formula:
+            assert int(job["gpu_mem_mb"]) > 0 and int(job["runtime"]) >= 30, job["_text"]

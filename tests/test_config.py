@@ -97,8 +97,7 @@ CASES = [
     (lambda c: c["kv"].update(dtypes=["fp32", "fp16"], detail_dtypes=["fp16"]), "report.kv_dtype: 'bf16' is not in kv.dtypes"),
     (lambda c: c["report"].update(kv_codec="zstd-19"), "report.kv_codec: 'zstd-19' is not in kv.codecs"),
     (lambda c: c["vllm"].update(port=8000), "vllm.port: 8000 is fixed, but serve_server[main], serve_server[example]"),
-    (lambda c: c["models"].update(llama={"hub": "meta-llama/Llama-3.1-8B-Instruct"}),
-     "hf_offline: true, but models.llama (hub: meta-llama/Llama-3.1-8B-Instruct) is not downloaded yet"),
+    (lambda c: c.update(hub_cache=7), "config key hub_cache: 7 is not of type 'string', 'null'"),
     # schema: types, ranges, unknown keys
     (lambda c: c["corpus"]["synthetic"].update(n_dosc=3),
      "config key corpus.synthetic: Additional properties are not allowed ('n_dosc' was unexpected)"),
@@ -162,8 +161,24 @@ def test_every_problem_is_reported_at_once():
                         "kv.detail_codecs: ['zstd-19'] not in kv.codecs (the detail tables would be empty)"]
 
 
+def test_a_decode_only_cam_that_cannot_compress_within_a_qa_answer_is_refused():
+    config = yaml.safe_load((REPO / "config" / "gpu.yaml").read_text())
+    config["methods"]["cam"]["interval"] = 32  # the seed study's kvpress schedule
+    assert config_problems(config, SCHEMA) == [
+        "methods.cam.interval: 32 decode steps before CaM's first compression, but quality.tasks.multi_doc_qa, "
+        "quality.lm_eval_tasks: longbench_hotpotqa, quality.lm_eval_tasks: longbench_2wikimqa answer in at most 32 "
+        "tokens: cam would equal full there by construction; lower the interval (or leave QA out)"]
+    config["methods"]["cam"]["interval"] = 31  # an answer of 32 tokens takes 31 decode steps
+    config["quality"]["tasks"].pop("multi_doc_qa")
+    config["quality"]["lm_eval_tasks"] = ["longbench_qasper", "longbench_multi_news"]
+    assert config_problems(config, SCHEMA) == []
+    config["methods"]["cam"]["interval"] = 64
+    assert [p.split(":")[0] for p in config_problems(config, SCHEMA)] == ["methods.cam.interval"]
+    assert "quality.tasks.single_doc_qa answer in at most 64 tokens" in config_problems(config, SCHEMA)[0]
+
+
 def test_shipped_configs_pass_and_get_the_schema_defaults():
-    for name in ("config.yaml", "gpu.yaml"):
+    for name in ("config.yaml", "gpu.yaml", "gpu-smoke.yaml"):
         config = yaml.safe_load((REPO / "config" / name).read_text())
         assert config_problems(config, SCHEMA) == [], name
         assert config["kv"]["allow_short_documents"] is False and config["system"]["allow_short_documents"] is False
@@ -233,6 +248,8 @@ def test_default_config_dry_runs_and_lints_clean(tmp_path):
     assert "Congratulations, your workflow is in a good condition!" in result.stdout + result.stderr
     dry = snakemake(tmp_path, default_config(), "-n")
     assert dry.returncode == 0, dry.stderr
+    # CPU jobs take no GPU: the default profile's gpu=1 limit (for GPU configs) never serializes them
+    assert "gpu=1" not in dry.stdout and "kv_capture" in dry.stdout
 
 
 def test_bare_unlock_parses_without_a_core_count(tmp_path):

@@ -275,7 +275,7 @@ def test_the_schemas_effects_are_the_power_modules():
     import yaml
 
     from kvbench.report.power import DEFAULT_EFFECTS
-    from workflow_helpers import REPO
+    from kvbench.tinyrun import REPO
 
     schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
     effects = schema["properties"]["report"]["properties"]["power"]["properties"]["effects"]

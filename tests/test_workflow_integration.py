@@ -462,7 +462,8 @@ def test_serve_leaves_no_server_behind(run):
 def test_quality_rows_for_every_method_and_built_sample(run):
     workdir, config = run
     methods = config["quality"]["methods"]
-    built = {t["task"]: t["samples"] for t in json.loads((workdir / "results/quality/tasks/tasks.json").read_text())}
+    manifest = workdir / "results/quality/smol/tasks/tasks.json"
+    built = {t["task"]: t["samples"] for t in json.loads(manifest.read_text())}
     assert built["kvbench_few_shot"] == 0 and built["kvbench_retrieval"] == 1 and built["kvbench_summarization"] == 1
     scores = read(workdir, "results/quality/smol/scores.parquet")
     # Every built sample of every method has a row; none failed.
@@ -500,7 +501,7 @@ def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(r
     workdir, config = run
     out = tmp_path / "kivi2.parquet"
     cli = [sys.executable, "-m", "kvbench.quality", "--method", "kivi2", "--model", "smol",
-           "--config", str(workdir / "config.yaml"), "--tasks", str(workdir / "results/quality/tasks"),
+           "--config", str(workdir / "config.yaml"), "--tasks", str(workdir / "results/quality/smol/tasks"),
            "--references", str(workdir / "results/quality/smol/reference.safetensors"), "--out", str(out),
            "--threads", str(len(os.sched_getaffinity(0)))]  # as the rule (MACHINE_THREADS)
     done = subprocess.run(cli, cwd=workdir, capture_output=True, text=True, timeout=900)

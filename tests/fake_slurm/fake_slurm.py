@@ -8,7 +8,8 @@ the job's CPUs free (FAKE_SLURM_CPUS, default: this machine's), runs the script 
 own process group with the SLURM_* variables a job sees, and records its state. `scancel`
 sends SIGTERM to the job's group, then SIGKILL after FAKE_SLURM_KILL_WAIT_S (as KillWait).
 
-State lives in FAKE_SLURM_DIR (default ./.fake_slurm): one JSON file per job.
+State lives in FAKE_SLURM_DIR (default ./.fake_slurm): one JSON file per job. While the file
+FAKE_SLURM_HOLD names exists, no job starts (a queue wait a test can end when it chooses).
 Usage: PATH=tests/fake_slurm:$PATH snakemake --workflow-profile workflow/profiles/slurm ...
 """
 
@@ -28,6 +29,7 @@ from typing import Any, Iterator
 STATE = Path(os.environ.get("FAKE_SLURM_DIR", ".fake_slurm")).resolve()
 CPUS = int(os.environ.get("FAKE_SLURM_CPUS", os.cpu_count() or 1))
 KILL_WAIT_S = float(os.environ.get("FAKE_SLURM_KILL_WAIT_S", "10"))
+HOLD = os.environ.get("FAKE_SLURM_HOLD")
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 # sbatch options that take no value (everything else with a leading dash takes one).
 SBATCH_FLAGS = {"--parsable", "--requeue", "--no-requeue", "--exclusive", "-H", "--hold"}
@@ -130,7 +132,7 @@ def _try_start(job_id: int) -> dict[str, Any] | None:
         jobs = all_jobs()
         used = sum(j["cpus"] for j in jobs if j["state"] in ("RUNNING", "STARTING"))
         older_waiting = any(j["state"] == "PENDING" and j["id"] < job_id for j in jobs)
-        if older_waiting or used + job["cpus"] > CPUS:
+        if older_waiting or used + job["cpus"] > CPUS or (HOLD and Path(HOLD).exists()):
             return None
         job["state"] = "STARTING"
         write_job(job)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvbench.config import (
-    ConfigError, file_problems, length_problems, model_shape, offline_problems, reference_problems, schema_errors,
+    ConfigError, file_problems, length_problems, model_shape, reference_problems, schema_errors,
     subset_problems, system_models,
 )
 from kvbench.corpus.factsheets import vocabulary  # each domain's document types
@@ -82,15 +82,54 @@ def _port_problems(config: Mapping[str, Any]) -> list[str]:
             f"use 0 (a free port per server)"]
 
 
+QA_CATEGORIES = ("single_doc_qa", "multi_doc_qa")
+
+
+def _qa_answer_caps(config: Mapping[str, Any]) -> dict[str, int]:
+    """Longest answer (tokens) of each QA task the quality stage runs: LongBench's generation length,
+    capped by quality.max_gen_cap."""
+    from kvbench.hub import lm_eval_task
+    from kvbench.quality.kinds import LONGBENCH_CATEGORY, dataset_of
+    from kvbench.quality.tasks import multi_doc_qa, single_doc_qa
+
+    quality = config["quality"]
+    caps = {f"quality.tasks.{spec.category}": int(quality["tasks"][spec.category].get("max_gen_tokens",
+                                                                                      spec.max_gen_tokens))
+            for spec in (single_doc_qa.SPEC, multi_doc_qa.SPEC) if spec.category in quality["tasks"]}
+    for task in quality.get("lm_eval_tasks") or []:
+        if LONGBENCH_CATEGORY.get(dataset_of(task)) in QA_CATEGORIES:
+            caps[f"quality.lm_eval_tasks: {task}"] = int(lm_eval_task(task)["generation_kwargs"]["max_gen_toks"])
+    return {key: min(cap, int(quality["max_gen_cap"])) for key, cap in caps.items()}
+
+
+def _cam_problems(config: Mapping[str, Any]) -> list[str]:
+    """A CaM that compresses only while decoding first compresses after `interval` decode steps; an
+    answer of N tokens takes N - 1 of them. Where that never comes, cam is `full` by construction."""
+    decode_only = {name: spec for name in config["quality"]["methods"] if (spec := config["methods"].get(name))
+                   and spec["kind"] == "cam" and "target" in spec and not {"keep_ratio", "capacity"} & set(spec)}
+    if not decode_only:
+        return []
+    caps = _qa_answer_caps(config)
+    found = []
+    for name, spec in decode_only.items():
+        late = [key for key, cap in caps.items() if int(spec.get("interval", 32)) > cap - 1]
+        if late:
+            found.append(f"methods.{name}.interval: {spec.get('interval', 32)} decode steps before CaM's first "
+                         f"compression, but {', '.join(late)} answer in at most {min(caps[k] for k in late)} tokens: "
+                         f"{name} would equal full there by construction; lower the interval (or leave QA out)")
+    return found
+
+
 def config_problems(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     """Every problem of `config` (schema first; the other checks need its types and defaults)."""
     found = schema_errors(config, schema_path)
     if found:
         return found
     references = reference_problems(config)
-    found = references + file_problems(config) + _method_problems(config)
-    found += subset_problems(config, _document_counts(config))
-    found += _serve_problems(config) + quality_problems(config) + offline_problems(config)
+    methods, quality = _method_problems(config), quality_problems(config)
+    found = references + file_problems(config) + methods + subset_problems(config, _document_counts(config))
+    found += _serve_problems(config) + quality
+    found += [] if methods or quality else _cam_problems(config)  # needs valid methods and tasks
     return found if references else found + length_problems(config)
 
 

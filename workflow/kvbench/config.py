@@ -195,13 +195,3 @@ def file_problems(config: Mapping[str, Any]) -> list[str]:
     if folder is not None and not Path(folder).is_dir():
         found.append(f"corpus.imported.path: folder {folder!r} does not exist")
     return found
-
-
-def offline_problems(config: Mapping[str, Any]) -> list[str]:
-    """hf_offline keeps every job off the hub, so a hub model must be downloaded already."""
-    if not config["hf_offline"]:
-        return []
-    return [f"hf_offline: true, but models.{name} (hub: {source['hub']}) is not downloaded yet "
-            f"({model_dir(config, name)}); set hf_offline: false for the run that downloads it"
-            for name, source in config["models"].items()
-            if "hub" in source and not (Path(model_dir(config, name)) / "config.json").is_file()]

@@ -10,6 +10,7 @@ import threading
 import traceback
 from typing import Any, Iterator, Mapping, TextIO
 
+from kvbench.hub import PrefetchError, hub_env, missing, missing_message, noted_configfiles
 from kvbench.servers import terminate_servers
 
 # Python's default SIGTERM ends the process without running `finally`: servers a job started
@@ -70,12 +71,13 @@ def _watch_parent(stop: threading.Event) -> None:
 def job_log(path: str | os.PathLike, config: Mapping[str, Any]) -> Iterator[TextIO]:
     """Send prints and tracebacks to the rule's log (line-buffered, so progress is live).
 
-    Also keeps the job off the hub when the config says so (every stage, every machine), and
-    turns SIGTERM/SIGHUP, or the death of the parent process, into an exception that unwinds
-    every `finally` (servers are stopped) before the job exits with 128 + signal.
+    Also points the job at the hub cache and keeps it off the hub when the config says so (every
+    stage, every machine; workflow/scripts/_kvbench_path.py did so before the heavy imports), fails
+    it with the prefetch command when something the config reads from the hub is not in that cache
+    as this node sees it, and turns SIGTERM/SIGHUP, or the death of the parent process, into an
+    exception that unwinds every `finally` (servers are stopped) before the job exits with 128 + signal.
     """
-    if config["hf_offline"]:
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ.update(hub_env(config))
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, _terminate) for sig in EXIT_SIGNALS} if main_thread else {}
     stop = threading.Event()
@@ -84,7 +86,13 @@ def job_log(path: str | os.PathLike, config: Mapping[str, Any]) -> Iterator[Text
             try:
                 if main_thread:  # once the log is open: a parent already gone is reported there
                     threading.Thread(target=_watch_parent, args=(stop,), daemon=True, name="watch-parent").start()
+                if lines := missing(config):
+                    raise PrefetchError(missing_message(config, lines, noted_configfiles()))
                 yield log
+            except PrefetchError as err:  # the message is the whole story: no traceback
+                print(f"kvbench: {err}", file=log)
+                sys.__stderr__.write(f"kvbench: {err}\n")
+                raise
             except JobTerminated as err:
                 traceback.print_exc(file=log)
                 print(f"kvbench: job terminated by signal {int(err.code) - 128}; cleaned up", file=log)

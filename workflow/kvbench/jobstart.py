@@ -1,10 +1,23 @@
-"""Imported first by every workflow script: notes the job's parent before the heavy imports.
+"""Imported first by every workflow script: notes the job's parent, the hub environment and the
+job's GPUs before the heavy imports.
 
 The job's parent is snakemake (or the SLURM jobstep). If it dies while torch and pandas still
 import, kvbench.jobs.job_log must still see the change and end the job (an orphan would race the
 rerun for its outputs): it compares against the parent noted here, at the job's first line."""
 
 import os
+import sys
 
 # For this process only: a child that inherits the variable sees another pid and ignores it.
 os.environ["KVBENCH_JOB_PARENT"] = f"{os.getpid()}:{os.getppid()}"
+
+# Before torch, huggingface_hub, datasets and lm-eval are imported (they read these once): the hub
+# cache, offline (kvbench.jobs.job_log sets the same and checks the cache), and the GPUs a job that
+# asks for them (resources gpu) may use when no scheduler chose them (kvbench.gpu_env.assign_gpus).
+_job = getattr(sys.modules["__main__"], "snakemake", None)
+if _job is not None:
+    from kvbench.gpu_env import assign_gpus
+    from kvbench.hub import hub_env
+
+    os.environ.update(hub_env(_job.config))
+    assign_gpus(int(_job.resources.get("gpu", 0)), os.environ)

@@ -8,17 +8,10 @@ from typing import Any
 import torch
 
 from kvbench.atomic import atomic_path
+from kvbench.gpu_env import require_gpu_environment
 
 WEIGHT_KINDS: tuple[str, ...] = ("real", "random", "dummy")
 DUMMY_RANGE = 1e-3  # vLLM --load-format dummy: uniform(-1e-3, 1e-3)
-# What transformers and vLLM load from a hub repo: top-level config, sharded safetensors and
-# tokenizer files. Not `original/*.pth` (Llama-3.1's second copy of the weights) nor
-# `consolidated.safetensors` (Mistral's), which would double the download.
-HUB_FILES = (
-    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-    "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
-    "chat_template.jinja",
-)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -46,15 +39,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
-def download_hub(repo_id: str, out_dir: Path) -> None:
-    """Snapshot the files of a hub model that get loaded (HUB_FILES; clusters only: offline
-    machines fail here with the hub's error)."""
-    from huggingface_hub import snapshot_download
-
-    with atomic_path(out_dir, is_dir=True) as tmp:
-        snapshot_download(repo_id, local_dir=tmp, allow_patterns=list(HUB_FILES))
-
-
 def load_model(
     model_dir: str | Path, weights: str = "real", seed: int = 0, dtype: torch.dtype = torch.float32,
     device: str = "cpu",
@@ -71,6 +55,7 @@ def load_model(
     hf_logging.disable_progress_bar()  # one bar line per tensor would swamp the job logs
     if weights not in WEIGHT_KINDS:
         raise ValueError(f"weights must be one of {WEIGHT_KINDS}, got {weights!r}")
+    require_gpu_environment(device)
     if weights == "real":
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:

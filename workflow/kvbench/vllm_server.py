@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+from kvbench.gpu_env import require_gpu_environment
 from kvbench.jobs import cpu_list, usable_cpus
 from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server, server_state
 
@@ -128,6 +129,7 @@ def vllm_server(
     env: Mapping[str, str] | None = None,
 ) -> Iterator[VLLMClient]:
     """`env` adds to the server's environment (e.g. PYTHONPATH for a connector module)."""
+    require_gpu_environment(settings["device"])
     port = int(settings["port"]) or free_port()
     base = f"http://{HOST}:{port}"
     with managed_server(

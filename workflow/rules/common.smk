@@ -20,6 +20,7 @@ from kvbench.codehash import code_hash
 from kvbench.checks import check_config
 from kvbench.config import model_dir as _model_dir, system_models, tokenizer_model
 from kvbench.corpus.imported import document_files
+from kvbench.hub import note_configfiles, require_prefetched
 from kvbench.jobs import usable_cpus
 from kvbench.batches import batches as quality_batches, paired_batches
 from kvbench.serve.backends import CONNECTOR_MODULE, SERVER_OF, servers as serve_servers
@@ -30,6 +31,16 @@ from kvbench.vllm_server import RUNTIME_SETTINGS as VLLM_RUNTIME
 # and the documents, subsets, references, files: one line per problem, naming the key.
 check_config(config, workflow.source_path("../schemas/config.schema.yaml"))
 
+# The config files of this run, for the prefetch command a job names when the hub cache lacks a file.
+CONFIGFILES = note_configfiles([str(f) for f in workflow.overwrite_configfiles] or ["config/config.yaml"])
+
+
+# Before any job (not in a dry run): everything the config reads from the hub must be in the hub
+# cache (`make prefetch`); jobs never download, and each checks again on its node (kvbench.jobs).
+onstart:
+    require_prefetched(config, CONFIGFILES)
+
+
 PREPARED_MODELS = [m for m, src in config["models"].items() if "path" not in src]
 SYSTEM_MODELS = system_models(config)
 SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
@@ -38,6 +49,9 @@ SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # would break `--unlock` and the SLURM executor, which do not give one.
 MACHINE_THREADS = len(usable_cpus())
 SERVE_SERVERS = serve_servers(config["serve"]["backends"])
+# GPUs a job of each stage takes (resources gpu): a run on one node with `--resources gpu=N` (the
+# default profile says 1) never holds more GPU jobs than GPUs; each gets its own (kvbench.gpu_env).
+GPUS = {stage: int(config[stage]["device"] == "cuda") for stage in ("vllm", "kv", "system", "quality")}
 # The vLLM settings a server's output depends on: the port and the timeouts are read from the
 # config by the scripts (kvbench.vllm_server.runtime_settings), and changing them reruns nothing.
 # Scripts take everything else from their rule (input, params); the whole config only for

@@ -27,6 +27,8 @@ rule corpus_realistic:
         seed=config["seed"],
         code=library_code("corpus_realistic.py"),
     threads: MACHINE_THREADS
+    resources:
+        gpu=GPUS["vllm"],
     log:
         main="logs/corpus/realistic.log",
         vllm="logs/corpus/realistic.vllm.log",

@@ -16,6 +16,8 @@ rule kv_capture:
         seed=lambda wc: None if wc.weights == "real" else config["seed"],
         code=library_code("kv_capture.py"),
     threads: 1
+    resources:
+        gpu=GPUS["kv"],
     log:
         "logs/kv/{corpus}.{weights}.log",
     benchmark:
@@ -84,6 +86,8 @@ rule kv_memory_probe:
         tokens=8192,
         seed=config["seed"],
         code=library_code("kv_memory_probe.py"),
+    resources:
+        gpu=GPUS["kv"],
     log:
         "logs/kv/memory_probe.log",
     benchmark:

@@ -10,27 +10,32 @@ QUALITY_JOBS = {str(i): methods for i, methods in enumerate(
 QUALITY_RUN = {key: QUALITY[key] for key in (
     "device", "compute_dtype", "max_gen_cap", "max_prompt_tokens", "reference_top_k", "lm_eval_tasks", "lm_eval_limit",
     "protocols", "fidelity_positions", "prompts_per_batch", "max_rows")}
-# Imported LongBench lines are an input only when a longbench task is configured.
+# The realistic corpus is an input only when kvbench builds tasks (lm-eval's own tasks read the hub
+# cache), imported LongBench lines only when a longbench task is configured.
+QUALITY_CORPUS = {"docs": "results/corpus/realistic/docs.parquet", "facts": "results/corpus/realistic/facts.parquet"} \
+    if QUALITY["tasks"] else {}
 QUALITY_IMPORTED = {"imported": "results/corpus/imported/docs.parquet"} if "longbench" in QUALITY["tasks"] else {}
 QUALITY_SPECS = {job: {m: config["methods"][m] for m in methods} for job, methods in QUALITY_JOBS.items()}
 
 
+# Per model: context lengths are counted with the tokenizer of the model that runs them.
 rule quality_tasks:
     input:
-        docs="results/corpus/realistic/docs.parquet",
-        facts="results/corpus/realistic/facts.parquet",
-        tokenizer=model_dir(tokenizer_model(config)),
+        **QUALITY_CORPUS,
+        tokenizer=lambda wc: model_dir(wc.model),
         **QUALITY_IMPORTED,
     output:
-        directory("results/quality/tasks"),
+        directory("results/quality/{model}/tasks"),
     params:
         tasks=QUALITY["tasks"],
         seed=config["seed"],
         code=library_code("quality_tasks.py"),
+    wildcard_constraints:
+        model="|".join(map(re.escape, QUALITY["models"])),
     log:
-        "logs/quality/tasks.log",
+        "logs/quality/{model}/tasks.log",
     benchmark:
-        "benchmarks/quality/tasks.tsv"
+        "benchmarks/quality/{model}/tasks.tsv"
     conda:
         CONDA_ENV
     script:
@@ -39,7 +44,7 @@ rule quality_tasks:
 
 rule quality_reference:
     input:
-        tasks="results/quality/tasks",
+        tasks="results/quality/{model}/tasks",
         model=lambda wc: model_dir(wc.model),
     output:
         table="results/quality/{model}/jobs/1.parquet",
@@ -54,6 +59,8 @@ rule quality_reference:
         model="|".join(map(re.escape, QUALITY["models"])),
     # The whole machine per job, as the system stage: every method timed under the same load.
     threads: MACHINE_THREADS
+    resources:
+        gpu=GPUS["quality"],
     log:
         "logs/quality/{model}/job1.log",
     benchmark:
@@ -66,7 +73,7 @@ rule quality_reference:
 
 rule quality_methods:
     input:
-        tasks="results/quality/tasks",
+        tasks="results/quality/{model}/tasks",
         # Job 1 rewrites the references whenever any of its methods changes; these jobs follow
         # the reference's own spec (a param) instead of the file's time.
         references=ancient("results/quality/{model}/reference.safetensors"),
@@ -83,6 +90,8 @@ rule quality_methods:
         model="|".join(map(re.escape, QUALITY["models"])),
         job="|".join(list(QUALITY_JOBS)[1:]) or "^$",
     threads: MACHINE_THREADS
+    resources:
+        gpu=GPUS["quality"],
     log:
         "logs/quality/{model}/job{job}.log",
     benchmark:

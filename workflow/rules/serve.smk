@@ -15,6 +15,8 @@ rule serve_server:
         code=library_code("serve_server.py", extra=(CONNECTOR_MODULE,)),
     # A vLLM server (and Valkey) on the whole machine: rounds of different backends share it.
     threads: MACHINE_THREADS
+    resources:
+        gpu=GPUS["vllm"],
     log:
         main="logs/serve/{server}.log",
         vllm="logs/serve/{server}.vllm.log",

@@ -24,6 +24,8 @@ rule system_job:
         job="|".join(map(re.escape, SYSTEM_JOBS)),
     # The whole machine per job: every run is timed under the same load.
     threads: MACHINE_THREADS
+    resources:
+        gpu=GPUS["system"],
     log:
         "logs/system/{model}/job{job}.log",
     benchmark:

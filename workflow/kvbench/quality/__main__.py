@@ -1,7 +1,7 @@
 """Run KV methods over the quality tasks outside Snakemake (lm-eval's CLI cannot load the
 kvbench model: it has no plugin discovery).
 
-    python -m kvbench.quality --method kivi2 snapkv --tasks results/quality/tasks \\
+    python -m kvbench.quality --method kivi2 snapkv --tasks results/quality/smollm2-135m/tasks \\
         --references results/quality/smollm2-135m/reference.safetensors --out mine.parquet
 
 Methods and settings come from the config (`methods:`, `quality:`); the methods run in this
@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from kvbench.checks import check_config
+from kvbench.hub import hub_env, require_prefetched
 
 SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.save_references and args.method[0] != config["quality"]["reference"]:
         parser.error(f"--save-references stores the first --method's continuations: put the reference "
                      f"({config['quality']['reference']}) first")
-    if config["hf_offline"]:
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ.update(hub_env(config))  # before lm-eval and datasets are imported: they read it once
+    require_prefetched(config, [args.config])
     from kvbench.config import model_dir
     from kvbench.provenance import provenance
     from kvbench.quality.job import run_job

@@ -6,6 +6,7 @@ method's answer) with what the engine measured."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,6 +37,15 @@ def task_table(tasks_dir: str | Path, lm_eval_tasks: list[str]) -> dict[str, dic
     return table
 
 
+def sample_ids(task: str, size: int, limit: int | None, seed: int) -> list[int]:
+    """`limit` of a task's `size` documents, drawn at random under the run seed and the task's name
+    (so every method and model gets the same ones; not lm-eval's first `limit`), in order; all of
+    them when `limit` is None or not smaller."""
+    if not limit or limit >= size:
+        return list(range(size))
+    return sorted(random.Random(f"{seed}:{task}").sample(range(size), limit))
+
+
 def evaluate(
     model: Any, tokenizer: Any, methods: Mapping[str, dict[str, Any]], tasks_dir: str | Path, cfg: Mapping[str, Any],
     seed: int, *, protocols: tuple[str, ...] = (QUERY_AWARE,), reference: str | None = None,
@@ -44,12 +54,12 @@ def evaluate(
     """Rows for every sample of every task, method and protocol (an error where it failed), and the
     model object (its `new_references` hold the reference method's continuations, if it ran)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager, get_task_dict
 
     official = list(cfg.get("lm_eval_tasks") or [])
     tasks = task_table(tasks_dir, official)
     if not tasks:
-        raise ValueError(f"{tasks_dir}: no task has samples (see logs/quality/tasks.log) and no lm_eval_tasks")
+        raise ValueError(f"{tasks_dir}: no task has samples (see logs/quality/<model>/tasks.log) and no lm_eval_tasks")
     lm = KvbenchLM(model, tokenizer, methods, seed=seed, max_gen_cap=int(cfg["max_gen_cap"]),
                    max_prompt_tokens=max_prompt_tokens(cfg, model),
                    plain_tasks=frozenset(name for name, t in tasks.items() if not t["chat"]), protocols=protocols,
@@ -58,9 +68,13 @@ def evaluate(
                    prompts_per_batch=int(cfg.get("prompts_per_batch") or 8), max_rows=int(cfg.get("max_rows") or 64))
     manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
     start = time.monotonic()
-    samples = _official_samples(official, cfg.get("lm_eval_limit"), seed)
+    limit = cfg.get("lm_eval_limit")  # lm-eval's own tasks only: kvbench's are sized when built
+    drawn_ids = None
+    if limit and official:  # their sizes, to draw from (lm-eval loads each dataset from its cache)
+        sizes = {name: len(task.eval_docs) for name, task in get_task_dict(official, manager).items()}
+        drawn_ids = {name: sample_ids(name, sizes[name], limit, seed) for name in official}
     results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, log_samples=True, bootstrap_iters=0,
-                              samples=samples, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                              samples=drawn_ids, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                               fewshot_random_seed=seed)
     print(f"[quality] lm-eval finished in {time.monotonic() - start:.0f} s")
     task_objects = manager.load(list(results["samples"]))["tasks"]
@@ -69,18 +83,14 @@ def evaluate(
         info = tasks[task]
         for sample in task_samples:
             doc = sample["doc"]
-            key = prompt_key(task, doc, sample["doc_id"])
+            # lm-eval logs a drawn sample under its index in the dataset, but numbers the requests the
+            # model sees (and so the adapter's keys, where a record has no `_id`) among the drawn ones.
+            drawn = (drawn_ids or {}).get(task)
+            key = prompt_key(task, doc, drawn.index(sample["doc_id"]) if drawn else sample["doc_id"])
             for method, spec in methods.items():
                 for protocol in protocols:
                     rows.append(_row(lm, task_objects[task], task, info, doc, sample, key, method, spec, protocol))
     return pd.DataFrame(rows), lm
-
-
-def _official_samples(official: list[str], limit: int | None, seed: int) -> dict[str, list[int]] | None:
-    """lm-eval's own tasks: the first `limit` documents (kvbench's tasks are sized when built)."""
-    if not (limit and official):
-        return None
-    return {name: list(range(limit)) for name in official}
 
 
 def _row(lm: KvbenchLM, task_object: Any, task: str, info: Mapping[str, Any], doc: Mapping[str, Any],

@@ -1,0 +1,268 @@
+"""Cluster resources of each GPU rule from the model it loads and the tokens it runs, and the GPU
+hours of a config: the formula behind workflow/profiles/slurm/config.yaml (docs/cluster.md).
+
+    GPU memory  = 2 GiB (CUDA context, allocator) + W + KV + A            [harness jobs]
+                = W + KV(vllm.max_model_len) + 2 GiB, within gpu_memory_utilization of the GPU  [vLLM jobs]
+      W  = weight bytes: parameters x the checkpoint's bytes per weight (FP8: 1 for the
+           transformer blocks, 2 for the embeddings and LM head)
+      KV = 2 x layers x kv_heads x head_dim x 2 bytes x tokens x copies
+           (copies 2 where a method's cache and the full prefill it starts from coexist)
+      A  = one layer's working set of the longest prefill: tokens x (4 hidden + 2 intermediate) x 2 bytes
+           (attention through SDPA/flash: linear in tokens; layers run one after another)
+    host memory = 2 W + 8 GiB (a safetensors copy while weights move to the GPU; the process)
+    runtime     = 2 x (startup + prefill tokens x s/token + decode steps x s/step + codec bytes / B/s),
+                  at least 30 minutes; startup = a fixed part + W / load B/s (+ compile for a vLLM
+                  server without enforce_eager)
+
+The per-token costs are STATED, not measured (no GPU run exists yet): an 8B model in bf16 on an
+A100/H100-class GPU, scaled by parameter count (GPU_COST below); replace them with a GPU run's
+`benchmark:` times. Token and job counts come from the config, the same counts the dry run plans.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+GIB = 2**30
+OVERHEAD_GIB = 2.0
+HOST_BASE_GIB = 8.0
+SAFETY = 2.0
+MIN_RUNTIME_MIN = 30
+WORDS_TO_TOKENS = 1.3  # English words -> Llama/Mistral/Qwen tokens, LongBench's own estimate
+# Stated per-token costs of an 8B model (bf16) on one A100/H100-class GPU; scaled by parameters.
+GPU_COST = {
+    "harness_prefill_s_per_token": 2.5e-4,   # transformers, batch 1: ~4,000 tokens/s
+    "harness_decode_s_per_step": 0.04,       # transformers, batch 1, with a method's cache work
+    "vllm_prefill_s_per_token": 1.0e-4,      # vLLM: ~10,000 tokens/s
+    "vllm_decode_s_per_step": 0.03,          # vLLM: one step of every running sequence
+    "harness_startup_s": 30.0,               # imports; + weights at load_bytes_per_s
+    "vllm_startup_s": 60.0,                  # engine, KV pool; + weights; + vllm_compile_s unless eager
+    "vllm_compile_s": 180.0,                 # torch.compile and CUDA graph capture
+    "load_bytes_per_s": 2e9,                 # weights from the shared filesystem to the GPU
+    "codec_bytes_per_s": 100e6,              # kv stage: one codec pass over the captured bytes (CPU)
+}
+# LongBench's English datasets: average words per sample (LongBench paper, table 1).
+LONGBENCH_WORDS = {
+    "narrativeqa": 18409, "qasper": 3619, "multifieldqa_en": 4559, "hotpotqa": 9151, "2wikimqa": 4887,
+    "musique": 11214, "gov_report": 8734, "qmsum": 10614, "multi_news": 2113, "trec": 5177, "triviaqa": 8209,
+    "samsum": 6258, "passage_count": 11141, "passage_retrieval_en": 9289, "lcc": 1235, "repobench-p": 4206,
+}
+# The shapes of the config's hub models as their config.json gives them, for before the prefetch
+# (afterwards the model folder's config.json is read): parameters counted from the safetensors index.
+KNOWN_SHAPES = {
+    "meta-llama/Llama-3.1-8B-Instruct": dict(params=8.03e9, layers=32, kv_heads=8, head_dim=128, hidden=4096,
+                                             intermediate=14336, vocab=128256, tied=False, fp8=False, context=131072),
+    "mistralai/Mistral-7B-Instruct-v0.3": dict(params=7.25e9, layers=32, kv_heads=8, head_dim=128, hidden=4096,
+                                               intermediate=14336, vocab=32768, tied=False, fp8=False, context=32768),
+    "Qwen/Qwen3-8B-FP8": dict(params=8.19e9, layers=36, kv_heads=8, head_dim=128, hidden=4096, intermediate=12288,
+                              vocab=151936, tied=False, fp8=True, context=40960),
+    "Qwen/Qwen3-0.6B": dict(params=0.596e9, layers=28, kv_heads=8, head_dim=128, hidden=1024, intermediate=3072,
+                            vocab=151936, tied=True, fp8=False, context=40960),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    fp8: bool
+    context: int
+
+    @property
+    def weight_bytes(self) -> float:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return (self.params - embeddings) * (1 if self.fp8 else 2) + embeddings * 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    @property
+    def scale(self) -> float:
+        """Cost relative to the stated 8B costs."""
+        return self.params / 8e9
+
+
+def shape_from_config_json(hf: Mapping[str, Any], params: float) -> Shape:
+    hf = hf.get("text_config", hf)
+    heads = hf["num_attention_heads"]
+    quant = (hf.get("quantization_config") or {}).get("quant_method", "")
+    return Shape(params=params, layers=hf["num_hidden_layers"], kv_heads=hf.get("num_key_value_heads", heads),
+                 head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, hidden=hf["hidden_size"],
+                 intermediate=hf["intermediate_size"], vocab=hf["vocab_size"],
+                 tied=bool(hf.get("tie_word_embeddings", False)), fp8="fp8" in quant,
+                 context=hf["max_position_embeddings"])
+
+
+def model_shape(config: Mapping[str, Any], name: str, folder: str | Path | None = None) -> Shape:
+    """From the model folder's config.json and safetensors index once they exist, else KNOWN_SHAPES."""
+    source = config["models"][name]
+    path = Path(folder) if folder else None
+    if path is not None and (path / "config.json").is_file() and (path / "model.safetensors.index.json").is_file():
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        hf = json.loads((path / "config.json").read_text())
+        total = index.get("metadata", {}).get("total_parameters") or index["metadata"]["total_size"] / 2
+        return shape_from_config_json(hf, float(total))
+    if source.get("hub") in KNOWN_SHAPES:
+        return Shape(**KNOWN_SHAPES[source["hub"]])
+    raise KeyError(f"models.{name}: no shape known before its folder exists (add it to kvbench.resources.KNOWN_SHAPES)")
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one job of a rule does, for the formula."""
+
+    rule: str
+    model: str
+    jobs: int
+    engine: str  # "harness" | "vllm"
+    longest: int  # tokens of the longest sequence the job holds
+    prefill_tokens: float
+    decode_steps: float
+    copies: int = 1
+    codec_bytes: float = 0.0
+
+
+def gpu_bytes(work: Work, shape: Shape, vllm_len: int) -> float:
+    if work.engine == "vllm":
+        return shape.weight_bytes + shape.kv_bytes_per_token * vllm_len + OVERHEAD_GIB * GIB
+    kv = shape.kv_bytes_per_token * work.longest * work.copies
+    activations = work.longest * (4 * shape.hidden + 2 * shape.intermediate) * 2
+    return OVERHEAD_GIB * GIB + shape.weight_bytes + kv + activations
+
+
+def host_bytes(shape: Shape) -> float:
+    return 2 * shape.weight_bytes + HOST_BASE_GIB * GIB
+
+
+def job_seconds(work: Work, shape: Shape, eager: bool = False) -> float:
+    """The stated GPU cost of one job, without the safety factor."""
+    c = GPU_COST
+    kind = work.engine
+    startup = c[f"{kind}_startup_s"] + shape.weight_bytes / c["load_bytes_per_s"]
+    startup += c["vllm_compile_s"] if kind == "vllm" and not eager else 0.0
+    return (startup + shape.scale * (work.prefill_tokens * c[f"{kind}_prefill_s_per_token"]
+                                                   + work.decode_steps * c[f"{kind}_decode_s_per_step"])
+            + work.codec_bytes / c["codec_bytes_per_s"])
+
+
+def runtime_minutes(work: Work, shape: Shape, eager: bool = False) -> int:
+    return max(MIN_RUNTIME_MIN, math.ceil(SAFETY * job_seconds(work, shape, eager) / 60))
+
+
+def _quality_work(config: Mapping[str, Any], model: str, shape: Shape) -> tuple[int, float, float]:
+    """Longest prompt, prefill tokens and decode steps of one quality job (every sample once)."""
+    from kvbench.hub import lm_eval_task
+    from kvbench.quality.kinds import dataset_of
+
+    quality = config["quality"]
+    budget = quality.get("max_prompt_tokens") or shape.context - 500
+    cap = int(quality["max_gen_cap"])
+    prefill = decode = 0.0
+    longest = 0
+    for entry in quality["tasks"].values():
+        for tokens in entry["context_tokens"]:
+            prefill += entry["samples"] * tokens
+            decode += entry["samples"] * min(cap, entry.get("max_gen_tokens", cap))
+            longest = max(longest, tokens)
+    for task in quality.get("lm_eval_tasks") or []:
+        samples = quality.get("lm_eval_limit") or 200
+        tokens = min(budget, LONGBENCH_WORDS[dataset_of(task)] * WORDS_TO_TOKENS)
+        prefill += samples * tokens
+        decode += samples * min(cap, int(lm_eval_task(task)["generation_kwargs"]["max_gen_toks"]))
+        longest = max(longest, budget)  # samples reach the budget: LongBench's lengths vary widely
+    return int(longest), prefill, decode  # the teacher-forced fidelity pass is one forward: in the margin
+
+
+def workloads(config: Mapping[str, Any]) -> list[Work]:
+    """One entry per (rule, model) of the GPU rules, with the job count the dry run plans."""
+    from kvbench.batches import batches, paired_batches
+    from kvbench.serve.backends import servers
+
+    corpus, kv, system, serve, quality = (config[k] for k in ("corpus", "kv", "system", "serve", "quality"))
+    realistic = corpus["realistic"]
+    docs = realistic["docs_per_type"] * 3 * len(realistic["domains"])
+    # The generator writes each document section by section; each section's prompt is its fact sheet
+    # (a few hundred tokens), not the text so far: prefill counted as the output, an upper bound.
+    generated = docs * realistic["target_tokens"]
+    work = [Work("corpus_realistic", corpus["generator"], 1, "vllm", config["vllm"]["max_model_len"], generated,
+                 generated / max(1, realistic["concurrency"]))]
+    kv_model = kv["model"]
+    kv_bytes = model_shape(config, kv_model).kv_bytes_per_token * kv["context_tokens"] * kv["docs_per_corpus"]
+    work.append(Work("kv_capture", kv_model, len(kv["corpora"]) * len(kv["weights"]), "harness", kv["context_tokens"],
+                     kv["docs_per_corpus"] * kv["context_tokens"], 0,
+                     codec_bytes=kv_bytes * len(kv["dtypes"]) * len(kv["codecs"]) * 2 * kv["repeats"]))
+    prompts = sum(system["prompts_per_corpus"].values())
+    methods = system.get("methods") or list(config["methods"])
+    system_jobs = paired_batches(methods, config["report"]["baseline"], system.get("methods_per_job"))
+    per_job = max(len(j) for j in system_jobs)
+    for model in system["models"]:
+        work.append(Work("system_job", model, len(system_jobs), "harness",
+                         max(system["context_tokens"]) + system["max_new_tokens"],
+                         per_job * prompts * sum(system["context_tokens"]) * system["repeats"],
+                         per_job * prompts * len(system["context_tokens"]) * system["max_new_tokens"] * system["repeats"],
+                         copies=2))
+    requests = serve["docs_per_corpus"] * len(serve["corpora"]) * (1 + serve["repeat_count"])
+    work.append(Work("serve_server", serve["model"], len(servers(serve["backends"])), "vllm",
+                     config["vllm"]["max_model_len"], requests * serve["doc_tokens"],
+                     requests * serve["max_tokens"] / max(1, serve["max_inflight"])))
+    jobs = batches(quality["methods"], quality["reference"], quality["methods_per_job"])
+    for model in quality["models"]:
+        longest, prefill, decode = _quality_work(config, model, model_shape(config, model))
+        per_method = len(jobs[0])
+        work.append(Work("quality_reference", model, 1, "harness", longest, prefill * per_method,
+                         decode * per_method, copies=2))
+        if len(jobs) > 1:
+            per_method = max(len(j) for j in jobs[1:])
+            work.append(Work("quality_methods", model, len(jobs) - 1, "harness", longest, prefill * per_method,
+                             decode * per_method, copies=2))
+    return work
+
+
+def profile_resources(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Per GPU rule, the largest need over its models: gpu_mem_mb, mem_mb, runtime (minutes)."""
+    out: dict[str, dict[str, int]] = {}
+    vllm_len = config["vllm"]["max_model_len"]
+    for work in workloads(config):
+        shape = model_shape(config, work.model)
+        need = {"gpu_mem_mb": math.ceil(gpu_bytes(work, shape, vllm_len) / 2**20),
+                "mem_mb": math.ceil(host_bytes(shape) / 2**20),
+                "runtime": runtime_minutes(work, shape, config["vllm"]["enforce_eager"])}
+        prev = out.get(work.rule, {})
+        out[work.rule] = {k: max(v, prev.get(k, 0)) for k, v in need.items()}
+    out["kv_memory_probe"] = dict(out["kv_capture"])  # the same model, one 8K prefill
+    return out
+
+
+def cost_table(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """GPU hours per rule and model (jobs x stated cost, one GPU a job): ESTIMATES."""
+    rows = []
+    for work in workloads(config):
+        shape = model_shape(config, work.model)
+        hours = work.jobs * job_seconds(work, shape, config["vllm"]["enforce_eager"]) / 3600
+        rows.append({"rule": work.rule, "model": work.model, "jobs": work.jobs, "gpu_hours": round(hours, 2)})
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    import yaml
+
+    loaded = yaml.safe_load(Path(sys.argv[1]).read_text())
+    print(yaml.safe_dump(profile_resources(loaded), sort_keys=True))
+    print("| rule | model | jobs | GPU-hours (estimate) |\n|---|---|---|---|")
+    for row in cost_table(loaded):
+        print(f"| {row['rule']} | {row['model']} | {row['jobs']} | {row['gpu_hours']} |")
+    print(f"| total | | {sum(r['jobs'] for r in cost_table(loaded))} | "
+          f"{round(sum(r['gpu_hours'] for r in cost_table(loaded)), 1)} |")
