@@ -82,13 +82,13 @@ def test_shape_from_a_model_folder(model_dir, tmp_path):
 
 def test_the_cost_table_in_the_docs_is_the_formulas():
     text = (REPO / "docs" / "cluster.md").read_text()
-    block = re.search(r"<!-- cost-table:begin -->\n(.*?)<!-- cost-table:end -->", text, flags=re.S).group(1)
+    block = re.search(r"<!-- generated:gpu-cost -->\n(.*?)<!-- end generated:gpu-cost -->", text, flags=re.S).group(1)
     rows = [line.split("|")[1:-1] for line in block.strip().splitlines()[2:]]
     table = resources.cost_table(GPU_CONFIG)
     assert [[c.strip() for c in row] for row in rows[:-1]] == [
         [r["rule"], r["model"], str(r["jobs"]), f"{r['gpu_hours']:.2f}"] for r in table]
     assert rows[-1][3].strip() == f"{sum(r['gpu_hours'] for r in table):.1f}"
-    assert "estimate" in text[text.index("<!-- cost-table:begin -->") - 600:].lower()
+    assert "estimate" in text[text.index("<!-- generated:gpu-cost -->") - 600:].lower()
 
 
 def release_leases():

@@ -117,11 +117,14 @@ def per_prompt(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def paired_ratios(runs: pd.DataFrame, baseline: str) -> pd.DataFrame:
-    """Each run's TTFT and TPOT over the baseline's in the same round (model, prompt, repeat)."""
+    """Each run's TTFT and TPOT over the baseline's in the same round of the same process (model,
+    job, prompt, repeat): every job runs its own baseline."""
     ok = runs[runs.error.isna()]
-    base = ok[ok.method == baseline].set_index(["model", "prompt_id", "repeat"])[["ttft_s", "tpot_s"]]
-    paired = ok.join(base, on=["model", "prompt_id", "repeat"], rsuffix="_baseline", how="inner")
+    ok = ok if "job" in ok else ok.assign(job="all")
+    pair = ["model", "job", "prompt_id", "repeat"]
+    base = ok[ok.method == baseline].set_index(pair)[["ttft_s", "tpot_s"]]
+    paired = ok.join(base, on=pair, rsuffix="_baseline", how="inner")
     for key in ("ttft_s", "tpot_s"):
         paired[f"{key}_ratio"] = paired[key].astype(float) / paired[f"{key}_baseline"].astype(float)
-    return paired[["model", "method", "kind", "prompt_id", "corpus", "repeat", "order", "ttft_s", "ttft_s_baseline",
+    return paired[["model", "job", "method", "kind", "prompt_id", "corpus", "repeat", "order", "ttft_s", "ttft_s_baseline",
                    "ttft_s_ratio", "tpot_s", "tpot_s_baseline", "tpot_s_ratio"]].reset_index(drop=True)

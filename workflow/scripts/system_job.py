@@ -16,5 +16,6 @@ with job_log(snakemake.log[0], snakemake.config):
     prompts = system_prompts(docs, pd.read_parquet(snakemake.input.facts), tokenizer, cfg)
     model = load_model(snakemake.input.model, "real", seed, getattr(torch, cfg["compute_dtype"]), cfg["device"])
     table = run_job(model, snakemake.params.specs, prompts, cfg, seed)
+    table.insert(0, "job", snakemake.wildcards.job)  # pairs runs with the baseline of the same process
     table["output_text"] = [tokenizer.decode(ids) if isinstance(ids, list) else None for ids in table["output_ids"]]
     write_table(table, snakemake.output[0], provenance(snakemake.config, model=snakemake.wildcards.model))

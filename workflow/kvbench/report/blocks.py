@@ -196,9 +196,22 @@ def _config_options() -> pd.DataFrame:
     return pd.DataFrame(_schema_rows(yaml.safe_load(schema.read_text()), ""))
 
 
+def _gpu_cost() -> str:
+    """GPU hours of config/gpu.yaml per rule and model, from kvbench.resources' formula (estimates)."""
+    from kvbench.resources import cost_table
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[3] / "config" / "gpu.yaml").read_text())
+    rows = cost_table(config)
+    lines = ["| rule | model | jobs | GPU-hours (estimate) |", "|---|---|---|---|"]
+    lines += [f"| {r['rule']} | {r['model']} | {r['jobs']} | {r['gpu_hours']:.2f} |" for r in rows]
+    lines.append(f"| total | | {sum(r['jobs'] for r in rows)} | {sum(r['gpu_hours'] for r in rows):.1f} |")
+    return "\n".join(lines)
+
+
 CODE_BLOCKS: dict[str, Block] = {
     "method-kinds": Block(_method_kinds),
     "config-options": Block(_config_options),
+    "gpu-cost": Block(_gpu_cost),
 }
 
 

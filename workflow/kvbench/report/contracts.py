@@ -70,10 +70,10 @@ CONTRACTS: dict[str, Contract] = {
     # Issue 18 (paired timing): per model, one row per method x prompt x repeat; the runs of one
     # (prompt, repeat) ran in one process, interleaved, so they pair with the baseline's.
     "system_runs": Contract(
-        "system", "results/system/{model}/runs.parquet",
+        "system", "results/system/runs.parquet",
         _same("model", "method", "prompt_id", "corpus", "repeat", "ttft_s", "tpot_s", "decode_tok_s", "kv_bytes_end",
               "ratio_end", "error"),
-        optional=_same("kind", "params", "e2e_s", "bucket", "target_context", "context_tokens"),
+        optional=_same("job", "kind", "params", "e2e_s", "bucket", "target_context", "context_tokens"),
     ),
     # Issue 9 (quality): per model, one row per method x task x sample (categories: CATEGORY_* below).
     "quality_scores": Contract(

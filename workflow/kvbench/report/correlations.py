@@ -50,7 +50,9 @@ def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
         scores_path = CONTRACTS["quality_scores"].expand([model])[0]
         for category, rows in groups:
             own_ratio = rows.ratio.notna().any()
-            for outcome, column in (("quality", "score"), ("ttft_s", "ttft_s"), ("tpot_s", "tpot_s")):
+            # Latency comes from the system stage's pairs only: the quality pass batches every method's
+            # rows in one decode step, so its per-sample timings are shares of shared steps.
+            for outcome, column in (("quality", "score"),):
                 if rows[column].isna().all():
                     continue
                 y = _matrix(rows, SAMPLE, column)

@@ -123,7 +123,9 @@ def system_units(tables: Tables, baseline: str) -> tuple[pd.DataFrame | None, st
     ok = rows.error.isna()
     for col in SYSTEM_COLUMNS:
         rows[col] = rows[col].astype(float).where(ok)
-    pair = ["model", "prompt_id", "repeat"]
+    # Each job runs its own baseline: a run pairs with the baseline of its own process and round.
+    rows["job"] = rows["job"].astype(str) if "job" in rows else "-"
+    pair = ["model", "job", "prompt_id", "repeat"]
     ref = rows[rows.method == baseline].drop_duplicates(pair).set_index(pair)
     where = pd.MultiIndex.from_frame(rows[pair])
     for col in SYSTEM_COLUMNS:
