@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     if PER_METHOD not in args.paths or len(args.paths) < 2:
         parser.error(f"--paths: {PER_METHOD} and at least one other (the comparison is with it)")
 
-    from kvbench.config import check_config, model_dir
+    from kvbench.checks import check_config
+    from kvbench.config import model_dir
     from kvbench.models import load_model, load_tokenizer
     from kvbench.provenance import provenance, write_table
     from kvbench.quality.adapter import KvbenchLM

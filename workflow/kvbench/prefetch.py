@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from kvbench.config import check_config
+from kvbench.checks import check_config
 from kvbench.hub import PrefetchError, cache_root, hub_env, missing, prefetch
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
