@@ -4,10 +4,12 @@ the attention modules' inputs (hidden states, rotary embeddings) from which the 
 query hooks project their queries. `MethodCache.fork` then builds each method's cache from it.
 
 Every method's prefill attends to the K/V the model computed and compresses only what it keeps for
-decoding (prefill parity), so this is exact: a forked cache holds the same bytes as one prefilled on
-its own, and the prompt's next-token distribution is the same for every method. A prefix of the
-prompt (`upto`) serves the context-only protocol: a cache of the context alone, compressed before
-the question exists.
+decoding (prefill parity), so a fork of the whole prompt is exact: it holds the same bytes as a
+cache prefilled on its own (tested), and the prompt's next-token distribution is the same for every
+method. A prefix of the prompt (`upto`) serves the context-only protocol: a cache of the context
+alone, compressed before the question exists. Causality makes the prefix's K/V and queries those of
+a context-only prefill, but not bit for bit: matrix products of another length round differently
+(within 1e-4 here, tested), so a near-tie of an eviction score can resolve otherwise.
 """
 
 from __future__ import annotations

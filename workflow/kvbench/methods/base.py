@@ -128,8 +128,9 @@ class MethodCache(Cache):
 
     def fork(self, model: torch.nn.Module, prefill: Any, upto: int) -> None:
         """Build this (fresh) cache from a shared full-precision prefill (kvbench.prefill.Prefill): each
-        layer receives the first `upto` positions' K/V exactly as a prefill through this cache would
-        pass them, and whatever else the method reads then (queries, from the captured inputs)."""
+        layer receives the first `upto` positions' K/V as a prefill through this cache would pass them
+        (bit for bit when `upto` is the whole prefill; within kernel rounding for a prefix, see
+        kvbench.prefill), and whatever else the method reads then (queries, from the captured inputs)."""
         for index, layer in enumerate(self.layers):
             self.before_fork(model, index, prefill, upto)
             layer.update(prefill.keys[index][..., :upto, :], prefill.values[index][..., :upto, :])
