@@ -12,7 +12,7 @@ from kvbench.config import check_config, model_dir as _model_dir, system_models,
 from kvbench.corpus.imported import document_files
 from kvbench.jobs import usable_cpus
 from kvbench.quality.batches import batches as quality_batches
-from kvbench.serve.backends import CONNECTOR_MODULE, SERVER_OF, servers as serve_servers
+from kvbench.serve.backends import CONNECTOR_MODULE, server_backends, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
 
 # Schema (types, ranges, defaults), method settings per kind, lengths against each model's context
@@ -26,7 +26,7 @@ SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # --cores locally, and the SLURM profile sets them per rule. A global core count (workflow.cores)
 # would break `--unlock` and the SLURM executor, which do not give one.
 MACHINE_THREADS = len(usable_cpus())
-SERVE_SERVERS = serve_servers(config["serve"]["backends"])
+SERVE_SERVERS = serve_servers(config["serve"]["backends"], config["serve"]["weights"])
 # The vLLM settings a server's output depends on: the port and the timeouts are read from the
 # config by the scripts, and changing them reruns nothing.
 VLLM_RUN = {k: v for k, v in config["vllm"].items() if k not in ("port", "startup_timeout_s", "idle_timeout_s")}
@@ -54,12 +54,12 @@ def library_code(script, extra=()):
 def serve_run(server):
     """The serve settings, with only this server's backends: adding or dropping another server's
     backend does not rerun it."""
-    return {**config["serve"], "backends": [b for b in config["serve"]["backends"] if SERVER_OF[b] == server]}
+    return {**config["serve"], "backends": server_backends(server, config["serve"]["backends"])}
 
 
 def serve_methods(server):
-    """Method settings of the lossy wire formats, for the one server whose connector uses them."""
-    if server != SERVER_OF["valkey"] or "valkey" not in config["serve"]["backends"]:
+    """Method settings of the lossy wire formats, for the servers whose connector uses them."""
+    if "valkey" not in server_backends(server, config["serve"]["backends"]):
         return {}
     return {name: config["methods"][name] for name in config["serve"]["codecs"] if name in config["methods"]}
 
@@ -100,6 +100,9 @@ def all_targets():
         "results/system/methods.png",
         "results/serve/requests.parquet",
         "results/serve/offload.parquet",
+        "results/serve/load.parquet",
+        "results/serve/engine.parquet",
+        "results/serve/recommendations.parquet",
         "results/serve/ttft_hit_miss.png",
         "results/serve/wire_bytes.png",
         *expand(
