@@ -100,7 +100,7 @@ def test_hi_ranks_wrong_leaves_out_unsupported_serve_rows():
     flipped = serve_offload([("lmcache", "kivi", "realistic", 1.0, 9.0), ("lmcache", "kivi", "synthetic", 9.0, 0.1)],
                             status="unsupported: degraded mode on CPU")
     row = verdict({"serve_offload": pd.concat([serve_offload(rows), flipped])}, "hi-ranks-wrong")
-    assert row.verdict == C.CONTRADICTED and "wire ratio (serve): tau 1 over 4" in row.ours
+    assert row.verdict == C.CONTRADICTED and "sized by the data, by wire ratio (serve): tau 1 over 4" in row.ours
 
 
 def test_hi_ranks_wrong_with_two_codecs_is_not_measurable():
@@ -210,6 +210,7 @@ def test_cam_ratio_without_stage_or_rows():
 def test_every_seed_number_quotes_the_seeds():
     seeds = {p.name.split("-")[0]: p.read_text() for p in SEEDS.glob("*.ja.txt")}
     quoted = {"token-diversity": ["0.02%", "14.2%", "9.4%", "数百倍"], "dummy-weights-inflate": ["非常に良好", "一変"],
+              "dummy-weights-inflate-on-the-engine": ["Valkey をバックエンドとする KV キャッシュコネクター", "非常に良好", "一変"],
               "snapkv-long-context-throughput": ["SnapKVがチャンピオン"], "turboquant-ttft-overhead": ["長く待たせる"],
               "cam-ratio-varies": ["節約が全くできない"], "summarization-most-fragile": ["ゴミ"],
               "kivi4-most-stable": ["間違いをめったに犯しません"], "ratio-predicts-poorly": ["必ずしもパフォーマンスの向上"],
@@ -269,3 +270,46 @@ def test_ties_neither_confirm_nor_contradict():
     assert verdict(tied, "summarization-most-fragile").verdict == C.NOT_MEASURABLE
     frames = _speeds(12, 12, 8192)  # kivi4 as fast as snapkv
     assert verdict(frames, "snapkv-long-context-throughput").verdict == C.NOT_MEASURABLE
+
+
+def _engine(inflation, low, high, dtype="bfloat16", note=None):
+    return pd.DataFrame([
+        {"weights": "real", "corpus": "realistic", "codec": "zstd-3", "served_dtype": dtype, "dtype_note": note,
+         "ratio": 1.3, "inflation": None, "inflation_ci_low": None, "inflation_ci_high": None, "inflation_n": 0,
+         "realistic_n": 0},
+        {"weights": "dummy", "corpus": "synthetic", "codec": "zstd-3", "served_dtype": dtype, "dtype_note": note,
+         "ratio": 1.3 * inflation, "inflation": inflation, "inflation_ci_low": low, "inflation_ci_high": high,
+         "inflation_n": 8, "realistic_n": 8},
+    ])
+
+
+@pytest.mark.parametrize("inflation, low, high, expected", [
+    (30.0, 25.0, 35.0, C.CONFIRMED),      # far above 2x, the interval too
+    (1.5, 1.3, 1.7, C.CONTRADICTED),      # an effect, but not "far better"
+    (1.1, 0.9, 1.3, C.INCONCLUSIVE),      # the interval includes no effect
+    (2.5, 1.8, 3.2, C.INCONCLUSIVE),      # the interval includes the threshold
+])
+def test_dummy_weights_inflate_on_the_engine_is_decided_by_its_interval(inflation, low, high, expected):
+    row = verdict({"serve_engine": _engine(inflation, low, high)}, "dummy-weights-inflate-on-the-engine")
+    assert row.verdict == expected and row.ours_value == pytest.approx(inflation)
+    assert f"[{low:.3g}, {high:.3g}]" in row.ours and "n=8 and 8 store events" in row.ours
+
+
+def test_dummy_weights_on_the_engine_names_a_float32_fallback_and_needs_both_cells():
+    row = verdict({"serve_engine": _engine(30, 25, 35, "float32", "bfloat16 requested, but this CPU lacks AVX-512 BF16")},
+                  "dummy-weights-inflate-on-the-engine")
+    assert "served float32" in row.ours and "lacks AVX-512 BF16" in row.ours
+    only_real = _engine(30, 25, 35).iloc[:1]
+    assert verdict({"serve_engine": only_real}, "dummy-weights-inflate-on-the-engine").verdict == C.NOT_MEASURABLE
+    assert verdict({}, "dummy-weights-inflate-on-the-engine").verdict == C.NOT_RUN
+
+
+def test_hi_ranks_wrong_leaves_fixed_size_wire_formats_out():
+    """kivi2 and fp8 have the same ratio on any input: counted, they would make any two rankings agree."""
+    rows = [("valkey", "zstd-3", "realistic", 1.1, 1), ("valkey", "zstd-3", "synthetic", 1.3, 1),
+            ("valkey", "lz4", "realistic", 1.2, 1), ("valkey", "lz4", "synthetic", 1.0, 1),
+            ("valkey", "zstd-3+byteplane", "realistic", 1.3, 1), ("valkey", "zstd-3+byteplane", "synthetic", 1.1, 1)]
+    rows += [("valkey", c, corpus, r, 1) for c, r in (("kivi2", 5.3), ("fp8", 2.0), ("none", 1.0))
+             for corpus in ("realistic", "synthetic")]
+    row = verdict({"serve_offload": serve_offload(rows)}, "hi-ranks-wrong")
+    assert "sized by the data, by wire ratio (serve): tau -0.333 over 3" in row.ours and row.verdict == C.CONFIRMED

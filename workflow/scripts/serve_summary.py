@@ -22,7 +22,7 @@ with job_log(snakemake.log[0], snakemake.config):
     print(recommendations[["scenario", "concurrency", "best", "why"]].to_string())
     prov = provenance(config, model=cfg["model"])
     for table, path in ((requests, out.requests), (offload, out.offload), (metrics, out.metrics),
-                        (transfers, out.transfers), (load, out.load), (engine_table(offload), out.engine),
+                        (transfers, out.transfers), (load, out.load), (engine_table(offload, requests, transfers, seed), out.engine),
                         (recommendations, out.recommendations), (candidates, out.candidates)):
         write_table(table, path, prov)
     ttft_figure(offload, out.ttft_figure)

@@ -23,6 +23,7 @@ CONFIRMED = "confirmed"
 CONTRADICTED = "contradicted"
 NOT_MEASURABLE = "not measurable at this scale"
 NOT_RUN = "not run"
+INCONCLUSIVE = "inconclusive"  # the interval includes no effect (or the threshold)
 
 # The paper's four method families: claims about "the best/most X method" compare these.
 SEED_KINDS = ("kivi", "turboquant", "snapkv", "cam")
@@ -189,10 +190,16 @@ def _codec_tau(kv: pd.DataFrame, dtype: str) -> tuple[float, int]:
     return kendall_tau(table.synthetic, table.realistic)
 
 
-def _serve_tau(offload: pd.DataFrame, value: str) -> tuple[float, int]:
-    """Backend x codec configurations ranked by `value`, synthetic vs realistic ("unsupported" rows
-    and partial failures left out)."""
-    ok = offload[offload.status.isna() | (offload.status == "ok")]
+def _serve_tau(offload: pd.DataFrame, value: str, data_dependent: bool = False) -> tuple[float, int]:
+    """Backend x codec configurations ranked by `value`, synthetic vs realistic, real weights
+    ("unsupported" rows and partial failures left out); `data_dependent`: only codecs whose size
+    depends on the data (fixed-size formats rank alike by construction)."""
+    from kvbench.serve.recommend import data_dependent as sized_by_data
+
+    weights = offload.get("weights", pd.Series("real", index=offload.index)).fillna("real")
+    ok = offload[(offload.status.isna() | (offload.status == "ok")) & (weights == "real")]
+    if data_dependent:
+        ok = ok[ok.codec.map(sized_by_data).astype(bool)]
     table = ok.groupby(["backend", "codec", "corpus"])[value].mean().unstack("corpus")
     if not {"synthetic", "realistic"} <= set(table.columns):
         return math.nan, 0
@@ -216,7 +223,7 @@ def hi_ranks_wrong(ev: Evidence) -> Finding:
         taus[f"codecs by KV ratio (kv stage, real weights, {ev.kv_dtype})"] = _codec_tau(kv, ev.kv_dtype)
     shown = {}
     if offload is not None:
-        taus["backend x codec by wire ratio (serve)"] = _serve_tau(offload, "ratio")
+        taus["codecs sized by the data, by wire ratio (serve)"] = _serve_tau(offload, "ratio", data_dependent=True)
         shown["backend x codec by hit TTFT (serve, not decisive)"] = _serve_tau(offload, "ttft_hit_s")
     source = "; ".join(sources)
     if not taus:
@@ -229,6 +236,40 @@ def hi_ranks_wrong(ev: Evidence) -> Finding:
         return Finding(NOT_MEASURABLE, "; ".join(parts) + " (fewer than 3 items ranked)", source, rule)
     low = min(measured)
     return Finding(CONFIRMED if low < RANKS_AGREE_TAU else CONTRADICTED, "; ".join(parts), source, rule, value=low)
+
+
+@claim("dummy-weights-inflate-on-the-engine", "blog",
+       'On the serving engine, dummy weights and "hi hi hi" documents make the offloaded KV look far more '
+       "compressible than real weights and realistic documents",
+       "not quantified: 'very good' ratios through a Valkey connector with dummy weights, 'changed completely' "
+       "with Qwen3-8B-FP8")
+def dummy_weights_inflate_on_the_engine(ev: Evidence) -> Finding:
+    src = ev.tables.source("serve_engine", "weights", "corpus", "codec", "served_dtype", "ratio", "inflation",
+                           "inflation_ci_low", "inflation_ci_high", "inflation_n")
+    rule = (f"wire ratio of what our connector stored (dummy weights, synthetic documents) / (real weights, "
+            f"realistic documents), {ev.kv_codec}, at the dtype vLLM served, with a 95 % bootstrap interval over "
+            f"store events: confirmed if the interval lies above {WEIGHTS_INFLATION:g}x, inconclusive if it "
+            f"includes 1x (no effect) or {WEIGHTS_INFLATION:g}x, contradicted if it lies below {WEIGHTS_INFLATION:g}x")
+    engine = ev.tables.get("serve_engine")
+    if engine is None:
+        return Finding(NOT_RUN, "stage serve not run", src, rule)
+    row = engine[(engine.codec == ev.kv_codec) & engine.inflation.notna()]
+    if row.empty:
+        return Finding(NOT_MEASURABLE, f"no dummy+synthetic vs real+realistic cells for {ev.kv_codec} "
+                                       "(serve.weights needs dummy, serve.corpora both)", src, rule)
+    r = row.iloc[0]
+    low, high = float(r.inflation_ci_low), float(r.inflation_ci_high)
+    ours = (f"{_fmt(r.inflation)}x [{_fmt(low)}, {_fmt(high)}] ({ev.kv_codec}, served {r.served_dtype}, "
+            f"n={int(r.inflation_n)} and {int(r.realistic_n)} store events)")
+    if isinstance(r.dtype_note, str) and r.dtype_note:
+        ours += f"; {r.dtype_note}"
+    if low > WEIGHTS_INFLATION:
+        verdict = CONFIRMED
+    elif high < WEIGHTS_INFLATION and not low <= 1.0 <= high:
+        verdict = CONTRADICTED
+    else:
+        verdict = INCONCLUSIVE
+    return Finding(verdict, ours, src, rule, value=float(r.inflation))
 
 
 # --- the paper (KIVI / TurboQuant / SnapKV / CaM) ---------------------------------------------

@@ -36,7 +36,7 @@ def data_dependent(codec: str) -> bool:
 
 
 def wire_rank_agreement(offload: pd.DataFrame) -> tuple[float, int]:
-    sel = offload[(offload.backend == "valkey") & (offload.weights == "real") & offload.codec.map(data_dependent)]
+    sel = offload[(offload.backend == "valkey") & (offload.weights == "real") & offload.codec.map(data_dependent).astype(bool)]
     table = sel.pivot_table(index="codec", columns="corpus", values="ratio")
     if not {"realistic", "synthetic"} <= set(table.columns):
         return math.nan, 0
