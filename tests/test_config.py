@@ -93,10 +93,10 @@ CASES = [
     (lambda c: c["serve"].update(reference_docs_per_corpus=13),
      "serve.reference_docs_per_corpus: 13 exceeds the 12 realistic documents"),
     (lambda c: c["serve"].update(doc_tokens=8190),
-     "serve.doc_tokens: 8190 + serve.max_tokens (8) leave no room for the question within vllm.max_model_len (8192)"),
+     "serve.doc_tokens: 8190 + serve.max_tokens (4) leave no room for the question within vllm.max_model_len (8192)"),
     (lambda c: c["kv"].update(dtypes=["fp32", "fp16"], detail_dtypes=["fp16"]), "report.kv_dtype: 'bf16' is not in kv.dtypes"),
     (lambda c: c["report"].update(kv_codec="zstd-19"), "report.kv_codec: 'zstd-19' is not in kv.codecs"),
-    (lambda c: c["vllm"].update(port=8000), "vllm.port: 8000 is fixed, but serve_server[main], serve_server[example]"),
+    (lambda c: c["vllm"].update(port=8000), "vllm.port: 8000 is fixed, but serve_server[main], serve_server[dummy]"),
     (lambda c: c.update(hub_cache=7), "config key hub_cache: 7 is not of type 'string', 'null'"),
     # schema: types, ranges, unknown keys
     (lambda c: c["corpus"]["synthetic"].update(n_dosc=3),
@@ -210,7 +210,8 @@ def test_vllm_max_model_len_must_fit_the_served_model_too(tmp_path):
 
 
 def test_a_fixed_port_is_accepted_for_one_vllm_server_at_a_time():
-    config = broken(lambda c: (c["vllm"].update(port=8000), c["serve"].update(backends=["recompute", "prefix", "valkey"])))
+    config = broken(lambda c: (c["vllm"].update(port=8000), c["serve"].update(backends=["recompute", "prefix", "valkey"],
+                                                                           weights=["real"])))
     assert config_problems(config, SCHEMA) == []
 
 

@@ -122,7 +122,7 @@ def test_hi_ranks_wrong_decides_on_the_kv_stage_and_shows_the_serve_taus():
         rows += [("valkey", codec, "realistic", r, 1.0 + r), ("valkey", codec, "synthetic", s, 3.0 - r)]
     row = verdict({"kv_compressibility": kv, "serve_offload": serve_offload(rows)}, "hi-ranks-wrong")
     # the serve stage's wire ratios swap, but one aggregated row per configuration has nothing to resample
-    assert row.verdict == C.CONTRADICTED and "wire ratio (serve): tau -0.333 over 4" in row.ours
+    assert row.verdict == C.CONTRADICTED and "sized by the data, by wire ratio (serve): tau -0.333 over 4" in row.ours
     assert "hit TTFT (serve): tau -1 over 4" in row.ours
     unsupported = serve_offload([("lmcache", "kivi", "realistic", 1.0, 9.0), ("lmcache", "kivi", "synthetic", 9.0, 0.1)],
                                 status="unsupported: degraded mode on CPU")
@@ -277,6 +277,7 @@ def test_cam_ratio_without_stage_or_rows():
 def test_every_seed_number_quotes_the_seeds():
     seeds = {p.name.split("-")[0]: p.read_text() for p in SEEDS.glob("*.ja.txt")}
     quoted = {"token-diversity": ["0.02%", "14.2%", "9.4%", "数百倍"], "dummy-weights-inflate": ["非常に良好", "一変"],
+              "dummy-weights-inflate-on-the-engine": ["Valkey をバックエンドとする KV キャッシュコネクター", "非常に良好", "一変"],
               "snapkv-long-context-throughput": ["SnapKVがチャンピオン"], "turboquant-ttft-overhead": ["長く待たせる"],
               "cam-ratio-varies": ["節約が全くできない"], "summarization-most-fragile": ["ゴミ"],
               "kivi4-most-stable": ["間違いをめったに犯しません"], "ratio-predicts-poorly": ["必ずしもパフォーマンスの向上"],
@@ -387,3 +388,56 @@ def test_an_outcome_every_method_shares_has_no_ranking_to_test():
     rows = report(frames).claims.query("claim_id == 'ratio-predicts-poorly'")
     tpot = rows[rows.ours.str.startswith("TPOT")].iloc[0]
     assert tpot.verdict == C.NOT_MEASURABLE and "no ranking" in tpot.ours
+
+
+def _engine(inflation, spread, dtype="bfloat16", note=None, n=20, draws=True):
+    """The serve stage's engine table: the realistic cell, and the benchmark cell with its
+    inflation and bootstrap draws (normal around `inflation`, SD `spread`)."""
+    rng = np.random.default_rng(0)
+    return pd.DataFrame([
+        {"weights": "real", "corpus": "realistic", "codec": "zstd-3", "served_dtype": dtype, "dtype_note": note,
+         "ratio": 1.3, "inflation": None, "inflation_ci_low": None, "inflation_ci_high": None, "inflation_n": 0,
+         "realistic_n": 0, "inflation_draws": None},
+        {"weights": "dummy", "corpus": "synthetic", "codec": "zstd-3", "served_dtype": dtype, "dtype_note": note,
+         "ratio": 1.3 * inflation, "inflation": inflation, "inflation_ci_low": inflation - 2 * spread,
+         "inflation_ci_high": inflation + 2 * spread, "inflation_n": n, "realistic_n": n,
+         "inflation_draws": list(rng.normal(inflation, spread, 1000)) if draws else None},
+    ])
+
+
+@pytest.mark.parametrize("inflation, spread, expected", [
+    (30.0, 2.0, C.CONFIRMED),        # far above 2x, the interval too
+    (1.5, 0.1, C.CONTRADICTED),      # an effect, but not "far better"
+    (1.1, 0.1, C.CONTRADICTED),      # no effect at all: below 2x
+    (2.5, 0.4, C.INCONCLUSIVE),      # the interval includes the threshold
+])
+def test_dummy_weights_inflate_on_the_engine_is_decided_by_its_test(inflation, spread, expected):
+    row = verdict({"serve_engine": _engine(inflation, spread)}, "dummy-weights-inflate-on-the-engine")
+    assert row.verdict == expected and row.ours_value == pytest.approx(inflation)
+    assert row.p_value == row.p_value and row.null == C.WEIGHTS_INFLATION and row.unit == "store events"
+    assert "over 20 and 20 store events" in row.ours and row.n == 20
+
+
+def test_dummy_weights_on_the_engine_names_a_float32_fallback_and_needs_both_cells():
+    row = verdict({"serve_engine": _engine(30, 2, "float32", "bfloat16 requested, but this CPU lacks AVX-512 BF16")},
+                  "dummy-weights-inflate-on-the-engine")
+    assert "served float32" in row.ours and "lacks AVX-512 BF16" in row.ours
+    only_real = _engine(30, 2).iloc[:1]
+    assert verdict({"serve_engine": only_real}, "dummy-weights-inflate-on-the-engine").verdict == C.NOT_MEASURABLE
+    assert verdict({}, "dummy-weights-inflate-on-the-engine").verdict == C.NOT_RUN
+    few = verdict({"serve_engine": _engine(30, 2, n=3)}, "dummy-weights-inflate-on-the-engine")
+    assert few.verdict == C.INCONCLUSIVE  # too few store events for an interval
+    no_draws = verdict({"serve_engine": _engine(30, 2, draws=False)}, "dummy-weights-inflate-on-the-engine")
+    assert no_draws.verdict == C.INCONCLUSIVE and "no interval" in no_draws.ours
+
+
+def test_hi_ranks_wrong_leaves_fixed_size_wire_formats_out():
+    """kivi2 and fp8 have the same ratio on any input: counted, they would make any two rankings agree."""
+    rows = [("valkey", "zstd-3", "realistic", 1.1, 1), ("valkey", "zstd-3", "synthetic", 1.3, 1),
+            ("valkey", "lz4", "realistic", 1.2, 1), ("valkey", "lz4", "synthetic", 1.0, 1),
+            ("valkey", "zstd-3+byteplane", "realistic", 1.3, 1), ("valkey", "zstd-3+byteplane", "synthetic", 1.1, 1)]
+    rows += [("valkey", c, corpus, r, 1) for c, r in (("kivi2", 5.3), ("fp8", 2.0), ("none", 1.0))
+             for corpus in ("realistic", "synthetic")]
+    row = verdict({"serve_offload": serve_offload(rows)}, "hi-ranks-wrong")
+    # shown, not decisive (no kv stage: nothing to resample)
+    assert "sized by the data, by wire ratio (serve): tau -0.333 over 3" in row.ours and row.verdict == C.NOT_MEASURABLE

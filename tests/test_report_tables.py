@@ -295,7 +295,7 @@ def test_a_serve_table_without_valkey_columns_is_read_and_reported(tmp_path, bac
 
     requests = REQUESTS[REQUESTS.backend.isin(backends)]
     written = offload_table(compare_outputs(join_transfers(requests, pd.DataFrame())), pd.DataFrame(),
-                            pd.DataFrame(), KV, "float32")
+                            pd.DataFrame(), KV)
     assert not {"ratio", "raw_bytes"} & set(written.columns)  # the real writer's output, as on gpu.yaml
     written.to_parquet(tmp_path / "offload.parquet")
     found = load_tables({"serve_offload": tmp_path / "offload.parquet"})

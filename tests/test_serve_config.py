@@ -4,7 +4,7 @@ import pytest
 
 from kvbench.checks import check_config
 from kvbench.config import ConfigError
-from kvbench.serve.backends import servers, server_args, unsupported
+from kvbench.serve.backends import served_dtype, servers, server_args, unsupported
 from kvbench.tinyrun import REPO, default_config
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -17,7 +17,9 @@ SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
     (lambda c: c["serve"].update(corpora=["imported"]), "serve.corpora: 'imported' needs corpus.imported.path"),
     (lambda c: (c["serve"].update(fault_round=True), c["serve"]["valkey"].update(url="redis://10.0.0.1:6379/0")),
      "serve.fault_round: it kills Valkey"),
-    (lambda c: c["vllm"].update(device="cuda"), "serve.backends: 'valkey' (our connector) reads vLLM's CPU cache layout"),
+    (lambda c: c["serve"]["load"].update(corpora=["imported"]), "serve.load.corpora: 'imported' is not one of"),
+    (lambda c: c["report"]["scenarios"]["memory-bound"]["serve"]["limits"].update(ttft_s={"max": 1}),
+     "report.scenarios.memory-bound.serve.limits"),
 ])
 def test_bad_serve_settings_are_refused(edit, message):
     config = default_config()
@@ -26,13 +28,28 @@ def test_bad_serve_settings_are_refused(edit, message):
         check_config(config, SCHEMA)
 
 
-def test_default_serve_settings_pass_and_need_three_servers_here():
+def test_default_serve_settings_pass_and_need_two_servers_here():
     config = default_config()
     check_config(config, SCHEMA)
-    assert servers(config["serve"]["backends"]) == ["main", "example", "fp8", "lmcache"]
+    assert servers(config["serve"]["backends"], config["serve"]["weights"]) == ["main", "dummy", "lmcache"]
+    assert unsupported("lmcache", "cpu") is not None  # so two vLLM servers start here: real and dummy weights
     assert servers(["valkey", "recompute", "prefix"]) == ["main"]
+    assert servers(["recompute", "fp8"], ["real", "dummy"]) == ["main", "fp8"]  # no valkey: no dummy server
+    assert server_args("dummy", 256)[-2:] == ["--load-format", "dummy"]
+    assert "--no-enable-prefix-caching" in server_args("lmcache", 256)
     assert unsupported("lmcache", "cpu").startswith("unsupported: LMCache")
     assert unsupported("main", "cpu") is None and unsupported("lmcache", "cuda") is None
     assert server_args("fp8", 256)[-2:] == ["--kv-cache-dtype", "fp8"]
     with pytest.raises(ValueError, match="unknown serve backend 'redis'"):
         servers(["redis"])
+
+
+def test_bf16_is_served_only_where_the_cpu_has_avx512_bf16(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert served_dtype("bfloat16", "cpu") == ("bfloat16", None)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    dtype, reason = served_dtype("bfloat16", "cpu")
+    assert dtype == "float32" and "lacks AVX-512 BF16" in reason
+    assert served_dtype("bfloat16", "cuda") == ("bfloat16", None) and served_dtype("float32", "cpu") == ("float32", None)

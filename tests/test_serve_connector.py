@@ -32,7 +32,7 @@ def fake_vllm_config(url, events):
         scheduler_config=SimpleNamespace(enable_chunked_prefill=False),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
         cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
-        model_config=SimpleNamespace(dtype=torch.float32))
+        model_config=SimpleNamespace(dtype=torch.float32), device_config=SimpleNamespace(device_type="cpu"))
 
 
 def fake_request(req_id, prompt=PROMPT, load="none", store=("none",)):
@@ -161,6 +161,7 @@ def test_chunks_computed_over_a_failed_load_are_not_stored(store, tmp_path):
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     worker.wait_for_save()
+    assert worker._stores.flush(30)
     assert worker.get_block_ids_with_load_errors() == {1, 2}
     assert client.exists("over-a-failed-load") == 0 and client.exists(other[0]) == 1
     stores = read_events(tmp_path / "events").query("event == 'store'").set_index("tag")
@@ -169,4 +170,5 @@ def test_chunks_computed_over_a_failed_load_are_not_stored(store, tmp_path):
     worker.bind_connector_metadata(ValkeyMetadata(stores=[Transfer("tag-a", "none", ["later"], [3])]))
     worker.start_load_kv(None)
     worker.wait_for_save()
+    worker.shutdown()  # flushes the queued store
     assert client.exists("later") == 1

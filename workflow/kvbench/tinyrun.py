@@ -51,9 +51,11 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
                             context_tokens=[160], max_new_tokens=4, repeats=2)
     # One vLLM server (recompute, prefix and valkey told apart per request) and one Valkey; lmcache
     # records its CPU "unsupported" row without a server; the fault round kills Valkey half-way.
-    config["serve"].update(model="smol", backends=["recompute", "prefix", "valkey", "lmcache"],
+    config["serve"].update(model="smol", backends=["recompute", "prefix", "valkey", "lmcache"], weights=["real"],
                            codecs=["none", "zstd-3+byteplane", "kivi2"], docs_per_corpus=1, doc_tokens=288,
-                           block_size=128, repeat_count=2, hit_miss_ratio="1:1", max_tokens=4, fault_round=True)
+                           block_size=128, repeat_count=2, hit_miss_ratio="1:1", max_tokens=4, fault_round=True,
+                           prewarm={"prompts": 1, "words": 50},
+                           load={"corpora": ["realistic"], "concurrency": [1, 2], "hits_per_cell": 2})
     config["quality"].update(models=["smol"], methods=["full", "kivi2", "snapkv", "snapkv50"], methods_per_job=2,
                              max_gen_cap=4, tasks={
         "single_doc_qa": {"samples": 1, "context_tokens": [192]},

@@ -23,7 +23,7 @@ from kvbench.corpus.imported import document_files
 from kvbench.hub import note_configfiles, require_prefetched
 from kvbench.jobs import usable_cpus
 from kvbench.batches import batches as quality_batches, paired_batches
-from kvbench.serve.backends import CONNECTOR_MODULE, SERVER_OF, servers as serve_servers
+from kvbench.serve.backends import CONNECTOR_MODULE, server_backends, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
 from kvbench.vllm_server import RUNTIME_SETTINGS as VLLM_RUNTIME
 
@@ -48,7 +48,7 @@ SYSTEM_METHODS = config["system"].get("methods") or list(config["methods"])
 # --cores locally, and the SLURM profile sets them per rule. A global core count (workflow.cores)
 # would break `--unlock` and the SLURM executor, which do not give one.
 MACHINE_THREADS = len(usable_cpus())
-SERVE_SERVERS = serve_servers(config["serve"]["backends"])
+SERVE_SERVERS = serve_servers(config["serve"]["backends"], config["serve"]["weights"])
 # GPUs a job of each stage takes (resources gpu): a run on one node with `--resources gpu=N` (the
 # default profile says 1) never holds more GPU jobs than GPUs; each gets its own (kvbench.gpu_env).
 GPUS = {stage: int(config[stage]["device"] == "cuda") for stage in ("vllm", "kv", "system", "quality")}
@@ -80,12 +80,12 @@ def library_code(script, extra=()):
 def serve_run(server):
     """The serve settings, with only this server's backends: adding or dropping another server's
     backend does not rerun it."""
-    return {**config["serve"], "backends": [b for b in config["serve"]["backends"] if SERVER_OF[b] == server]}
+    return {**config["serve"], "backends": server_backends(server, config["serve"]["backends"])}
 
 
 def serve_methods(server):
-    """Method settings of the lossy wire formats, for the one server whose connector uses them."""
-    if server != SERVER_OF["valkey"] or "valkey" not in config["serve"]["backends"]:
+    """Method settings of the lossy wire formats, for the servers whose connector uses them."""
+    if "valkey" not in server_backends(server, config["serve"]["backends"]):
         return {}
     return {name: config["methods"][name] for name in config["serve"]["codecs"] if name in config["methods"]}
 
@@ -126,6 +126,9 @@ def all_targets():
         "results/system/methods.png",
         "results/serve/requests.parquet",
         "results/serve/offload.parquet",
+        "results/serve/load.parquet",
+        "results/serve/engine.parquet",
+        "results/serve/recommendations.parquet",
         "results/serve/ttft_hit_miss.png",
         "results/serve/wire_bytes.png",
         *expand(

@@ -52,6 +52,22 @@ rule serve_summary:
             category="Serving",
         ),
         transfers="results/serve/transfers.parquet",
+        load=report(
+            "results/serve/load.parquet",
+            caption="../report/serve_load.rst",
+            category="Serving",
+        ),
+        engine=report(
+            "results/serve/engine.parquet",
+            caption="../report/serve_engine.rst",
+            category="Serving",
+        ),
+        recommendations=report(
+            "results/serve/recommendations.parquet",
+            caption="../report/serve_recommendations.rst",
+            category="Serving",
+        ),
+        candidates="results/serve/candidates.parquet",
         ttft_figure=report(
             "results/serve/ttft_hit_miss.png",
             caption="../report/serve_ttft.rst",
@@ -69,7 +85,8 @@ rule serve_summary:
         ),
     params:
         cfg=config["serve"],
-        dtype=config["vllm"]["dtype"],
+        scenarios=config["report"]["scenarios"],
+        seed=config["seed"],
         code=library_code("serve_summary.py"),
     log:
         "logs/serve/summary.log",

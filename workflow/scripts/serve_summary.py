@@ -5,18 +5,25 @@ import pandas as pd
 from kvbench.jobs import job_log
 from kvbench.provenance import provenance, read_tables, write_table
 from kvbench.serve.figures import hit_path_figure, ttft_figure, wire_figure
-from kvbench.serve.summary import compare_outputs, join_transfers, offload_table, summary_text
+from kvbench.serve.recommend import recommend
+from kvbench.serve.summary import compare_outputs, engine_table, join_transfers, load_table, offload_table, summary_text
 
 with job_log(snakemake.log[0], snakemake.config):
     config, cfg, inputs, out = snakemake.config, snakemake.params.cfg, snakemake.input, snakemake.output
+    seed = snakemake.params.seed
     transfers = read_tables(inputs.transfers)
     metrics = read_tables(inputs.metrics)
     requests = compare_outputs(join_transfers(read_tables(inputs.requests), transfers))
-    offload = offload_table(requests, transfers, metrics, pd.read_parquet(inputs.kv), snakemake.params.dtype)
+    offload = offload_table(requests, transfers, metrics, pd.read_parquet(inputs.kv), seed)
+    load = load_table(requests, metrics, seed)
+    recommendations, candidates = recommend(requests, offload, snakemake.params.scenarios, cfg["load"]["corpora"],
+                                            cfg["block_size"], seed)
     print(summary_text(offload, metrics))
+    print(recommendations[["scenario", "concurrency", "best", "why"]].to_string())
     prov = provenance(config, model=cfg["model"])
     for table, path in ((requests, out.requests), (offload, out.offload), (metrics, out.metrics),
-                        (transfers, out.transfers)):
+                        (transfers, out.transfers), (load, out.load), (engine_table(offload, requests, transfers, seed), out.engine),
+                        (recommendations, out.recommendations), (candidates, out.candidates)):
         write_table(table, path, prov)
     ttft_figure(offload, out.ttft_figure)
     wire_figure(offload, out.wire_figure)

@@ -314,10 +314,16 @@ def _codec_tau(ev: Evidence, kv: pd.DataFrame) -> tuple[Estimate | None, int]:
     return Estimate(float(point), draws, min(sizes)), len(codecs)  # n: the smaller corpus's documents
 
 
-def _serve_tau(offload: pd.DataFrame, value: str) -> tuple[float, int]:
-    """Backend x codec configurations ranked by `value`, synthetic vs realistic ("unsupported" rows
-    and partial failures left out)."""
-    ok = offload[offload.status.isna() | (offload.status == "ok")]
+def _serve_tau(offload: pd.DataFrame, value: str, data_dependent: bool = False) -> tuple[float, int]:
+    """Backend x codec configurations ranked by `value`, synthetic vs realistic, real weights
+    ("unsupported" rows and partial failures left out); `data_dependent`: only codecs whose size
+    depends on the data (fixed-size formats rank alike by construction)."""
+    from kvbench.serve.recommend import data_dependent as sized_by_data
+
+    weights = offload.get("weights", pd.Series("real", index=offload.index)).fillna("real")
+    ok = offload[(offload.status.isna() | (offload.status == "ok")) & (weights == "real")]
+    if data_dependent:
+        ok = ok[ok.codec.map(sized_by_data).astype(bool)]
     table = ok.groupby(["backend", "codec", "corpus"])[value].mean().unstack("corpus")
     if not {"synthetic", "realistic"} <= set(table.columns):
         return math.nan, 0
@@ -331,19 +337,20 @@ def hi_ranks_wrong(ev: Evidence) -> Finding:
     rule = (f"Kendall's tau-b between the codecs ranked by pooled KV ratio on synthetic and on realistic input "
             f"(kv stage, real weights), bootstrap over the documents of each corpus; confirmed if the interval lies "
             f"below {RANKS_AGREE_TAU:g} (more than 10 % of pairs swap), contradicted if above. The serve stage's "
-            "wire-ratio and hit-TTFT taus are shown, not decisive: its table has no per-document rows to resample")
+            "wire-ratio (real weights, codecs whose size depends on the data) and hit-TTFT taus are shown, not "
+            "decisive: its table has no per-document rows to resample")
     kv, offload = ev.tables.get("kv_compressibility"), ev.tables.get("serve_offload")
     source = "; ".join([
         ev.tables.source("kv_compressibility", "corpus", "weights", "doc_id", "dtype", "codec", "raw_bytes",
                          "compressed_bytes"),
-        ev.tables.source("serve_offload", "backend", "codec", "corpus", "ratio", "ttft_hit_s", "status")])
+        ev.tables.source("serve_offload", "weights", "backend", "codec", "corpus", "ratio", "ttft_hit_s", "status")])
     if kv is None and offload is None:
         return Finding(NOT_RUN, "no KV compressibility table (stage kv) and no serve stage", source, rule)
     shown = []
     if offload is not None:
-        for what, column in (("backend x codec by wire ratio (serve)", "ratio"),
-                             ("backend x codec by hit TTFT (serve)", "ttft_hit_s")):
-            tau, n = _serve_tau(offload, column)
+        for what, column, sized in (("codecs sized by the data, by wire ratio (serve)", "ratio", True),
+                                    ("backend x codec by hit TTFT (serve)", "ttft_hit_s", False)):
+            tau, n = _serve_tau(offload, column, data_dependent=sized)
             shown.append(f"{what}: tau {_fmt(tau)} over {n}")
     else:
         shown.append("serve: not run")
@@ -361,6 +368,45 @@ def hi_ranks_wrong(ev: Evidence) -> Finding:
     test = Test(test.compared, test.statistic, test.interval, test.p_value, -test.direction, test.supports, test.unit,
                 test.effect)
     return Finding(None, ours + "; ".join(shown), source, rule, value=est.estimate, test=test)
+
+
+@claim("dummy-weights-inflate-on-the-engine", "blog",
+       'On the serving engine, dummy weights and "hi hi hi" documents make the offloaded KV look far more '
+       "compressible than real weights and realistic documents",
+       "not quantified: 'very good' ratios through a Valkey connector with dummy weights, 'changed completely' "
+       "with Qwen3-8B-FP8")
+def dummy_weights_inflate_on_the_engine(ev: Evidence) -> Finding:
+    src = ev.tables.source("serve_engine", "weights", "corpus", "codec", "served_dtype", "ratio", "inflation",
+                           "inflation_n", "realistic_n", "inflation_draws")
+    rule = (f"wire ratio of what our connector stored (dummy weights, synthetic documents) / (real weights, "
+            f"realistic documents), {ev.kv_codec}, at the dtype vLLM served, bootstrap over the two cells' store "
+            f"events (the serve stage's draws); confirmed if the interval lies above {WEIGHTS_INFLATION:g}x, "
+            f"contradicted if below")
+    engine = ev.tables.get("serve_engine")
+    if engine is None:
+        return Finding(NOT_RUN, "stage serve not run", src, rule)
+    row = engine[(engine.codec == ev.kv_codec) & engine.inflation.notna()]
+    if row.empty:
+        return Finding(NOT_MEASURABLE, f"no dummy+synthetic vs real+realistic cells for {ev.kv_codec} "
+                                       "(serve.weights needs dummy, serve.corpora both)", src, rule)
+    r = row.iloc[0]
+    n = min(int(r.inflation_n), int(r.realistic_n))  # n: the smaller cell's store events
+    draws = r.inflation_draws
+    est = (Estimate(float(r.inflation), np.asarray(draws, float), n)
+           if draws is not None and not (isinstance(draws, float) and draws != draws) else None)
+    what = "dummy+synthetic / real+realistic wire ratio"
+    ours = (f"{what} {_ci(est, ev.level) if est is not None else _fmt(r.inflation) + ' (no draws: no interval)'}x "
+            f"({ev.kv_codec}, served {r.served_dtype}) over {int(r.inflation_n)} and {int(r.realistic_n)} store events")
+    if isinstance(r.dtype_note, str) and r.dtype_note:
+        ours += f"; {r.dtype_note}"
+    compared, statistic = f"the engine's wire ratio, {ev.kv_codec}", f"{what} (null {WEIGHTS_INFLATION:g}x)"
+    if est is None:
+        test = no_interval(compared, statistic, float(r.inflation), n, ev.level, "store events",
+                           RANK_EFFECT * WEIGHTS_INFLATION, WEIGHTS_INFLATION)
+    else:
+        test = threshold_test(compared, statistic, est, WEIGHTS_INFLATION, ev.level, "store events",
+                              RANK_EFFECT * WEIGHTS_INFLATION)
+    return Finding(None, ours, src, rule, value=float(r.inflation), test=test)
 
 
 # --- the paper (KIVI / TurboQuant / SnapKV / CaM) ---------------------------------------------

@@ -99,10 +99,17 @@ CONTRACTS: dict[str, Contract] = {
         "serve", "results/serve/offload.parquet",
         _same("backend", "codec", "corpus"),
         # status: "ok", "N requests failed" or "unsupported: ..." (a row that is no result)
-        optional={**_same("raw_bytes", "wire_bytes", "ratio", "status", "store_mb_s", "load_mb_s"),
+        optional={**_same("raw_bytes", "wire_bytes", "ratio", "status", "store_mb_s", "load_mb_s", "weights"),
                   "ttft_warmup_s": "ttft_warmup_mean_s", "ttft_query_s": "ttft_query_mean_s",
                   "ttft_hit_s": "ttft_hit_mean_s", "hits": "query_hits",
                   "outputs_identical": "outputs_identical_share"},
+    ),
+    # Issue 20 (serve): the blog's comparison on the engine, per weights x corpus x codec.
+    "serve_engine": Contract(
+        "serve", "results/serve/engine.parquet",
+        _same("weights", "corpus", "codec", "served_dtype", "ratio"),
+        optional=_same("dtype_note", "predicted_ratio", "inflation", "inflation_ci_low", "inflation_ci_high",
+                       "inflation_n", "realistic_n", "inflation_draws"),
     ),
 }
 

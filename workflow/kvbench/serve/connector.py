@@ -7,22 +7,30 @@ Loaded by vLLM with
                          "kv_connector_extra_config": {...}}'   (see backends.valkey_transfer)
 
 The scheduler half (engine-core process) looks up the leading run of stored chunks of a prompt;
-the worker half loads them into the paged cache before the forward pass and stores the chunks a
-prefill computed after it (synchronously, so a miss pays for its store in its own TTFT). A chunk
-is one block of every layer (`--block-size` tokens, 256 as LMCache's chunks), under a key chained
-from the hash of its token prefix (keys.py). Each request picks its wire formats with
-`kv_transfer_params`: {"tag": ..., "load": <codec or null>, "store": [<codecs>]}; without them it
-loads and stores with `default_codec`. A request resumed after preemption is looked up and loaded
-again (as vLLM's ExampleConnector does); chunks computed in a step whose load failed are never
-stored (vLLM recomputes that step). Every lookup, load and store is written to a per-process
-event file (events.py) that the stage joins to its requests by tag.
+the worker half loads them into the paged cache before the forward pass, and after it copies the
+chunks the prefill computed out of the cache and hands them to background threads that encode,
+seal and SET them (async_store.py): a miss pays for a copy, not for its store. A chunk is one
+block of every layer (`--block-size` tokens, 256 as LMCache's chunks), under a key chained from
+the hash of its token prefix (keys.py), sealed with its length and checksum (integrity.py): a
+chunk that is truncated, corrupt or stored under another key fails its load, and vLLM recomputes
+it. The two halves share state through the store only (the tally of chunks queued for storing).
+
+Each request picks its wire formats with `kv_transfer_params`: {"tag": ..., "load": <codec or
+null>, "store": [<codecs>]}; without them it loads and stores with `default_codec` (the
+serve-only mode's clients). A request resumed after preemption is looked up and loaded again (as
+vLLM's ExampleConnector does); chunks computed in a step whose load failed are never stored (vLLM
+recomputes that step). Every lookup, load and store is written to a per-process event file
+(events.py) that the stage joins to its requests by tag.
+
+The cache may be vLLM's CPU layout or a CUDA backend's (layout.py): the logic is the same, the
+copies between device and host are staging.py's.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import valkey
@@ -32,11 +40,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvbench.serve.async_store import AsyncStore, StoreJob
 from kvbench.serve.events import EventLog
-from kvbench.serve.keys import chunk_keys, namespace
-from kvbench.serve.layout import TOKEN_ROW_ISAS
+from kvbench.serve.keys import chunk_keys, namespace, pending_key
+from kvbench.serve.layout import CPU_PACKED, TOKEN_ROW_ISAS, layout_of
 from kvbench.serve.names import is_lossless
-from kvbench.serve.transfer import STORE_ERRORS, exists_run, gather, load_chunks, store_chunks
+from kvbench.serve.staging import copy_out
+from kvbench.serve.transfer import STORE_ERRORS, load_chunks, lookup
 from kvbench.serve.wire import ChunkSpec, WireFormat, wire_format
 
 if TYPE_CHECKING:
@@ -46,6 +56,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+QUEUE_MB = 512  # chunk copies waiting for their store, at most
+SHUTDOWN_FLUSH_S = 120.0
+
 
 @dataclass
 class Transfer:
@@ -68,6 +82,7 @@ class Plan:
     store: list[str]
     local_chunks: int = 0
     hit_chunks: int = 0
+    queued_chunks: int = 0
     load_tokens: int = 0
     keys: list[str] = field(default_factory=list)
     lookup_s: float = 0.0
@@ -85,11 +100,16 @@ class ValkeyConnector(KVConnectorBase_V1):
         self.codecs: dict[str, Any] = dict(extra["codecs"])
         self.default_codec = str(extra["default_codec"])
         self.seed = int(extra.get("seed", 0))
+        self.queue_bytes = int(float(extra.get("queue_mb", QUEUE_MB)) * 2**20)
+        self.store_threads = int(extra.get("store_threads", 1))
         cache_dtype = vllm_config.cache_config.cache_dtype
         self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
-        self.spaces = {name: namespace(extra["run"], extra["model"], self.dtype, self.block_size, name)
+        layout = layout_of("cpu" if vllm_config.device_config.device_type == "cpu" else "cuda")
+        self.spaces = {name: namespace(extra["run"], extra["model"], self.dtype, self.block_size, name, layout)
                        for name in self.codecs}
-        self.client = valkey.Valkey.from_url(extra["url"], socket_timeout=5, socket_connect_timeout=2)
+        self.pending_key = pending_key(extra["run"])
+        self.url = extra["url"]
+        self.client = self._client()
         self.events = EventLog(extra["events_dir"], "scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         # scheduler side
         self._plans: dict[str, Plan] = {}
@@ -98,6 +118,10 @@ class ValkeyConnector(KVConnectorBase_V1):
         self._wires: dict[str, WireFormat] = {}
         self._failed_blocks: set[int] = set()
         self._failed_tags: set[str] = set()  # requests of this step whose load failed
+        self._stores: AsyncStore | None = None
+
+    def _client(self) -> valkey.Valkey:
+        return valkey.Valkey.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -120,7 +144,7 @@ class ValkeyConnector(KVConnectorBase_V1):
             plan.keys = chunk_keys(self.spaces[plan.load], prompt, self.block_size, loadable)
             start = time.perf_counter()
             try:
-                plan.hit_chunks = exists_run(self.client, plan.keys)
+                plan.hit_chunks, plan.queued_chunks = lookup(self.client, plan.keys, self.pending_key)
             except STORE_ERRORS as err:
                 plan.error = f"lookup: {type(err).__name__}: {err}"
             plan.lookup_s = time.perf_counter() - start
@@ -136,8 +160,8 @@ class ValkeyConnector(KVConnectorBase_V1):
             return  # nothing looked up (recompute, prefix and warm requests): no event
         self.events.write(
             event="lookup", tag=plan.tag, codec=plan.load, chunks=len(plan.keys), hit_chunks=plan.hit_chunks,
-            local_chunks=plan.local_chunks, load_tokens=num_external_tokens, seconds=plan.lookup_s, error=plan.error,
-            time=time.time(),
+            queued_chunks=plan.queued_chunks, local_chunks=plan.local_chunks, load_tokens=num_external_tokens,
+            seconds=plan.lookup_s, error=plan.error, time=time.time(),
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -179,7 +203,7 @@ class ValkeyConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._plans.pop(request.request_id, None)
-        return False, None
+        return False, None  # the worker copied the chunks out in the step that computed them
 
     # ---------------------------------------------------------------- worker side
 
@@ -189,19 +213,21 @@ class ValkeyConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=extract_layer_index)
         self._layers = [kv_caches[name] for name in names]
         first = self._layers[0]
-        if first.device.type != "cpu" or first.dim() != 4 or first.shape[2] != self.block_size:
-            raise ValueError(
-                f"ValkeyConnector reads vLLM's CPU attention layout [blocks, kv_heads, block_size, 2*head_size]; "
-                f"got {tuple(first.shape)} on {first.device} (on GPU use the lmcache backend)")
-        spec = ChunkSpec(len(self._layers), first.shape[1], self.block_size, first.shape[3] // 2, first.dtype)
+        if first.dim() != 4 or first.shape[2] != self.block_size or first.shape[3] % 2:
+            raise ValueError(f"ValkeyConnector reads vLLM's cache layout [blocks, kv_heads, block_size, 2*head_size]; "
+                             f"got {tuple(first.shape)} on {first.device}")
+        layout = layout_of(first.device)
+        spec = ChunkSpec(len(self._layers), first.shape[1], self.block_size, first.shape[3] // 2, first.dtype, layout)
         lossy = [name for name in self.codecs if not is_lossless(name)]
-        if lossy:
+        if lossy and layout == CPU_PACKED:
             isa = self._attention_isa(spec)
             if isa not in TOKEN_ROW_ISAS:
                 raise ValueError(f"lossy wire formats {lossy} unpack K and V for the CPU attention ISAs "
                                  f"{TOKEN_ROW_ISAS}; this server uses {isa!r}")
         self._wires = {name: wire_format(name, spec, method, self.seed) for name, method in self.codecs.items()}
         self.spec = spec
+        self._stores = AsyncStore(self._client, spec, self.pending_key, self.events.write, self.queue_bytes,
+                                  self.store_threads)
 
     def _attention_isa(self, spec: ChunkSpec) -> str:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -229,14 +255,16 @@ class ValkeyConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # every layer is stored at once in wait_for_save, after the forward pass
+        return  # every layer is copied out at once in wait_for_save, after the forward pass
 
     def wait_for_save(self) -> None:
+        """Copy each stored request's new chunks out of the cache (once, whatever the number of
+        codecs) and queue their stores; the blocks are free for vLLM when this returns."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        assert isinstance(meta, ValkeyMetadata)
-        gathered: dict[tuple[int, ...], tuple[list[torch.Tensor], float]] = {}
+        assert isinstance(meta, ValkeyMetadata) and self._stores is not None
+        copies: dict[tuple[int, ...], tuple[Any, float]] = {}
         for store in meta.stores:
             if store.tag in self._failed_tags:
                 # computed while attending to blocks the load never filled: vLLM discards this
@@ -245,17 +273,18 @@ class ValkeyConnector(KVConnectorBase_V1):
                                   error="skipped: load failed", time=time.time())
                 continue
             blocks = tuple(store.block_ids)
-            if blocks not in gathered:  # one copy out of the cache, whatever the number of codecs
+            if blocks not in copies:
                 start = time.perf_counter()
-                gathered[blocks] = (gather(self._layers, blocks), time.perf_counter() - start)
-            chunks, gather_s = gathered[blocks]
-            stats = store_chunks(self.client, self._wires[store.codec], self.spec, store.keys, chunks)
-            self.events.write(event="store", tag=store.tag, codec=store.codec, gather_s=gather_s, **stats,
-                              time=time.time())
+                copies[blocks] = (copy_out(self._layers, blocks), time.perf_counter() - start)
+            copy, gather_s = copies[blocks]
+            job = StoreJob(store.tag, store.codec, self._wires[store.codec], store.keys, copy, info={"gather_s": gather_s})
+            self._stores.submit(job)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     def shutdown(self) -> None:
+        if self._stores is not None:
+            self._stores.close(SHUTDOWN_FLUSH_S)
         self.events.close()

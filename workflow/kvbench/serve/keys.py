@@ -12,9 +12,14 @@ from typing import Sequence
 import numpy as np
 
 
-def namespace(run: str, model: str, dtype: str, block_size: int, codec: str) -> str:
-    """Chunks of different runs, models, cache dtypes, block sizes or codecs never share a key."""
-    return f"kvbench:{run}:{model}:{dtype}:{block_size}:{codec}"
+def namespace(run: str, model: str, dtype: str, block_size: int, codec: str, layout: str = "cpu-packed") -> str:
+    """Chunks of different runs, models, cache dtypes, layouts, block sizes or codecs never share a key."""
+    return f"kvbench:{run}:{model}:{dtype}:{layout}:{block_size}:{codec}"
+
+
+def pending_key(run: str) -> str:
+    """The store's tally of chunks submitted for storing and not stored yet (async_store.py)."""
+    return f"kvbench:{run}:pending"
 
 
 def chunk_keys(space: str, token_ids: Sequence[int], block_size: int, n_chunks: int) -> list[str]:

@@ -17,6 +17,7 @@ class Planned:
     doc_id: str
     prompt: str
     miss: bool  # a query-round request with a unique prefix
+    phase: str | None = None  # fault round: before the kill, after the restart, reloaded
 
 
 def parse_ratio(text: str) -> tuple[int, int]:
@@ -28,6 +29,22 @@ def parse_ratio(text: str) -> tuple[int, int]:
     if hit < 0 or miss < 0 or hit + miss == 0:
         raise ValueError(f"hit:miss ratio {text!r} needs non-negative parts, not both zero")
     return hit, miss
+
+
+def prewarm_prompts(n: int, words: int) -> list[str]:
+    """long_doc_qa's pre-warm, sent to every server before any measured round."""
+    return [str(i) + "xx" + " ".join(["hi"] * words) for i in range(n)]
+
+
+def repeats_for_hits(n_docs: int, ratio: str, hits: int) -> int:
+    """The smallest repeat count whose query round holds at least `hits` hits."""
+    hit, miss = parse_ratio(ratio)
+    if hit == 0:
+        raise ValueError(f"hit:miss ratio {ratio!r} has no hits")
+    count = 1
+    while sum(i % (hit + miss) < hit for i in range(count * n_docs)) < hits:
+        count += 1
+    return count
 
 
 def warmup_round(prompts: dict[str, str]) -> list[Planned]:

@@ -1,13 +1,21 @@
 """One server job of the serve stage: start what the backends need, run the long_doc_qa rounds,
-return the request rows, the server's metric deltas per round and the connector's transfers."""
+return the request rows, the server's metric deltas per round and the connector's transfers.
+
+Every server gets the same pre-warm (long_doc_qa's five "hi" prompts) before any measured round.
+The main server (real weights) then runs, per corpus, the warm-ups (vLLM's prefix cache; Valkey
+storing every codec at once), and the query rounds: on the load corpora a concurrency sweep (each
+backend x codec a round per level, with enough requests for `hits_per_cell` hits), elsewhere one
+round per backend at `max_inflight` (Valkey with the first codec). After every Valkey round the
+stage waits until the store's tally of queued chunks is 0, so background stores never overlap the
+next round. The dummy-weights server runs the Valkey warm-up and query rounds; the fault round
+(main server) kills Valkey between two passes and starts it again.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -17,25 +25,33 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import pandas as pd
+import valkey as valkey_client
 
 from kvbench.serve import backends as bk
+from kvbench.serve.async_store import pending
 from kvbench.serve.client import chat_body, send_all
 from kvbench.serve.documents import serve_prompts
 from kvbench.serve.events import read_events
+from kvbench.serve.keys import pending_key
 from kvbench.serve.metrics import delta, scrape
-from kvbench.serve.protocol import Planned, parse_ratio, query_round, warmup_round
-from kvbench.serve.summary import DTYPE_BYTES
-from kvbench.serve.valkey_server import valkey_server
+from kvbench.serve.names import is_lossless
+from kvbench.serve.protocol import (Planned, parse_ratio, prewarm_prompts, query_round, repeats_for_hits,
+                                    warmup_round)
+from kvbench.serve.valkey_server import RestartableValkey
 from kvbench.vllm_server import vllm_server
 
 NO_CODEC = "-"
 ALL_CODECS = "all"  # the valkey warm-up stores every codec at once
 SHARED_SALT = ("prefix", "fp8")  # backends measured through vLLM's own prefix cache
+FLUSH_TIMEOUT_S = 300.0
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
 
 
 @dataclass(frozen=True)
 class ServeSettings:
     model: str
+    dtype: str
+    weights: tuple[str, ...]
     corpora: tuple[str, ...]
     backends: tuple[str, ...]
     codecs: tuple[str, ...]
@@ -49,12 +65,20 @@ class ServeSettings:
     repeat_mode: str
     hit_miss_ratio: str
     block_size: int
+    prewarm: Mapping[str, Any]
+    load: Mapping[str, Any]
+    store: Mapping[str, Any]
     fault_round: bool
     valkey: Mapping[str, Any]
 
     @classmethod
     def of(cls, cfg: Mapping[str, Any]) -> "ServeSettings":
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in cls.__dataclass_fields__})
+
+    @property
+    def headline(self) -> str:
+        """The codec of the rounds that run one codec: the first configured."""
+        return self.codecs[0]
 
 
 def note(message: str) -> None:
@@ -64,46 +88,61 @@ def note(message: str) -> None:
 class Rounds:
     """Runs rounds against one server and keeps every row."""
 
-    def __init__(self, server: str, base_url: str, settings: ServeSettings, run_id: str, connector: bool) -> None:
+    def __init__(self, server: str, base_url: str, settings: ServeSettings, run_id: str, connector: bool,
+                 served: tuple[str, str | None], store_url: str | None) -> None:
         self.server, self.base_url, self.s, self.run_id, self.connector = server, base_url, settings, run_id, connector
+        self.served, self.store_url = served, store_url
         self.requests: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
 
     def run(self, backend: str, codec: str, corpus: str, planned: list[Planned],
-            params: Callable[[Planned, str, str], dict[str, Any]], between: Callable[[], None] | None = None) -> None:
-        """One round; `between` runs after the first half of the requests (fault injection)."""
-        tags = [f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.{p.index}" for p in planned]
+            params: Callable[[Planned, str, str], dict[str, Any]], concurrency: int, **extra: Any) -> None:
+        """One round at `concurrency` requests in flight; Valkey rounds end when their stores have."""
+        tags = [f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.c{concurrency}.{p.phase or ''}.{p.index}"
+                for p in planned]
         bodies = [chat_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
         before = scrape(self.base_url)
         start = time.monotonic()
-        if between is None:
-            results = send_all(self.base_url, bodies, self.s.max_inflight)
-        else:
-            half = len(bodies) // 2
-            results = send_all(self.base_url, bodies[:half], self.s.max_inflight)
-            between()
-            results += send_all(self.base_url, bodies[half:], self.s.max_inflight)
+        results = send_all(self.base_url, bodies, concurrency)
         round_s = time.monotonic() - start
+        flush_s = self.flush() if backend == "valkey" else 0.0
         server = delta(before, scrape(self.base_url))
-        key = {"run_id": self.run_id, "server": self.server, "backend": backend, "codec": codec, "corpus": corpus,
-               "round": planned[0].round}
+        key = {"run_id": self.run_id, "server": self.server, "weights": bk.server_weights(self.server),
+               "served_dtype": self.served[0], "dtype_note": self.served[1], "backend": backend, "codec": codec,
+               "corpus": corpus, "round": planned[0].round, "concurrency": concurrency}
         for p, tag, body, result in zip(planned, tags, bodies, results):
-            self.requests.append({**key, "index": p.index, "doc_id": p.doc_id, "miss": p.miss, "tag": tag,
-                                  "cache_salt": body.get("cache_salt"), **result})
+            self.requests.append({**key, "index": p.index, "phase": p.phase, "doc_id": p.doc_id, "miss": p.miss,
+                                  "tag": tag, "cache_salt": body.get("cache_salt"), **result})
         ok = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
-        self.metrics.append({**key, "requests": len(planned), "round_s": round_s,
-                             "client_ttft_mean_s": sum(ok) / len(ok) if ok else float("nan"), **server})
+        self.metrics.append({**key, "phase": planned[0].phase, "requests": len(planned), "round_s": round_s,
+                             "flush_s": flush_s, "client_ttft_mean_s": sum(ok) / len(ok) if ok else float("nan"),
+                             **extra, **server})
         errors = sum(r["error"] is not None for r in results)
-        note(f"{backend:<9} {codec:<17} {corpus:<9} {planned[0].round:<6} {len(planned)} requests in {round_s:6.1f} s, "
-             f"client TTFT {self.metrics[-1]['client_ttft_mean_s']:.2f} s, server {server['server_ttft_mean_s']:.2f} s"
+        note(f"{backend:<9} {codec:<17} {corpus:<9} {planned[0].round:<6} c={concurrency} {len(planned)} requests in "
+             f"{round_s:6.1f} s (+{flush_s:.1f} s stores), client TTFT {self.metrics[-1]['client_ttft_mean_s']:.2f} s"
              + (f", {errors} errors" if errors else ""))
 
-    def params(self, backend: str, load: str | None, store: list[str]) -> Callable[[Planned, str, str], dict[str, Any]]:
+    def flush(self) -> float:
+        """Wait until the store's tally of queued chunks is 0 (its background stores are done)."""
+        start = time.monotonic()
+        client = valkey_client.Valkey.from_url(self.store_url, socket_timeout=5, socket_connect_timeout=2)
+        while time.monotonic() - start < FLUSH_TIMEOUT_S:
+            try:
+                if pending(client, pending_key(self.run_id)) == 0:
+                    break
+            except (valkey_client.exceptions.ValkeyError, OSError):
+                break  # no store to wait for (killed): its stores fail and are recorded
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+    def params(self, backend: str, load: str | None, store: list[str],
+               salted: bool = True) -> Callable[[Planned, str, str], dict[str, Any]]:
         """cache_salt: one per corpus where a backend reuses vLLM's prefix cache, else one per
         request (so only the backend's own store can hit); the connector's choice per request."""
         def make(p: Planned, tag: str, corpus: str) -> dict[str, Any]:
-            salt = f"{backend}-{self.run_id}-{corpus}" if backend in SHARED_SALT else f"{backend}-{tag}"
-            out: dict[str, Any] = {"cache_salt": salt}
+            out: dict[str, Any] = {}
+            if salted:
+                out["cache_salt"] = f"{backend}-{self.run_id}-{corpus}" if backend in SHARED_SALT else f"{backend}-{tag}"
             if self.connector:
                 out["kv_transfer_params"] = {"tag": tag, "load": load, "store": store}
             return out
@@ -111,18 +150,14 @@ class Rounds:
         return make
 
 
-def rounds_for(prompts: dict[str, str], settings: ServeSettings, seed: int, n_docs: int) -> tuple[list[Planned], list[Planned]]:
-    chosen = dict(list(prompts.items())[:n_docs])
-    return warmup_round(chosen), query_round(chosen, settings.repeat_count, settings.repeat_mode,
-                                             settings.hit_miss_ratio, seed)
-
-
-def warm_server(base_url: str, max_tokens: int, connector: bool) -> None:
-    """One short request before any measured round (first-request costs are not a backend's)."""
-    extra: dict[str, Any] = {"cache_salt": f"warm-{uuid.uuid4().hex}"}
+def prewarm(base_url: str, settings: ServeSettings, connector: bool) -> None:
+    """long_doc_qa's pre-warm on every server alike (first-request costs are no backend's); the
+    connector neither loads nor stores it."""
+    extra: dict[str, Any] = {"cache_salt": f"prewarm-{uuid.uuid4().hex}"}
     if connector:
         extra["kv_transfer_params"] = {"load": None, "store": []}
-    send_all(base_url, [chat_body("Warm-up.", max_tokens, **extra)], 1)
+    prompts = prewarm_prompts(int(settings.prewarm["prompts"]), int(settings.prewarm["words"]))
+    send_all(base_url, [chat_body(p, settings.max_tokens, **extra) for p in prompts], settings.max_inflight)
 
 
 def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
@@ -130,10 +165,15 @@ def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
     within it, lossy ones far below), plus room for the server itself."""
     chunks_per_doc = settings.doc_tokens // settings.block_size + 1  # the question may complete one more
     hit, miss = parse_ratio(settings.hit_miss_ratio)
-    misses = sum(i % (hit + miss) >= hit for i in range(settings.docs_per_corpus * settings.repeat_count))
-    n_codecs = len(settings.codecs)
-    docs = settings.docs_per_corpus * n_codecs + misses * n_codecs  # the fault round replays stored prompts
-    return int(len(settings.corpora) * docs * chunks_per_doc * chunk_bytes * 1.1 / 2**20) + 128
+    docs, n_codecs = settings.docs_per_corpus, len(settings.codecs)
+    swept = [c for c in settings.corpora if c in settings.load["corpora"]]
+    per_sweep = docs * max(settings.repeat_count,
+                           repeats_for_hits(docs, settings.hit_miss_ratio, settings.load["hits_per_cell"]))
+    misses = sum(i % (hit + miss) >= hit for i in range(per_sweep))
+    stored_docs = (len(settings.corpora) * docs * n_codecs  # warm-ups
+                   + len(swept) * len(settings.load["concurrency"]) * misses * n_codecs
+                   + (len(settings.corpora) - len(swept)) * misses + 2 * docs)  # other corpora, fault round
+    return int(stored_docs * chunks_per_doc * chunk_bytes * 1.1 / 2**20) + 128
 
 
 def chunk_bytes(model_dir: str | Path, block_size: int, dtype_bytes: int) -> int:
@@ -150,13 +190,17 @@ def serve_job(server: str, settings: ServeSettings, docs: Mapping[str, pd.DataFr
     """All rows of one server job: requests, metric deltas per round, connector transfers. A
     backend this machine cannot serve gets one row per corpus with its reason, and nothing starts."""
     run_id = uuid.uuid4().hex[:10]
-    backends = [b for b in settings.backends if bk.SERVER_OF[b] == server]
+    backends = bk.server_backends(server, list(settings.backends))
     reason = bk.unsupported(server, vllm["device"])
+    served = bk.served_dtype(settings.dtype, vllm["device"])
     if reason is not None:
         note(f"{server}: {reason}")
-        rows = [{"run_id": run_id, "server": server, "backend": b, "codec": NO_CODEC, "corpus": c, "round": None,
-                 "error": reason} for b in backends for c in settings.corpora]
+        rows = [{"run_id": run_id, "server": server, "weights": bk.server_weights(server), "served_dtype": served[0],
+                 "dtype_note": served[1], "backend": b, "codec": NO_CODEC, "corpus": c, "round": None, "error": reason}
+                for b in backends for c in settings.corpora]
         return pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame()
+    if served[1]:
+        note(served[1])
     from kvbench.models import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
@@ -164,20 +208,25 @@ def serve_job(server: str, settings: ServeSettings, docs: Mapping[str, pd.DataFr
     prompts = serve_prompts(dict(docs), n, settings.doc_tokens, settings.question,
                             lambda text: tokenizer(text, add_special_tokens=False).input_ids, tokenizer.decode)
     with tempfile.TemporaryDirectory(prefix="kvbench-serve-") as work:
-        return run_server(server, settings, prompts, methods, vllm, model_dir, seed, Path(work), logs, run_id)
+        return run_server(server, settings, prompts, methods, {**vllm, "dtype": served[0]}, served, model_dir, seed,
+                          Path(work), logs, run_id)
 
 
 def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str, str]], methods: Mapping[str, Any],
-               vllm: Mapping[str, Any], model_dir: str, seed: int, workdir: Path, logs: Mapping[str, str],
-               run_id: str) -> Tables:
-    backends = [b for b in settings.backends if bk.SERVER_OF[b] == server]
+               vllm: Mapping[str, Any], served: tuple[str, str | None], model_dir: str, seed: int, workdir: Path,
+               logs: Mapping[str, str], run_id: str) -> Tables:
+    backends = bk.server_backends(server, list(settings.backends))
     events = workdir / "events"
-    with _servers(server, settings, methods, vllm, model_dir, seed, workdir, logs, run_id, events) as (base, valkey):
-        connector = server == "main" and valkey is not None
-        rounds = Rounds(server, base, settings, run_id, connector)
-        warm_server(base, settings.max_tokens, connector)
-        if server == "main":
-            _main_rounds(rounds, backends, settings, prompts, seed, valkey)
+    with _servers(server, settings, methods, vllm, model_dir, seed, workdir, logs, run_id, events) as (base, store):
+        connector = server in ("main", bk.DUMMY_SERVER) and store is not None
+        url = store.url if isinstance(store, RestartableValkey) else store
+        rounds = Rounds(server, base, settings, run_id, connector, served, url)
+        prewarm(base, settings, connector)
+        docs = {c: dict(list(prompts[c].items())[:settings.docs_per_corpus]) for c in settings.corpora}
+        if server in ("main", bk.DUMMY_SERVER):
+            _main_rounds(rounds, backends, settings, docs, seed, store)
+        elif server == "lmcache":
+            _lmcache_rounds(rounds, settings, docs, seed)
         else:
             _reference_rounds(rounds, server, backends[0], settings, prompts, seed, workdir)
     transfers = read_events(events) if events.is_dir() else pd.DataFrame()
@@ -186,79 +235,122 @@ def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str
 
 @contextlib.contextmanager
 def _servers(server: str, settings: ServeSettings, methods: Mapping[str, Any], vllm: Mapping[str, Any], model_dir: str,
-             seed: int, workdir: Path, logs: Mapping[str, str], run_id: str, events: Path) -> Iterator[tuple[str, Any]]:
+             seed: int, workdir: Path, logs: Mapping[str, str], run_id: str,
+             events: Path) -> Iterator[tuple[str, RestartableValkey | str | None]]:
+    """Valkey (the stage's own, restartable, or the user's URL) and vLLM with what `server` needs."""
     with contextlib.ExitStack() as stack:
-        valkey, transfer, env = None, None, bk.kvbench_pythonpath()
-        if (server == "main" and "valkey" in settings.backends) or server == "lmcache":
+        store, transfer, env = None, None, bk.kvbench_pythonpath()
+        if server in ("main", bk.DUMMY_SERVER, "lmcache") and ("valkey" in settings.backends or server == "lmcache"):
             url = settings.valkey.get("url")
             if url is None:
                 mb = settings.valkey.get("maxmemory_mb") or store_bound_mb(
                     settings, chunk_bytes(model_dir, settings.block_size, DTYPE_BYTES[vllm["dtype"]]))
                 note(f"starting valkey (maxmemory {mb} MB)")
-                url, proc = stack.enter_context(valkey_server(mb, logs["valkey"], settings.valkey["startup_timeout_s"]))
-                note(f"valkey pid {proc.pid} at {url}")
-                valkey = proc
+                store = RestartableValkey(stack, mb, logs["valkey"], settings.valkey["startup_timeout_s"])
+                url = store.url
+                note(f"valkey pid {store.proc.pid} at {url}")
             else:
-                valkey = url  # the user's own store: never stopped or killed by us
-            if server == "main":
+                store = url  # the user's own store: never stopped or killed by us
+            if server == "lmcache":
+                transfer, env = bk.lmcache_transfer(), env | bk.lmcache_env(url, settings.block_size)
+            else:
                 codecs = {c: methods.get(c) for c in settings.codecs}
-                transfer = bk.valkey_transfer(url, run_id, settings.model, codecs, settings.codecs[0], str(events), seed)
-            else:
-                transfer, env = bk.lmcache_transfer(), env | bk.lmcache_env(url, vllm["cpu_kvcache_space_gb"])
+                transfer = bk.valkey_transfer(url, run_id, settings.model, codecs, settings.headline, str(events), seed,
+                                              settings.store)
         if server == "example":
             storage = workdir / "example-kv"
             storage.mkdir(parents=True, exist_ok=True)
             stack.callback(shutil.rmtree, storage, True)
             transfer = bk.example_transfer(str(storage))
         args = list(vllm.get("extra_args", [])) + bk.server_args(server, settings.block_size, transfer)
-        note(f"starting vLLM for {server}: {' '.join(args)}")
+        note(f"starting vLLM for {server} ({vllm['dtype']}): {' '.join(args)}")
         client = stack.enter_context(vllm_server(model_dir, {**vllm, "extra_args": args}, seed, logs["vllm"], env=env))
         note(f"vllm pid {client.pid} at {client.base_url}")
-        yield client.base_url, valkey
+        yield client.base_url, store
 
 
-def _main_rounds(rounds: Rounds, backends: list[str], s: ServeSettings, prompts: dict[str, dict[str, str]], seed: int,
-                 valkey: Any) -> None:
-    plans = {c: rounds_for(prompts[c], s, seed, s.docs_per_corpus) for c in s.corpora}
-    for backend in [b for b in ("recompute", "prefix") if b in backends]:
-        for corpus in s.corpora:
-            warm, query = plans[corpus]
-            params = rounds.params(backend, None, [])
-            if backend == "prefix":  # recompute has nothing to warm: its warm-up would be its query round again
-                rounds.run(backend, NO_CODEC, corpus, warm, params)
-            rounds.run(backend, NO_CODEC, corpus, query, params)
-    if "valkey" not in backends:
-        return
+def _query_cells(backends: list[str], s: ServeSettings, swept: bool) -> list[tuple[str, str]]:
+    cells = [(b, NO_CODEC) for b in ("recompute", "prefix") if b in backends]
+    if "valkey" in backends:
+        cells += [("valkey", c) for c in (s.codecs if swept else s.codecs[:1])]
+    return cells
+
+
+def _main_rounds(r: Rounds, backends: list[str], s: ServeSettings, docs: dict[str, dict[str, str]], seed: int,
+                 store: RestartableValkey | str | None) -> None:
     for corpus in s.corpora:
-        rounds.run("valkey", ALL_CODECS, corpus, plans[corpus][0], rounds.params("valkey", None, list(s.codecs)))
-    for codec in s.codecs:
-        for corpus in s.corpora:
-            rounds.run("valkey", codec, corpus, plans[corpus][1], rounds.params("valkey", codec, [codec]))
-    if s.fault_round:
-        corpus, codec = s.corpora[0], s.codecs[0]
-        # every document twice, all planned hits (the warm-up stored them): the first pass loads,
-        # the second comes after the kill, so each of its requests is a hit that must recompute
-        chosen = list(prompts[corpus].items())[: s.docs_per_corpus]
-        fault = [Planned("fault", i, doc, text, False) for i, (doc, text) in enumerate(chosen * 2)]
+        if "prefix" in backends:
+            r.run("prefix", NO_CODEC, corpus, warmup_round(docs[corpus]), r.params("prefix", None, []), s.max_inflight)
+        if "valkey" in backends:
+            r.run("valkey", ALL_CODECS, corpus, warmup_round(docs[corpus]), r.params("valkey", None, list(s.codecs)),
+                  s.max_inflight)
+    for c, corpus in enumerate(s.corpora):
+        swept = corpus in s.load["corpora"] and r.server == "main"
+        levels = list(s.load["concurrency"]) if swept else [s.max_inflight]
+        count = s.repeat_count
+        if swept:
+            count = max(count, repeats_for_hits(len(docs[corpus]), s.hit_miss_ratio, int(s.load["hits_per_cell"])))
+        for level_index, level in enumerate(levels):
+            # one plan per level, the same for every cell (paired), other miss prefixes per level
+            planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c + level_index)
+            for backend, codec in _query_cells(backends, s, swept):
+                load = codec if backend == "valkey" else None
+                r.run(backend, codec, corpus, planned, r.params(backend, load, [load] if load else []), level)
+    if s.fault_round and "valkey" in backends and r.server == "main":
+        _fault_round(r, s, docs, store)
 
-        def kill() -> None:
-            if isinstance(valkey, str):
-                raise ValueError("serve.fault_round kills Valkey: it needs the stage's own server (serve.valkey.url: null)")
-            note("fault: killing valkey (SIGKILL) in the middle of the round")
-            os.killpg(valkey.pid, signal.SIGKILL)
-            valkey.wait(timeout=30)
 
-        rounds.run("valkey", codec, corpus, fault, rounds.params("valkey", codec, [codec]), between=kill)
+def _fault_round(r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]], store: RestartableValkey | str | None) -> None:
+    """Every document of the first load corpus loads (pass `before`); Valkey is killed (SIGKILL)
+    with every chunk of the run in it, and started again, empty, on the same port; each document
+    is asked again (`after-restart`: a hit that finds nothing, recomputed and stored again), and
+    once more (`reloaded`: loaded from the restarted store)."""
+    if not isinstance(store, RestartableValkey):
+        raise ValueError("serve.fault_round kills Valkey: it needs the stage's own server (serve.valkey.url: null)")
+    corpus = next((c for c in s.corpora if c in s.load["corpora"]), s.corpora[0])
+    codec = next((c for c in s.codecs if is_lossless(c)), s.headline)  # lossless: a wrong load would show
+    params = r.params("valkey", codec, [codec])
+
+    def fault_pass(phase: str, **extra: Any) -> None:
+        planned = [Planned("fault", i, doc, text, False, phase) for i, (doc, text) in enumerate(docs[corpus].items())]
+        r.run("valkey", codec, corpus, planned, params, s.max_inflight, **extra)
+
+    fault_pass("before")
+    client = valkey_client.Valkey.from_url(store.url)
+    lost = sum(1 for key in client.scan_iter(match=f"kvbench:{r.run_id}:*", count=1000)
+               if key.decode() != pending_key(r.run_id))
+    note(f"fault: killing valkey (SIGKILL) with {lost} chunks of this run in it, then starting it again")
+    store.kill()
+    store.restart()
+    note(f"fault: valkey pid {store.proc.pid} at {store.url}")
+    fault_pass("after-restart", lost_chunks=lost)
+    fault_pass("reloaded")
+
+
+def _lmcache_rounds(r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]], seed: int) -> None:
+    """LMCache (GPU): warm-up and query rounds without a cache_salt (vLLM's prefix cache is off
+    on this server), then each document once more with a fresh salt: whether LMCache's hits
+    survive a salt is what the `salted` rows record (a silent miss shows as no cached tokens)."""
+    for c, corpus in enumerate(s.corpora):
+        plain = r.params("lmcache", None, [], salted=False)
+        r.run("lmcache", NO_CODEC, corpus, warmup_round(docs[corpus]), plain, s.max_inflight)
+        r.run("lmcache", NO_CODEC, corpus, query_round(docs[corpus], s.repeat_count, s.repeat_mode, s.hit_miss_ratio,
+                                                       seed + 1000 * c), plain, s.max_inflight)
+        salted = [Planned("salted", i, doc, text, False) for i, (doc, text) in enumerate(docs[corpus].items())]
+        r.run("lmcache", NO_CODEC, corpus, salted, r.params("lmcache", None, []), s.max_inflight,
+              lmcache_version=bk.lmcache_version())
 
 
 def _reference_rounds(rounds: Rounds, server: str, backend: str, s: ServeSettings, prompts: dict[str, dict[str, str]],
                       seed: int, workdir: Path) -> None:
     storage = workdir / "example-kv"
-    for corpus in s.corpora:
-        for planned in rounds_for(prompts[corpus], s, seed, s.reference_docs_per_corpus):
+    for c, corpus in enumerate(s.corpora):
+        chosen = dict(list(prompts[corpus].items())[: s.reference_docs_per_corpus])
+        count = max(s.repeat_count, repeats_for_hits(len(chosen), s.hit_miss_ratio, int(s.load["hits_per_cell"])))
+        for planned in (warmup_round(chosen), query_round(chosen, count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c)):
             before = _dir_bytes(storage)
             rounds.run(backend, "safetensors" if server == "example" else NO_CODEC, corpus, planned,
-                       rounds.params(backend, None, []))
+                       rounds.params(backend, None, []), s.max_inflight)
             if server == "example":
                 rounds.metrics[-1]["disk_bytes_written"] = _dir_bytes(storage) - before
 

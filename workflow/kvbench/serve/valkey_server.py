@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+import signal
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -42,11 +43,31 @@ def pings(url: str) -> Callable[[], bool]:
 
 @contextmanager
 def valkey_server(maxmemory_mb: int, log_path: str | Path, timeout_s: float = 30.0,
-                  binary: str | None = None) -> Iterator[tuple[str, object]]:
+                  binary: str | None = None, port: int | None = None) -> Iterator[tuple[str, object]]:
     """Yields (url, process). `maxmemory-policy noeviction`: a cap too small shows up as failed
     stores in the rows, never as silently evicted chunks."""
-    port = free_port()
+    port = port or free_port()
     url = f"redis://{HOST}:{port}/0"
     cmd = valkey_command(binary or valkey_binary(), port, maxmemory_mb)
     with managed_server("valkey", cmd, port, pings(url), log_path, timeout_s=timeout_s, poll_s=0.2) as proc:
         yield url, proc
+
+
+class RestartableValkey:
+    """The stage's own Valkey, which the fault round kills (SIGKILL) and starts again, empty, on
+    the same port: the connector's clients reconnect to it by the URL they were given."""
+
+    def __init__(self, stack: ExitStack, maxmemory_mb: int, log_path: str | Path, timeout_s: float) -> None:
+        self.stack, self.args, self.port = stack, (maxmemory_mb, log_path, timeout_s), free_port()
+        self.url, self.proc = self._start()
+
+    def _start(self) -> tuple[str, object]:
+        mb, log, timeout = self.args
+        return self.stack.enter_context(valkey_server(mb, log, timeout, port=self.port))
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def restart(self) -> None:
+        self.url, self.proc = self._start()

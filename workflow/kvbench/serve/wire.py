@@ -1,9 +1,10 @@
 """Wire formats of offloaded chunks: the kv stage's lossless codecs on the cache's own bytes, and
 the method registry's quantizers on K and V as lossy formats (one implementation of each).
 
-A chunk is one block of every layer, [layers, kv_heads, block_size, 2 * head_size] in vLLM's
-packed CPU layout (see layout.py). Lossless formats compress those bytes as they are, so a load
-restores them exactly. Lossy formats unpack K and V to token rows of head_size first, because the
+A chunk is one block of every layer, [layers, kv_heads, block_size, 2 * head_size] in the
+cache's own layout (vLLM's packed CPU layout or the CUDA backends' token rows, see layout.py).
+Lossless formats compress those bytes as they are, so a load restores them exactly. Lossy
+formats unpack K and V to token rows of head_size first, because the
 methods define their statistics on those rows (KIVI: keys per channel over groups of G tokens,
 values per token over groups of G channels; TurboQuant: one rotated vector per token and head).
 """
@@ -27,6 +28,7 @@ from kvbench.methods.kinds import settings_of
 from kvbench.methods.kivi import QuantizedBlock
 from kvbench.methods.turboquant import TurboBlock
 from kvbench.serve import layout
+from kvbench.serve.layout import CPU_PACKED
 from kvbench.serve.names import LOSSY_KINDS, is_lossless
 
 
@@ -37,6 +39,7 @@ class ChunkSpec:
     block_size: int
     head_size: int
     dtype: torch.dtype
+    layout: str = CPU_PACKED  # see layout.py
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -138,13 +141,13 @@ class KiviWire:
         self.name, self.spec, self.bits, self.group = name, spec, bits, group
 
     def encode(self, chunk: torch.Tensor) -> bytes:
-        keys, values = layout.split(chunk.float())
+        keys, values = layout.SPLIT[self.spec.layout](chunk.float())
         return save_blocks({"k": [QuantizedBlock(keys, self.bits, self.group, True)],
                             "v": [QuantizedBlock(values, self.bits, self.group, False)]})
 
     def decode(self, data: bytes) -> torch.Tensor:
         blocks = load_blocks(data, {"k": QuantizedBlock, "v": QuantizedBlock})
-        return layout.join(blocks["k"][0].dequantize(), blocks["v"][0].dequantize()).to(self.spec.dtype)
+        return layout.JOIN[self.spec.layout](blocks["k"][0].dequantize(), blocks["v"][0].dequantize()).to(self.spec.dtype)
 
 
 class TurboWire:
@@ -160,7 +163,7 @@ class TurboWire:
         self.layers = build_cache(dict(method), shape, seed).layers
 
     def encode(self, chunk: torch.Tensor) -> bytes:
-        keys, values = layout.split(chunk.float())
+        keys, values = layout.SPLIT[self.spec.layout](chunk.float())
         return save_blocks({
             "k": [TurboBlock(keys[i], layer.key_mse, layer.sketch) for i, layer in enumerate(self.layers)],
             "v": [TurboBlock(values[i], layer.value_mse, None) for i, layer in enumerate(self.layers)],
@@ -170,7 +173,7 @@ class TurboWire:
         blocks = load_blocks(data, {"k": TurboBlock, "v": TurboBlock})
         keys = torch.stack([b.decode(layer.key_mse, layer.sketch) for b, layer in zip(blocks["k"], self.layers)])
         values = torch.stack([b.decode(layer.value_mse, None) for b, layer in zip(blocks["v"], self.layers)])
-        return layout.join(keys, values).to(self.spec.dtype)
+        return layout.JOIN[self.spec.layout](keys, values).to(self.spec.dtype)
 
 
 class Fp8Wire:

@@ -1,0 +1,93 @@
+"""Our connector's logic on tensors shaped like vLLM's CUDA cache (no GPU here): per layer the
+logical [blocks, kv_heads, block_size, 2 * head_size] with K and V in the two halves of each
+token row, stored in another physical order (NHD: [blocks, block_size, kv_heads, 2 * head_size]
+permuted), as FlashAttention's forward reads it (`kv_cache.transpose(1, 2).split(head_size, -1)`).
+The device copies (pinned memory, events) are the only part not run here."""
+
+import pytest
+import torch
+import valkey
+
+from kvbench.serve import layout
+from kvbench.serve.keys import chunk_keys, namespace
+from kvbench.serve.staging import copy_in, copy_out
+from kvbench.serve.transfer import gather, load_chunks, store_chunks
+from kvbench.serve.valkey_server import valkey_server
+from kvbench.serve.wire import ChunkSpec, wire_format
+from test_servers import wait_gone
+
+LAYERS, HEADS, BLOCK, HEAD, BLOCKS = 3, 3, 64, 64, 6
+
+
+def cuda_like_cache(seed, dtype=torch.bfloat16):
+    """Per layer: the physical NHD tensor and its logical view, and the K and V token rows
+    [blocks, block_size, heads, head_size] written into it the way FlashAttention reads them."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(LAYERS, BLOCKS, BLOCK, HEADS, HEAD, generator=gen).to(dtype)
+    values = torch.randn(LAYERS, BLOCKS, BLOCK, HEADS, HEAD, generator=gen).to(dtype)
+    views = []
+    for layer in range(LAYERS):
+        physical = torch.empty(BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=dtype)
+        view = physical.permute(0, 2, 1, 3)  # logical [blocks, heads, block_size, 2 * head_size]
+        k_cache, v_cache = view.transpose(1, 2).split(HEAD, dim=-1)  # as the CUDA backends split it
+        k_cache.copy_(keys[layer])
+        v_cache.copy_(values[layer])
+        views.append(view)
+    return views, keys, values
+
+
+SPEC = ChunkSpec(LAYERS, HEADS, BLOCK, HEAD, torch.bfloat16, layout.TOKEN_ROWS)
+
+
+def test_copied_out_chunks_split_into_the_backends_k_and_v():
+    views, keys, values = cuda_like_cache(0)
+    assert not views[0].is_contiguous()
+    chunks = copy_out(views, [4, 1]).chunks
+    for chunk, block in zip(chunks, [4, 1]):
+        k, v = layout.split_rows(chunk)  # [layers, heads, block_size, head_size]
+        assert torch.equal(k, keys[:, block].transpose(1, 2)) and torch.equal(v, values[:, block].transpose(1, 2))
+        assert torch.equal(layout.join_rows(k, v), chunk)
+
+
+def test_copy_in_writes_only_its_blocks_through_the_strided_view():
+    views, _, _ = cuda_like_cache(0)
+    source, _, _ = cuda_like_cache(1)
+    before = [v.clone() for v in views]
+    copy_in(copy_out(source, [2, 3]).chunks, views, [5, 0])
+    for view, old, src in zip(views, before, source):
+        assert torch.equal(view[5], src[2]) and torch.equal(view[0], src[3])
+        assert torch.equal(view[1:5], old[1:5])
+
+
+@pytest.mark.parametrize("name, method", [("kivi2", {"kind": "kivi", "bits": 2, "group_size": 32}),
+                                          ("turboquant4", {"kind": "turboquant", "bits": 4}),
+                                          ("fp8", {"kind": "fp8"})])
+def test_lossy_formats_quantize_the_same_token_rows_in_either_layout(name, method):
+    """The same K and V, packed as the CPU kernel packs them or as CUDA token rows, decode to the
+    same K and V: the lossy formats see token rows whatever the cache layout."""
+    views, keys, values = cuda_like_cache(0, torch.float32)
+    rows_chunk = copy_out(views, [2]).chunks[0]
+    k, v = layout.split_rows(rows_chunk)
+    packed_chunk = layout.join(k, v)
+    cpu = wire_format(name, ChunkSpec(LAYERS, HEADS, BLOCK, HEAD, torch.float32), method, seed=0)
+    cuda = wire_format(name, ChunkSpec(LAYERS, HEADS, BLOCK, HEAD, torch.float32, layout.TOKEN_ROWS), method, seed=0)
+    k_cpu, v_cpu = layout.split(cpu.decode(cpu.encode(packed_chunk)))
+    k_cuda, v_cuda = layout.split_rows(cuda.decode(cuda.encode(rows_chunk)))
+    assert torch.equal(k_cpu, k_cuda) and torch.equal(v_cpu, v_cuda)
+    assert not torch.equal(k_cuda, k)  # lossy: the test would pass vacuously on a no-op
+
+
+def test_chunks_round_trip_through_a_real_valkey_between_cuda_like_caches(tmp_path):
+    source, _, _ = cuda_like_cache(1)
+    target, _, _ = cuda_like_cache(2)
+    space = namespace("t", "m", "bfloat16", BLOCK, "zstd-3+byteplane", layout.TOKEN_ROWS)
+    keys = chunk_keys(space, list(range(2 * BLOCK + 1)), BLOCK, 2)
+    wire = wire_format("zstd-3+byteplane", SPEC)
+    with valkey_server(64, tmp_path / "valkey.log") as (url, proc):
+        client = valkey.Valkey.from_url(url)
+        assert store_chunks(client, wire, SPEC, keys, gather(source, [3, 0]))["error"] is None
+        loaded = load_chunks(client, wire, SPEC, keys, [1, 4], target)
+    assert wait_gone([proc.pid]) == []
+    assert loaded["loaded_chunks"] == 2 and loaded["error"] is None
+    for src, dst in zip(source, target):
+        assert torch.equal(dst[1], src[3]) and torch.equal(dst[4], src[0])

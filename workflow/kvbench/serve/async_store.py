@@ -1,0 +1,135 @@
+"""Stores off the critical path: the worker half copies a request's new chunks out of the paged
+cache (fast) and hands them here; background threads encode, seal and SET them, as LMCache
+stores asynchronously.
+
+- Bounded: chunk copies waiting for their store hold at most `queue_bytes`; a full queue makes
+  the next submit wait (its wait is recorded), so memory stays bounded and no store is dropped.
+- Counted in the store: each submit adds its chunks to a tally key (`pending_key`) in the same
+  store, and each finished store takes them off in its SET round trip. The scheduler half and
+  the benchmark client run in other processes: the tally is how they see that stores are still
+  in flight (`pending`), and why a lookup found a chunk "missing" that is only not stored yet.
+  A chunk is visible to lookups only once its SET is complete, so it is never loaded before it
+  is stored.
+- Failures counted: every job ends in one `store` event with its error (or none).
+- Flushed at shutdown: `close()` waits for the queue, then stops the threads; jobs it could not
+  finish in time are recorded as failed.
+- Low priority: the threads run at nice 19 (Linux, per thread), so on a machine whose cores the
+  forward pass already uses, encoding yields to it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import valkey
+
+from kvbench.serve.staging import HostCopy
+from kvbench.serve.transfer import STORE_ERRORS, store_chunks
+from kvbench.serve.wire import ChunkSpec, WireFormat
+
+NICE = 19
+
+
+@dataclass
+class StoreJob:
+    tag: str
+    codec: str
+    wire: WireFormat
+    keys: list[str]
+    copy: HostCopy
+    submitted: float = field(default_factory=time.perf_counter)
+    info: dict[str, Any] = field(default_factory=dict)  # copied into the job's event (e.g. gather_s)
+
+    def nbytes(self) -> int:
+        return self.copy.nbytes()
+
+
+def pending(client: valkey.Valkey, pending_key: str) -> int:
+    """Chunks submitted and not yet stored (0 when the tally is gone: a restarted store)."""
+    return max(0, int(client.get(pending_key) or 0))
+
+
+class AsyncStore:
+    def __init__(self, make_client: Callable[[], valkey.Valkey], spec: ChunkSpec, pending_key: str,
+                 write_event: Callable[..., None], queue_bytes: int, threads: int = 1, secret: bytes = b"") -> None:
+        self.spec, self.pending_key, self.write_event = spec, pending_key, write_event
+        self.queue_bytes, self.secret = queue_bytes, secret
+        self.client = make_client()  # submits' tally updates (the critical path's one round trip)
+        self._jobs: queue.Queue[StoreJob | None] = queue.Queue()
+        self._room = threading.Condition()
+        self._queued = 0  # bytes of chunk copies waiting or being stored
+        self.counts = {"submitted": 0, "stored": 0, "failed": 0}
+        self._threads = [threading.Thread(target=self._run, args=(make_client(),), daemon=True,
+                                          name=f"kvbench-store-{i}") for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: StoreJob) -> float:
+        """Queue a job; returns the seconds it waited for room (0 unless the queue was full)."""
+        start = time.perf_counter()
+        size = job.nbytes()
+        with self._room:
+            # a job larger than the whole queue still goes once the queue is empty
+            self._room.wait_for(lambda: self._queued == 0 or self._queued + size <= self.queue_bytes)
+            self._queued += size
+        waited = time.perf_counter() - start
+        try:
+            self.client.incrby(self.pending_key, len(job.keys))
+        except STORE_ERRORS as err:
+            job.info["tally_error"] = f"{type(err).__name__}: {err}"
+        job.info["queue_wait_s"] = waited
+        self.counts["submitted"] += 1
+        self._jobs.put(job)
+        return waited
+
+    def _run(self, client: valkey.Valkey) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (AttributeError, OSError):
+            pass  # not Linux: the thread keeps the process's priority
+        while (job := self._jobs.get()) is not None:
+            started = time.perf_counter()
+            try:
+                job.copy.wait()
+                counted = None if "tally_error" in job.info else self.pending_key  # never below what was added
+                stats = store_chunks(client, job.wire, self.spec, job.keys, job.copy.chunks, self.secret, counted)
+            except Exception as err:  # an encoder's bug must not kill the thread and strand the queue
+                stats = {"chunks": len(job.keys), "error": f"store: {type(err).__name__}: {err}"}
+            self._finish(job, stats, started)
+            self._jobs.task_done()
+        self._jobs.task_done()
+
+    def _finish(self, job: StoreJob, stats: dict[str, Any], started: float) -> None:
+        self.counts["failed" if stats.get("error") else "stored"] += 1
+        self.write_event(event="store", tag=job.tag, codec=job.codec, queue_s=started - job.submitted,
+                         **job.info, **stats, time=time.time())
+        with self._room:
+            self._queued -= job.nbytes()
+            self._room.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every submitted job has finished; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._room:
+            return self._room.wait_for(lambda: self._queued == 0, timeout=max(0.0, deadline - time.monotonic()))
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Flush, stop the threads; jobs still queued after `timeout_s` are recorded as failed."""
+        self.flush(timeout_s)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._finish(job, {"chunks": len(job.keys), "error": "store: not done at shutdown"}, time.perf_counter())
+            self._jobs.task_done()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5.0)

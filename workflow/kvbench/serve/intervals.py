@@ -1,0 +1,39 @@
+"""Percentile bootstrap intervals for the serve tables (requests resampled; seeded)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+LEVEL = 0.95
+RESAMPLES = 1000
+
+
+def bootstrap(values: np.ndarray, statistic: Callable[[np.ndarray], float], seed: int = 0,
+              resamples: int = RESAMPLES, level: float = LEVEL) -> tuple[float, float]:
+    """Interval of `statistic` over resamples of `values` (NaN for fewer than 2 values)."""
+    values = np.asarray(values, dtype=float)
+    values = values[~np.isnan(values)]
+    if len(values) < 2:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    draws = [statistic(values[rng.integers(0, len(values), len(values))]) for _ in range(resamples)]
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def ratio_of_medians(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
+    """median(a) / median(b) and its interval, each group resampled on its own."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+    if len(a) < 2 or len(b) < 2:
+        return math.nan, math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    draws = [np.median(a[rng.integers(0, len(a), len(a))]) / np.median(b[rng.integers(0, len(b), len(b))])
+             for _ in range(RESAMPLES)]
+    tail = 100 * (1 - LEVEL) / 2
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return float(np.median(a) / np.median(b)), float(low), float(high)

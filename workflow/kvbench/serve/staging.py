@@ -1,0 +1,58 @@
+"""Blocks between vLLM's paged cache and host memory: the only device-specific part of the
+connector. On CPU a copy; on CUDA a gather on the device, then one asynchronous copy into pinned
+host memory (loads: the reverse), ordered on the current stream, so the forward pass of the same
+stream never sees a half-written block and encoding happens on the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass
+class HostCopy:
+    """Chunks [layers, kv_heads, block_size, 2 * head_size] on the host, one per block; `event`
+    (CUDA) marks the end of the device-to-host copy: `wait()` before reading them."""
+
+    chunks: list[torch.Tensor]
+    event: Any = None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.chunks)
+
+
+def copy_out(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> HostCopy:
+    """The blocks' chunks copied out of every layer. Returns before a CUDA copy completes; the
+    source blocks may be reused right away (later kernels on the stream run after the copy)."""
+    if not block_ids:
+        return HostCopy([])
+    device = layers[0].device
+    index = torch.as_tensor(list(block_ids), device=device)
+    stacked = torch.stack([cache.index_select(0, index) for cache in layers], dim=1)  # [n, layers, ...]
+    if device.type != "cuda":
+        return HostCopy(list(stacked.unbind(0)))
+    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+    host.copy_(stacked, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return HostCopy(list(host.unbind(0)), event)
+
+
+def copy_in(chunks: Sequence[torch.Tensor], layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
+    """Host chunks into the first len(chunks) of `block_ids` in every layer (CUDA: one pinned
+    host-to-device copy, queued on the current stream before the forward pass that reads it)."""
+    if not chunks:
+        return
+    device = layers[0].device
+    staged = torch.stack(list(chunks))  # [n, layers, ...]
+    if device.type == "cuda":
+        staged = staged.pin_memory().to(device, non_blocking=True)
+    index = torch.as_tensor(list(block_ids)[: len(chunks)], device=device)
+    for layer, cache in enumerate(layers):
+        cache.index_copy_(0, index, staged[:, layer])
