@@ -49,8 +49,15 @@ def test_a_module_change_changes_the_hash_of_exactly_its_importers(library_copy)
     # (the recommendation's and hi-ranks-wrong's codecs sized by the data: kvbench.serve.recommend)
     # ask them which are lossless; the quality job reaches them no more (kvbench.config, which it
     # imports, imports no stage package)
-    assert changed == {"kv_capture.py", "kv_memory_probe.py", "system_job.py", "system_summary.py", "serve_server.py",
-                       "serve_summary.py", "report_tables.py"}
+    assert changed == {
+        "kv_capture.py",
+        "kv_memory_probe.py",
+        "system_job.py",
+        "system_summary.py",
+        "serve_server.py",
+        "serve_summary.py",
+        "report_tables.py",
+    }
 
 
 def rule_extra(script: str) -> tuple[str, ...]:
@@ -67,9 +74,14 @@ def test_modules_vllm_loads_by_name_count_for_serve_server():
     extra = rule_extra("serve_server.py")
     serve = {str(p.relative_to(codehash.LIBRARY)) for p in codehash.library_files(SCRIPTS / "serve_server.py", extra)}
     assert {"serve/connector.py", "serve/wire.py", "serve/transfer.py", "serve/keys.py"} <= serve
-    paths = {node.values[node.keys.index(key)] for path in codehash.LIBRARY.rglob("*.py")
-             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Dict)
-             for key in node.keys if isinstance(key, ast.Constant) and key.value == "kv_connector_module_path"}
+    paths = {
+        node.values[node.keys.index(key)]
+        for path in codehash.LIBRARY.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Dict)
+        for key in node.keys
+        if isinstance(key, ast.Constant) and key.value == "kv_connector_module_path"
+    }
     assert paths and all(isinstance(v, ast.Name) and v.id == "CONNECTOR_MODULE" for v in paths)  # one constant
     assert extra == ("kvbench.serve.connector",)
 

@@ -4,23 +4,33 @@ import pytest
 
 from kvbench.checks import check_config
 from kvbench.config import ConfigError
-from kvbench.serve.backends import served_dtype, servers, server_args, unsupported
+from kvbench.serve.backends import served_dtype, server_args, servers, unsupported
 from kvbench.tinyrun import REPO, default_config
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda c: c["serve"].update(codecs=["snapkv"]), "serve.codecs: method 'snapkv' (kind snapkv) is not a wire format"),
-    (lambda c: c["serve"].update(codecs=["gzip"]), "serve.codecs: 'gzip' is neither a codec"),
-    (lambda c: c["serve"].update(hit_miss_ratio="0:0"), "serve.hit_miss_ratio"),
-    (lambda c: c["serve"].update(corpora=["imported"]), "serve.corpora: 'imported' needs corpus.imported.path"),
-    (lambda c: (c["serve"].update(fault_round=True), c["serve"]["valkey"].update(url="redis://10.0.0.1:6379/0")),
-     "serve.fault_round: it kills Valkey"),
-    (lambda c: c["serve"]["load"].update(corpora=["imported"]), "serve.load.corpora: 'imported' is not one of"),
-    (lambda c: c["report"]["scenarios"]["memory-bound"]["serve"]["limits"].update(ttft_s={"max": 1}),
-     "report.scenarios.memory-bound.serve.limits"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda c: c["serve"].update(codecs=["snapkv"]),
+            "serve.codecs: method 'snapkv' (kind snapkv) is not a wire format",
+        ),
+        (lambda c: c["serve"].update(codecs=["gzip"]), "serve.codecs: 'gzip' is neither a codec"),
+        (lambda c: c["serve"].update(hit_miss_ratio="0:0"), "serve.hit_miss_ratio"),
+        (lambda c: c["serve"].update(corpora=["imported"]), "serve.corpora: 'imported' needs corpus.imported.path"),
+        (
+            lambda c: (c["serve"].update(fault_round=True), c["serve"]["valkey"].update(url="redis://10.0.0.1:6379/0")),
+            "serve.fault_round: it kills Valkey",
+        ),
+        (lambda c: c["serve"]["load"].update(corpora=["imported"]), "serve.load.corpora: 'imported' is not one of"),
+        (
+            lambda c: c["report"]["scenarios"]["memory-bound"]["serve"]["limits"].update(ttft_s={"max": 1}),
+            "report.scenarios.memory-bound.serve.limits",
+        ),
+    ],
+)
 def test_bad_serve_settings_are_refused(edit, message):
     config = default_config()
     edit(config)
@@ -52,4 +62,7 @@ def test_bf16_is_served_only_where_the_cpu_has_avx512_bf16(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     dtype, reason = served_dtype("bfloat16", "cpu")
     assert dtype == "float32" and "lacks AVX-512 BF16" in reason
-    assert served_dtype("bfloat16", "cuda") == ("bfloat16", None) and served_dtype("float32", "cpu") == ("float32", None)
+    assert served_dtype("bfloat16", "cuda") == ("bfloat16", None) and served_dtype("float32", "cpu") == (
+        "float32",
+        None,
+    )

@@ -7,6 +7,7 @@ The device copies (pinned memory, events) are the only part not run here."""
 import pytest
 import torch
 import valkey
+from test_servers import wait_gone
 
 from kvbench.serve import layout
 from kvbench.serve.keys import chunk_keys, namespace
@@ -14,7 +15,6 @@ from kvbench.serve.staging import copy_in, copy_out
 from kvbench.serve.transfer import gather, load_chunks, store_chunks
 from kvbench.serve.valkey_server import valkey_server
 from kvbench.serve.wire import ChunkSpec, wire_format
-from test_servers import wait_gone
 
 LAYERS, HEADS, BLOCK, HEAD, BLOCKS = 3, 3, 64, 64, 6
 
@@ -59,9 +59,14 @@ def test_copy_in_writes_only_its_blocks_through_the_strided_view():
         assert torch.equal(view[1:5], old[1:5])
 
 
-@pytest.mark.parametrize("name, method", [("kivi2", {"kind": "kivi", "bits": 2, "group_size": 32}),
-                                          ("turboquant4", {"kind": "turboquant", "bits": 4}),
-                                          ("fp8", {"kind": "fp8"})])
+@pytest.mark.parametrize(
+    "name, method",
+    [
+        ("kivi2", {"kind": "kivi", "bits": 2, "group_size": 32}),
+        ("turboquant4", {"kind": "turboquant", "bits": 4}),
+        ("fp8", {"kind": "fp8"}),
+    ],
+)
 def test_lossy_formats_quantize_the_same_token_rows_in_either_layout(name, method):
     """The same K and V, packed as the CPU kernel packs them or as CUDA token rows, decode to the
     same K and V: the lossy formats see token rows whatever the cache layout."""

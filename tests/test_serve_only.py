@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_servers import wait_gone
 
 pytestmark = pytest.mark.servers
@@ -26,9 +25,28 @@ print(json.dumps([{k: r[k] for k in ("cached_tokens", "prompt_tokens", "error", 
 
 def test_serve_only_mode_answers_a_separate_openai_client_and_stops_on_ctrl_c(model_dir, tmp_path):
     env = dict(os.environ)  # kvbench: the editable install of this checkout, as in every job
-    proc = subprocess.Popen([sys.executable, "-m", "kvbench.serve", "--backend", "valkey", "--codec", "zstd-3",
-                             "--model", str(model_dir), "--max-model-len", "2048", "--log-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvbench.serve",
+            "--backend",
+            "valkey",
+            "--codec",
+            "zstd-3",
+            "--model",
+            str(model_dir),
+            "--max-model-len",
+            "2048",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     lines = []
     try:
         for line in proc.stdout:

@@ -5,13 +5,13 @@ background stores (bounded, counted in the store, flushed at close)."""
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
 import valkey
-
-import threading
-import time
+from test_servers import wait_gone
 
 from kvbench.serve.async_store import AsyncStore, StoreJob, pending
 from kvbench.serve.integrity import HEADER_BYTES, seal
@@ -21,15 +21,16 @@ from kvbench.serve.transfer import exists_run, gather, load_chunks, lookup, stor
 from kvbench.serve.valkey_server import valkey_binary, valkey_server
 from kvbench.serve.wire import ChunkSpec, wire_format
 from kvbench.servers import ServerError
-from test_servers import wait_gone
 
 SPEC = ChunkSpec(layers=4, kv_heads=3, block_size=32, head_size=64, dtype=torch.float32)
 
 
 def paged_cache(blocks=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(blocks, SPEC.kv_heads, SPEC.block_size, 2 * SPEC.head_size, generator=gen)
-            for _ in range(SPEC.layers)]
+    return [
+        torch.randn(blocks, SPEC.kv_heads, SPEC.block_size, 2 * SPEC.head_size, generator=gen)
+        for _ in range(SPEC.layers)
+    ]
 
 
 @pytest.fixture()
@@ -40,8 +41,9 @@ def store(tmp_path):
 
 
 def keys_for(n, codec="zstd-3"):
-    return chunk_keys(namespace("t", "m", "float32", SPEC.block_size, codec), list(range(n * SPEC.block_size + 1)),
-                      SPEC.block_size, n)
+    return chunk_keys(
+        namespace("t", "m", "float32", SPEC.block_size, codec), list(range(n * SPEC.block_size + 1)), SPEC.block_size, n
+    )
 
 
 def test_stored_chunks_load_into_other_blocks_byte_for_byte(store):
@@ -101,12 +103,15 @@ def flip_one_payload_byte(value):
     return bytes(out)
 
 
-@pytest.mark.parametrize("damage, kind", [
-    (lambda v: v[: len(v) // 2], "truncated"),          # cut in half: length mismatch
-    (lambda v: v[:10], "truncated"),                    # shorter than the header
-    (flip_one_payload_byte, "corrupt"),                 # same size, one bit flipped
-    (lambda v: b"not a chunk" + v[11:], "foreign"),     # same size, no header
-])
+@pytest.mark.parametrize(
+    "damage, kind",
+    [
+        (lambda v: v[: len(v) // 2], "truncated"),  # cut in half: length mismatch
+        (lambda v: v[:10], "truncated"),  # shorter than the header
+        (flip_one_payload_byte, "corrupt"),  # same size, one bit flipped
+        (lambda v: b"not a chunk" + v[11:], "foreign"),  # same size, no header
+    ],
+)
 def test_a_damaged_chunk_is_a_detected_miss_not_a_load(store, damage, kind):
     client, _ = store
     wire, keys = stored(client)
@@ -119,8 +124,12 @@ def test_a_valid_chunk_of_another_key_is_foreign(store):
     checksum right for its own key, and still refused."""
     client, _ = store
     wire, keys = stored(client)
-    other_keys = chunk_keys(namespace("other-run", "m", "float32", SPEC.block_size, "zstd-3"),
-                            list(range(2 * SPEC.block_size + 1)), SPEC.block_size, 2)
+    other_keys = chunk_keys(
+        namespace("other-run", "m", "float32", SPEC.block_size, "zstd-3"),
+        list(range(2 * SPEC.block_size + 1)),
+        SPEC.block_size,
+        2,
+    )
     store_chunks(client, wire, SPEC, other_keys, gather(paged_cache(seed=5), [0, 1]))
     loaded = damage_and_load(client, wire, keys, lambda v: client.get(other_keys[1]))
     assert loaded["integrity"] == "foreign" and "stored under another key" in loaded["error"]
@@ -210,8 +219,9 @@ def test_a_full_queue_makes_the_next_submit_wait_and_close_flushes(store):
 
     stores = AsyncStore(lambda: valkey.Valkey.from_url(url), SPEC, "t:pending", events.write, queue_bytes=SPEC.nbytes())
     source = paged_cache()
-    waits = [stores.submit(StoreJob(f"tag{i}", "lz4", Slow(), keys_for(1, f"c{i}"), copy_out(source, [i])))
-             for i in range(4)]
+    waits = [
+        stores.submit(StoreJob(f"tag{i}", "lz4", Slow(), keys_for(1, f"c{i}"), copy_out(source, [i]))) for i in range(4)
+    ]
     stores.close()
     assert queued == [SPEC.nbytes()] * 4 and min(waits[1:]) > 0.02
     assert len(events) == 4 and all(e["error"] is None for e in events) and stores.counts["stored"] == 4
@@ -222,11 +232,18 @@ def test_stores_to_a_killed_valkey_are_recorded_as_failed(store):
     client, proc = store
     url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
     events = Events()
-    stores = AsyncStore(lambda: valkey.Valkey.from_url(url, socket_connect_timeout=1), SPEC, "t:pending",
-                        events.write, queue_bytes=2**30)
+    stores = AsyncStore(
+        lambda: valkey.Valkey.from_url(url, socket_connect_timeout=1),
+        SPEC,
+        "t:pending",
+        events.write,
+        queue_bytes=2**30,
+    )
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
-    stores.submit(StoreJob("tag", "none", wire_format("none", SPEC), keys_for(2, "none"), copy_out(paged_cache(), [0, 1])))
+    stores.submit(
+        StoreJob("tag", "none", wire_format("none", SPEC), keys_for(2, "none"), copy_out(paged_cache(), [0, 1]))
+    )
     stores.close()
     (event,) = events
     assert event["error"].startswith("store: ConnectionError") and "tally_error" in event

@@ -1,5 +1,6 @@
 import kvbench.jobstart  # noqa: F401 (first: notes the job's parent before the heavy imports)
 
+# isort: split
 import pandas as pd
 
 from kvbench.jobs import job_log
@@ -16,14 +17,22 @@ with job_log(snakemake.log[0], snakemake.config):
     requests = compare_outputs(join_transfers(read_tables(inputs.requests), transfers))
     offload = offload_table(requests, transfers, metrics, pd.read_parquet(inputs.kv), seed)
     load = load_table(requests, metrics, seed)
-    recommendations, candidates = recommend(requests, offload, snakemake.params.scenarios, cfg["load"]["corpora"],
-                                            cfg["block_size"], seed)
+    recommendations, candidates = recommend(
+        requests, offload, snakemake.params.scenarios, cfg["load"]["corpora"], cfg["block_size"], seed
+    )
     print(summary_text(offload, metrics))
     print(recommendations[["scenario", "concurrency", "best", "why"]].to_string())
     prov = provenance(config, model=cfg["model"])
-    for table, path in ((requests, out.requests), (offload, out.offload), (metrics, out.metrics),
-                        (transfers, out.transfers), (load, out.load), (engine_table(offload, requests, transfers, seed), out.engine),
-                        (recommendations, out.recommendations), (candidates, out.candidates)):
+    for table, path in (
+        (requests, out.requests),
+        (offload, out.offload),
+        (metrics, out.metrics),
+        (transfers, out.transfers),
+        (load, out.load),
+        (engine_table(offload, requests, transfers, seed), out.engine),
+        (recommendations, out.recommendations),
+        (candidates, out.candidates),
+    ):
         write_table(table, path, prov)
     ttft_figure(offload, out.ttft_figure)
     wire_figure(offload, out.wire_figure)

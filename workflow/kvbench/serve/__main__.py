@@ -47,8 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     dtype, why = bk.served_dtype(args.dtype, args.device)
-    settings = {"device": args.device, "dtype": dtype, "max_model_len": args.max_model_len, "enforce_eager": True,
-                "cpu_kvcache_space_gb": 2, "port": args.port, "startup_timeout_s": 900, "idle_timeout_s": 300}
+    settings = {
+        "device": args.device,
+        "dtype": dtype,
+        "max_model_len": args.max_model_len,
+        "enforce_eager": True,
+        "cpu_kvcache_space_gb": 2,
+        "port": args.port,
+        "startup_timeout_s": 900,
+        "idle_timeout_s": 300,
+    }
     server = bk.DUMMY_SERVER if args.weights == "dummy" else SERVERS[args.backend]
     with contextlib.ExitStack() as stack:
         logs = args.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-serve-"))
@@ -56,18 +64,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend == "valkey":
             url, proc = stack.enter_context(valkey_server(4096, f"{logs}/valkey.log"))
             print(f"kvbench serve: valkey at {url} (pid {proc.pid})", flush=True)
-            transfer = bk.valkey_transfer(url, uuid.uuid4().hex[:10], args.model, {args.codec: None}, args.codec,
-                                          f"{logs}/events", 0)
+            transfer = bk.valkey_transfer(
+                url, uuid.uuid4().hex[:10], args.model, {args.codec: None}, args.codec, f"{logs}/events", 0
+            )
         elif args.backend == "example":
             transfer = bk.example_transfer(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-example-")))
         extra = bk.server_args(server, args.block_size, transfer)
         if args.backend in ("recompute", "valkey"):  # a valkey hit is then Valkey's, never vLLM's own cache
             extra[extra.index("--enable-prefix-caching")] = "--no-enable-prefix-caching"
-        client = stack.enter_context(vllm_server(args.model, {**settings, "extra_args": extra}, 0, f"{logs}/vllm.log",
-                                                 env=env))
-        print(f"kvbench serve: {args.backend}" + (f" ({args.codec})" if args.backend == "valkey" else "")
-              + f", {args.weights} weights, {dtype}" + (f" ({why})" if why else "")
-              + f", {len(usable_cpus())} CPUs; logs in {logs}", flush=True)
+        client = stack.enter_context(
+            vllm_server(args.model, {**settings, "extra_args": extra}, 0, f"{logs}/vllm.log", env=env)
+        )
+        print(
+            f"kvbench serve: {args.backend}"
+            + (f" ({args.codec})" if args.backend == "valkey" else "")
+            + f", {args.weights} weights, {dtype}"
+            + (f" ({why})" if why else "")
+            + f", {len(usable_cpus())} CPUs; logs in {logs}",
+            flush=True,
+        )
         print(f"kvbench serve: OpenAI API at {client.base_url}/v1 model {SERVED_NAME} (Ctrl-C stops)", flush=True)
         stop.wait()
         print("kvbench serve: stopping", flush=True)

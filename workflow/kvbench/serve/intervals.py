@@ -11,8 +11,13 @@ LEVEL = 0.95
 RESAMPLES = 1000
 
 
-def bootstrap(values: np.ndarray, statistic: Callable[[np.ndarray], float], seed: int = 0,
-              resamples: int = RESAMPLES, level: float = LEVEL) -> tuple[float, float]:
+def bootstrap(
+    values: np.ndarray,
+    statistic: Callable[[np.ndarray], float],
+    seed: int = 0,
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+) -> tuple[float, float]:
     """Interval of `statistic` over resamples of `values` (NaN for fewer than 2 values)."""
     values = np.asarray(values, dtype=float)
     values = values[~np.isnan(values)]
@@ -32,8 +37,10 @@ def ratio_of_medians(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float
     if len(a) < 2 or len(b) < 2:
         return math.nan, math.nan, math.nan
     rng = np.random.default_rng(seed)
-    draws = [np.median(a[rng.integers(0, len(a), len(a))]) / np.median(b[rng.integers(0, len(b), len(b))])
-             for _ in range(RESAMPLES)]
+    draws = [
+        np.median(a[rng.integers(0, len(a), len(a))]) / np.median(b[rng.integers(0, len(b), len(b))])
+        for _ in range(RESAMPLES)
+    ]
     tail = 100 * (1 - LEVEL) / 2
     low, high = np.percentile(draws, [tail, 100 - tail])
     return float(np.median(a) / np.median(b)), float(low), float(high)

@@ -58,6 +58,8 @@ def join_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.cat([keys, values], dim=-1)
 
 
-SPLIT: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {CPU_PACKED: split,
-                                                                                 TOKEN_ROWS: split_rows}
+SPLIT: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    CPU_PACKED: split,
+    TOKEN_ROWS: split_rows,
+}
 JOIN: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {CPU_PACKED: join, TOKEN_ROWS: join_rows}

@@ -36,7 +36,9 @@ def data_dependent(codec: str) -> bool:
 
 
 def wire_rank_agreement(offload: pd.DataFrame) -> tuple[float, int]:
-    sel = offload[(offload.backend == "valkey") & (offload.weights == "real") & offload.codec.map(data_dependent).astype(bool)]
+    sel = offload[
+        (offload.backend == "valkey") & (offload.weights == "real") & offload.codec.map(data_dependent).astype(bool)
+    ]
     table = sel.pivot_table(index="codec", columns="corpus", values="ratio")
     if not {"realistic", "synthetic"} <= set(table.columns):
         return math.nan, 0
@@ -49,8 +51,9 @@ def _draws(values: np.ndarray, statistic, rng: np.random.Generator) -> np.ndarra
     return np.array([statistic(values[rng.integers(0, len(values), len(values))]) for _ in range(RESAMPLES)])
 
 
-def candidates(requests: pd.DataFrame, offload: pd.DataFrame, corpora: list[str], block_size: int, slo: float,
-               seed: int) -> tuple[pd.DataFrame, dict[tuple, dict[str, np.ndarray]]]:
+def candidates(
+    requests: pd.DataFrame, offload: pd.DataFrame, corpora: list[str], block_size: int, slo: float, seed: int
+) -> tuple[pd.DataFrame, dict[tuple, dict[str, np.ndarray]]]:
     """One row per backend x codec x concurrency with every column, and per row the bootstrap
     draws of each column (for the pick's interval)."""
     query = requests[(requests["round"] == "query") & (requests.weights == "real") & requests.corpus.isin(corpora)]
@@ -67,19 +70,38 @@ def candidates(requests: pd.DataFrame, offload: pd.DataFrame, corpora: list[str]
         good = (group.ttft_s <= slo_s).to_numpy(float)
         ttft = hits.ttft_s.dropna().to_numpy(float)
         same = hits.output_matches_recompute.astype("Float64").dropna().to_numpy(float)
-        wire = offload[(offload.backend == backend) & (offload.codec == codec) & (offload.weights == "real")
-                       & offload.corpus.isin(corpora)]
-        per_token = (wire.wire_bytes.sum() / (wire.stored_chunks.sum() * block_size)
-                     if "stored_chunks" in wire and wire.stored_chunks.sum() > 0 else math.nan)
+        wire = offload[
+            (offload.backend == backend)
+            & (offload.codec == codec)
+            & (offload.weights == "real")
+            & offload.corpus.isin(corpora)
+        ]
+        per_token = (
+            wire.wire_bytes.sum() / (wire.stored_chunks.sum() * block_size)
+            if "stored_chunks" in wire and wire.stored_chunks.sum() > 0
+            else math.nan
+        )
         key = (backend, codec, int(level))
-        rows.append({"backend": backend, "codec": codec, "concurrency": int(level), "requests": len(group),
-                     "hits": len(hits), "ttft_hit_p90_s": float(np.percentile(ttft, 90)) if len(ttft) else math.nan,
-                     "goodput_rps": good.sum() / span if span else math.nan, "ttft_slo_s": slo_s,
-                     "wire_bytes_per_token": per_token, "outputs_identical": float(same.mean()) if len(same) else math.nan})
-        draws[key] = {"ttft_hit_p90_s": _draws(ttft, lambda v: np.percentile(v, 90), rng),
-                      "goodput_rps": _draws(good, lambda v: v.sum() / span, rng),
-                      "wire_bytes_per_token": np.full(RESAMPLES, per_token),  # measured bytes, not sampled
-                      "outputs_identical": _draws(same, np.mean, rng)}
+        rows.append(
+            {
+                "backend": backend,
+                "codec": codec,
+                "concurrency": int(level),
+                "requests": len(group),
+                "hits": len(hits),
+                "ttft_hit_p90_s": float(np.percentile(ttft, 90)) if len(ttft) else math.nan,
+                "goodput_rps": good.sum() / span if span else math.nan,
+                "ttft_slo_s": slo_s,
+                "wire_bytes_per_token": per_token,
+                "outputs_identical": float(same.mean()) if len(same) else math.nan,
+            }
+        )
+        draws[key] = {
+            "ttft_hit_p90_s": _draws(ttft, lambda v: np.percentile(v, 90), rng),
+            "goodput_rps": _draws(good, lambda v: v.sum() / span, rng),
+            "wire_bytes_per_token": np.full(RESAMPLES, per_token),  # measured bytes, not sampled
+            "outputs_identical": _draws(same, np.mean, rng),
+        }
     table = pd.DataFrame(rows)
     for column in COLUMNS:
         base = table[table.backend == "recompute"].set_index("concurrency")[column]
@@ -93,13 +115,21 @@ def _met(row: Mapping[str, Any], limits: Mapping[str, Mapping[str, Any]]) -> lis
         value = row.get(f"{column}_rel" if spec.get("relative") else column)
         for bound, op in (("min", np.greater_equal), ("max", np.less_equal)):
             if bound in spec and not (value == value and op(value, spec[bound])):
-                missed.append(f"{column} {bound} {spec[bound]:g}{' x recompute' if spec.get('relative') else ''} "
-                              f"({'not measured' if value != value else f'{value:.3g}'})")
+                missed.append(
+                    f"{column} {bound} {spec[bound]:g}{' x recompute' if spec.get('relative') else ''} "
+                    f"({'not measured' if value != value else f'{value:.3g}'})"
+                )
     return missed
 
 
-def recommend(requests: pd.DataFrame, offload: pd.DataFrame, scenarios: Mapping[str, Mapping[str, Any]],
-              corpora: list[str], block_size: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+def recommend(
+    requests: pd.DataFrame,
+    offload: pd.DataFrame,
+    scenarios: Mapping[str, Mapping[str, Any]],
+    corpora: list[str],
+    block_size: int,
+    seed: int,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(one row per scenario x concurrency, the candidates table behind it)."""
     tau, n_tau = wire_rank_agreement(offload)
     out, behind = [], []
@@ -110,14 +140,23 @@ def recommend(requests: pd.DataFrame, offload: pd.DataFrame, scenarios: Mapping[
         table, draws = candidates(requests, offload, corpora, block_size, float(serve.get("ttft_slo", 1.0)), seed)
         if table.empty:
             continue
-        (order, prefer), = serve["prefer"].items()
-        table = table.assign(scenario=name, missed=[", ".join(_met(r, serve.get("limits", {})))
-                                                    for r in table.to_dict("records")])
+        ((order, prefer),) = serve["prefer"].items()
+        table = table.assign(
+            scenario=name, missed=[", ".join(_met(r, serve.get("limits", {}))) for r in table.to_dict("records")]
+        )
         behind.append(table)
         for level, cell in table.groupby("concurrency"):
             ok = cell[(cell.missed == "") & cell[prefer].notna()].sort_values(prefer, ascending=order == "min")
-            row = {"scenario": name, "concurrency": int(level), "prefer": f"{order} {prefer}", "candidates": len(cell),
-                   "qualifying": len(ok), "wire_rank_tau": tau, "wire_rank_n": n_tau, "level": LEVEL}
+            row = {
+                "scenario": name,
+                "concurrency": int(level),
+                "prefer": f"{order} {prefer}",
+                "candidates": len(cell),
+                "qualifying": len(ok),
+                "wire_rank_tau": tau,
+                "wire_rank_n": n_tau,
+                "level": LEVEL,
+            }
             label = lambda r: r.backend if r.codec == "-" else f"{r.backend} {r.codec}"  # noqa: E731
             if ok.empty:
                 closest = cell.assign(k=cell.missed.str.count(",")).sort_values("k").iloc[0]
@@ -126,24 +165,54 @@ def recommend(requests: pd.DataFrame, offload: pd.DataFrame, scenarios: Mapping[
             best = ok.iloc[0]
             row |= {"best_candidate": label(best), "best_value": best[prefer]}
             if len(ok) == 1:
-                out.append({**row, "best": label(best), "why": f"the only one within every limit ({prefer} "
-                                                                f"{best[prefer]:.3g})"})
+                out.append(
+                    {
+                        **row,
+                        "best": label(best),
+                        "why": f"the only one within every limit ({prefer} {best[prefer]:.3g})",
+                    }
+                )
                 continue
             runner = ok.iloc[1]
-            diff = (draws[(best.backend, best.codec, best.concurrency)][prefer]
-                    - draws[(runner.backend, runner.codec, runner.concurrency)][prefer])
+            diff = (
+                draws[(best.backend, best.codec, best.concurrency)][prefer]
+                - draws[(runner.backend, runner.codec, runner.concurrency)][prefer]
+            )
             tail = 100 * (1 - LEVEL) / 2
-            low, high = (np.nanpercentile(diff, [tail, 100 - tail]) if np.isfinite(diff).any() else (math.nan, math.nan))
+            low, high = np.nanpercentile(diff, [tail, 100 - tail]) if np.isfinite(diff).any() else (math.nan, math.nan)
             decided = (low > 0 or high < 0) or (low == high == best[prefer] - runner[prefer] != 0)
             n = f"n={int(best.requests)}+{int(runner.requests)}"
-            row |= {"runner_up": label(runner), "runner_up_value": runner[prefer], "diff_ci_low": low,
-                    "diff_ci_high": high, "best": label(best) if decided else f"undecided at {n}",
-                    "why": (f"{label(best)} {prefer} {best[prefer]:.3g} vs {label(runner)} {runner[prefer]:.3g}: "
-                            f"difference [{low:.3g}, {high:.3g}] ({LEVEL:.0%}, {n})"
-                            + ("" if decided else ", includes 0"))}
+            row |= {
+                "runner_up": label(runner),
+                "runner_up_value": runner[prefer],
+                "diff_ci_low": low,
+                "diff_ci_high": high,
+                "best": label(best) if decided else f"undecided at {n}",
+                "why": (
+                    f"{label(best)} {prefer} {best[prefer]:.3g} vs {label(runner)} {runner[prefer]:.3g}: "
+                    f"difference [{low:.3g}, {high:.3g}] ({LEVEL:.0%}, {n})" + ("" if decided else ", includes 0")
+                ),
+            }
             out.append(row)
-    columns = ["scenario", "concurrency", "best", "best_candidate", "best_value", "runner_up", "runner_up_value",
-               "diff_ci_low", "diff_ci_high", "level", "why", "prefer", "qualifying", "candidates", "wire_rank_tau",
-               "wire_rank_n"]
-    return (pd.DataFrame(out).reindex(columns=columns),
-            pd.concat(behind, ignore_index=True) if behind else pd.DataFrame())
+    columns = [
+        "scenario",
+        "concurrency",
+        "best",
+        "best_candidate",
+        "best_value",
+        "runner_up",
+        "runner_up_value",
+        "diff_ci_low",
+        "diff_ci_high",
+        "level",
+        "why",
+        "prefer",
+        "qualifying",
+        "candidates",
+        "wire_rank_tau",
+        "wire_rank_n",
+    ]
+    return (
+        pd.DataFrame(out).reindex(columns=columns),
+        pd.concat(behind, ignore_index=True) if behind else pd.DataFrame(),
+    )

@@ -35,8 +35,7 @@ from kvbench.serve.events import read_events
 from kvbench.serve.keys import pending_key
 from kvbench.serve.metrics import delta, scrape
 from kvbench.serve.names import is_lossless
-from kvbench.serve.protocol import (Planned, parse_ratio, prewarm_prompts, query_round, repeats_for_hits,
-                                    warmup_round)
+from kvbench.serve.protocol import Planned, parse_ratio, prewarm_prompts, query_round, repeats_for_hits, warmup_round
 from kvbench.serve.valkey_server import RestartableValkey
 from kvbench.vllm_server import vllm_server
 
@@ -73,7 +72,9 @@ class ServeSettings:
 
     @classmethod
     def of(cls, cfg: Mapping[str, Any]) -> "ServeSettings":
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in cls.__dataclass_fields__})
+        return cls(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in cls.__dataclass_fields__}
+        )
 
     @property
     def headline(self) -> str:
@@ -88,18 +89,36 @@ def note(message: str) -> None:
 class Rounds:
     """Runs rounds against one server and keeps every row."""
 
-    def __init__(self, server: str, base_url: str, settings: ServeSettings, run_id: str, connector: bool,
-                 served: tuple[str, str | None], store_url: str | None) -> None:
+    def __init__(
+        self,
+        server: str,
+        base_url: str,
+        settings: ServeSettings,
+        run_id: str,
+        connector: bool,
+        served: tuple[str, str | None],
+        store_url: str | None,
+    ) -> None:
         self.server, self.base_url, self.s, self.run_id, self.connector = server, base_url, settings, run_id, connector
         self.served, self.store_url = served, store_url
         self.requests: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
 
-    def run(self, backend: str, codec: str, corpus: str, planned: list[Planned],
-            params: Callable[[Planned, str, str], dict[str, Any]], concurrency: int, **extra: Any) -> None:
+    def run(
+        self,
+        backend: str,
+        codec: str,
+        corpus: str,
+        planned: list[Planned],
+        params: Callable[[Planned, str, str], dict[str, Any]],
+        concurrency: int,
+        **extra: Any,
+    ) -> None:
         """One round at `concurrency` requests in flight; Valkey rounds end when their stores have."""
-        tags = [f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.c{concurrency}.{p.phase or ''}.{p.index}"
-                for p in planned]
+        tags = [
+            f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.c{concurrency}.{p.phase or ''}.{p.index}"
+            for p in planned
+        ]
         bodies = [chat_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
         before = scrape(self.base_url)
         start = time.monotonic()
@@ -107,20 +126,50 @@ class Rounds:
         round_s = time.monotonic() - start
         flush_s = self.flush() if backend == "valkey" else 0.0
         server = delta(before, scrape(self.base_url))
-        key = {"run_id": self.run_id, "server": self.server, "weights": bk.server_weights(self.server),
-               "served_dtype": self.served[0], "dtype_note": self.served[1], "backend": backend, "codec": codec,
-               "corpus": corpus, "round": planned[0].round, "concurrency": concurrency}
+        key = {
+            "run_id": self.run_id,
+            "server": self.server,
+            "weights": bk.server_weights(self.server),
+            "served_dtype": self.served[0],
+            "dtype_note": self.served[1],
+            "backend": backend,
+            "codec": codec,
+            "corpus": corpus,
+            "round": planned[0].round,
+            "concurrency": concurrency,
+        }
         for p, tag, body, result in zip(planned, tags, bodies, results):
-            self.requests.append({**key, "index": p.index, "phase": p.phase, "doc_id": p.doc_id, "miss": p.miss,
-                                  "tag": tag, "cache_salt": body.get("cache_salt"), **result})
+            self.requests.append(
+                {
+                    **key,
+                    "index": p.index,
+                    "phase": p.phase,
+                    "doc_id": p.doc_id,
+                    "miss": p.miss,
+                    "tag": tag,
+                    "cache_salt": body.get("cache_salt"),
+                    **result,
+                }
+            )
         ok = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
-        self.metrics.append({**key, "phase": planned[0].phase, "requests": len(planned), "round_s": round_s,
-                             "flush_s": flush_s, "client_ttft_mean_s": sum(ok) / len(ok) if ok else float("nan"),
-                             **extra, **server})
+        self.metrics.append(
+            {
+                **key,
+                "phase": planned[0].phase,
+                "requests": len(planned),
+                "round_s": round_s,
+                "flush_s": flush_s,
+                "client_ttft_mean_s": sum(ok) / len(ok) if ok else float("nan"),
+                **extra,
+                **server,
+            }
+        )
         errors = sum(r["error"] is not None for r in results)
-        note(f"{backend:<9} {codec:<17} {corpus:<9} {planned[0].round:<6} c={concurrency} {len(planned)} requests in "
-             f"{round_s:6.1f} s (+{flush_s:.1f} s stores), client TTFT {self.metrics[-1]['client_ttft_mean_s']:.2f} s"
-             + (f", {errors} errors" if errors else ""))
+        note(
+            f"{backend:<9} {codec:<17} {corpus:<9} {planned[0].round:<6} c={concurrency} {len(planned)} requests in "
+            f"{round_s:6.1f} s (+{flush_s:.1f} s stores), client TTFT {self.metrics[-1]['client_ttft_mean_s']:.2f} s"
+            + (f", {errors} errors" if errors else "")
+        )
 
     def flush(self) -> float:
         """Wait until the store's tally of queued chunks is 0 (its background stores are done)."""
@@ -135,14 +184,18 @@ class Rounds:
             time.sleep(0.05)
         return time.monotonic() - start
 
-    def params(self, backend: str, load: str | None, store: list[str],
-               salted: bool = True) -> Callable[[Planned, str, str], dict[str, Any]]:
+    def params(
+        self, backend: str, load: str | None, store: list[str], salted: bool = True
+    ) -> Callable[[Planned, str, str], dict[str, Any]]:
         """cache_salt: one per corpus where a backend reuses vLLM's prefix cache, else one per
         request (so only the backend's own store can hit); the connector's choice per request."""
+
         def make(p: Planned, tag: str, corpus: str) -> dict[str, Any]:
             out: dict[str, Any] = {}
             if salted:
-                out["cache_salt"] = f"{backend}-{self.run_id}-{corpus}" if backend in SHARED_SALT else f"{backend}-{tag}"
+                out["cache_salt"] = (
+                    f"{backend}-{self.run_id}-{corpus}" if backend in SHARED_SALT else f"{backend}-{tag}"
+                )
             if self.connector:
                 out["kv_transfer_params"] = {"tag": tag, "load": load, "store": store}
             return out
@@ -167,26 +220,45 @@ def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
     hit, miss = parse_ratio(settings.hit_miss_ratio)
     docs, n_codecs = settings.docs_per_corpus, len(settings.codecs)
     swept = [c for c in settings.corpora if c in settings.load["corpora"]]
-    per_sweep = docs * max(settings.repeat_count,
-                           repeats_for_hits(docs, settings.hit_miss_ratio, settings.load["hits_per_cell"]))
+    per_sweep = docs * max(
+        settings.repeat_count, repeats_for_hits(docs, settings.hit_miss_ratio, settings.load["hits_per_cell"])
+    )
     misses = sum(i % (hit + miss) >= hit for i in range(per_sweep))
-    stored_docs = (len(settings.corpora) * docs * n_codecs  # warm-ups
-                   + len(swept) * len(settings.load["concurrency"]) * misses * n_codecs
-                   + (len(settings.corpora) - len(swept)) * misses + 2 * docs)  # other corpora, fault round
+    stored_docs = (
+        len(settings.corpora) * docs * n_codecs  # warm-ups
+        + len(swept) * len(settings.load["concurrency"]) * misses * n_codecs
+        + (len(settings.corpora) - len(swept)) * misses
+        + 2 * docs
+    )  # other corpora, fault round
     return int(stored_docs * chunks_per_doc * chunk_bytes * 1.1 / 2**20) + 128
 
 
 def chunk_bytes(model_dir: str | Path, block_size: int, dtype_bytes: int) -> int:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * block_size * 2 * head * dtype_bytes
+    return (
+        cfg["num_hidden_layers"]
+        * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        * block_size
+        * 2
+        * head
+        * dtype_bytes
+    )
 
 
 Tables = tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]
 
 
-def serve_job(server: str, settings: ServeSettings, docs: Mapping[str, pd.DataFrame], methods: Mapping[str, Any],
-              vllm: Mapping[str, Any], model_dir: str, seed: int, logs: Mapping[str, str]) -> Tables:
+def serve_job(
+    server: str,
+    settings: ServeSettings,
+    docs: Mapping[str, pd.DataFrame],
+    methods: Mapping[str, Any],
+    vllm: Mapping[str, Any],
+    model_dir: str,
+    seed: int,
+    logs: Mapping[str, str],
+) -> Tables:
     """All rows of one server job: requests, metric deltas per round, connector transfers. A
     backend this machine cannot serve gets one row per corpus with its reason, and nothing starts."""
     run_id = uuid.uuid4().hex[:10]
@@ -195,9 +267,22 @@ def serve_job(server: str, settings: ServeSettings, docs: Mapping[str, pd.DataFr
     served = bk.served_dtype(settings.dtype, vllm["device"])
     if reason is not None:
         note(f"{server}: {reason}")
-        rows = [{"run_id": run_id, "server": server, "weights": bk.server_weights(server), "served_dtype": served[0],
-                 "dtype_note": served[1], "backend": b, "codec": NO_CODEC, "corpus": c, "round": None, "error": reason}
-                for b in backends for c in settings.corpora]
+        rows = [
+            {
+                "run_id": run_id,
+                "server": server,
+                "weights": bk.server_weights(server),
+                "served_dtype": served[0],
+                "dtype_note": served[1],
+                "backend": b,
+                "codec": NO_CODEC,
+                "corpus": c,
+                "round": None,
+                "error": reason,
+            }
+            for b in backends
+            for c in settings.corpora
+        ]
         return pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame()
     if served[1]:
         note(served[1])
@@ -205,16 +290,43 @@ def serve_job(server: str, settings: ServeSettings, docs: Mapping[str, pd.DataFr
 
     tokenizer = load_tokenizer(model_dir)
     n = max(settings.docs_per_corpus, settings.reference_docs_per_corpus)
-    prompts = serve_prompts(dict(docs), n, settings.doc_tokens, settings.question,
-                            lambda text: tokenizer(text, add_special_tokens=False).input_ids, tokenizer.decode)
+    prompts = serve_prompts(
+        dict(docs),
+        n,
+        settings.doc_tokens,
+        settings.question,
+        lambda text: tokenizer(text, add_special_tokens=False).input_ids,
+        tokenizer.decode,
+    )
     with tempfile.TemporaryDirectory(prefix="kvbench-serve-") as work:
-        return run_server(server, settings, prompts, methods, {**vllm, "dtype": served[0]}, served, model_dir, seed,
-                          Path(work), logs, run_id)
+        return run_server(
+            server,
+            settings,
+            prompts,
+            methods,
+            {**vllm, "dtype": served[0]},
+            served,
+            model_dir,
+            seed,
+            Path(work),
+            logs,
+            run_id,
+        )
 
 
-def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str, str]], methods: Mapping[str, Any],
-               vllm: Mapping[str, Any], served: tuple[str, str | None], model_dir: str, seed: int, workdir: Path,
-               logs: Mapping[str, str], run_id: str) -> Tables:
+def run_server(
+    server: str,
+    settings: ServeSettings,
+    prompts: dict[str, dict[str, str]],
+    methods: Mapping[str, Any],
+    vllm: Mapping[str, Any],
+    served: tuple[str, str | None],
+    model_dir: str,
+    seed: int,
+    workdir: Path,
+    logs: Mapping[str, str],
+    run_id: str,
+) -> Tables:
     backends = bk.server_backends(server, list(settings.backends))
     events = workdir / "events"
     with _servers(server, settings, methods, vllm, model_dir, seed, workdir, logs, run_id, events) as (base, store):
@@ -222,7 +334,7 @@ def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str
         url = store.url if isinstance(store, RestartableValkey) else store
         rounds = Rounds(server, base, settings, run_id, connector, served, url)
         prewarm(base, settings, connector)
-        docs = {c: dict(list(prompts[c].items())[:settings.docs_per_corpus]) for c in settings.corpora}
+        docs = {c: dict(list(prompts[c].items())[: settings.docs_per_corpus]) for c in settings.corpora}
         if server in ("main", bk.DUMMY_SERVER):
             _main_rounds(rounds, backends, settings, docs, seed, store)
         elif server == "lmcache":
@@ -234,9 +346,18 @@ def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str
 
 
 @contextlib.contextmanager
-def _servers(server: str, settings: ServeSettings, methods: Mapping[str, Any], vllm: Mapping[str, Any], model_dir: str,
-             seed: int, workdir: Path, logs: Mapping[str, str], run_id: str,
-             events: Path) -> Iterator[tuple[str, RestartableValkey | str | None]]:
+def _servers(
+    server: str,
+    settings: ServeSettings,
+    methods: Mapping[str, Any],
+    vllm: Mapping[str, Any],
+    model_dir: str,
+    seed: int,
+    workdir: Path,
+    logs: Mapping[str, str],
+    run_id: str,
+    events: Path,
+) -> Iterator[tuple[str, RestartableValkey | str | None]]:
     """Valkey (the stage's own, restartable, or the user's URL) and vLLM with what `server` needs."""
     with contextlib.ExitStack() as stack:
         store, transfer, env = None, None, bk.kvbench_pythonpath()
@@ -244,7 +365,8 @@ def _servers(server: str, settings: ServeSettings, methods: Mapping[str, Any], v
             url = settings.valkey.get("url")
             if url is None:
                 mb = settings.valkey.get("maxmemory_mb") or store_bound_mb(
-                    settings, chunk_bytes(model_dir, settings.block_size, DTYPE_BYTES[vllm["dtype"]]))
+                    settings, chunk_bytes(model_dir, settings.block_size, DTYPE_BYTES[vllm["dtype"]])
+                )
                 note(f"starting valkey (maxmemory {mb} MB)")
                 store = RestartableValkey(stack, mb, logs["valkey"], settings.valkey["startup_timeout_s"])
                 url = store.url
@@ -255,8 +377,9 @@ def _servers(server: str, settings: ServeSettings, methods: Mapping[str, Any], v
                 transfer, env = bk.lmcache_transfer(), env | bk.lmcache_env(url, settings.block_size)
             else:
                 codecs = {c: methods.get(c) for c in settings.codecs}
-                transfer = bk.valkey_transfer(url, run_id, settings.model, codecs, settings.headline, str(events), seed,
-                                              settings.store)
+                transfer = bk.valkey_transfer(
+                    url, run_id, settings.model, codecs, settings.headline, str(events), seed, settings.store
+                )
         if server == "example":
             storage = workdir / "example-kv"
             storage.mkdir(parents=True, exist_ok=True)
@@ -276,14 +399,26 @@ def _query_cells(backends: list[str], s: ServeSettings, swept: bool) -> list[tup
     return cells
 
 
-def _main_rounds(r: Rounds, backends: list[str], s: ServeSettings, docs: dict[str, dict[str, str]], seed: int,
-                 store: RestartableValkey | str | None) -> None:
+def _main_rounds(
+    r: Rounds,
+    backends: list[str],
+    s: ServeSettings,
+    docs: dict[str, dict[str, str]],
+    seed: int,
+    store: RestartableValkey | str | None,
+) -> None:
     for corpus in s.corpora:
         if "prefix" in backends:
             r.run("prefix", NO_CODEC, corpus, warmup_round(docs[corpus]), r.params("prefix", None, []), s.max_inflight)
         if "valkey" in backends:
-            r.run("valkey", ALL_CODECS, corpus, warmup_round(docs[corpus]), r.params("valkey", None, list(s.codecs)),
-                  s.max_inflight)
+            r.run(
+                "valkey",
+                ALL_CODECS,
+                corpus,
+                warmup_round(docs[corpus]),
+                r.params("valkey", None, list(s.codecs)),
+                s.max_inflight,
+            )
     for c, corpus in enumerate(s.corpora):
         swept = corpus in s.load["corpora"] and r.server == "main"
         levels = list(s.load["concurrency"]) if swept else [s.max_inflight]
@@ -300,7 +435,9 @@ def _main_rounds(r: Rounds, backends: list[str], s: ServeSettings, docs: dict[st
         _fault_round(r, s, docs, store)
 
 
-def _fault_round(r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]], store: RestartableValkey | str | None) -> None:
+def _fault_round(
+    r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]], store: RestartableValkey | str | None
+) -> None:
     """Every document of the first load corpus loads (pass `before`); Valkey is killed (SIGKILL)
     with every chunk of the run in it, and started again, empty, on the same port; each document
     is asked again (`after-restart`: a hit that finds nothing, recomputed and stored again), and
@@ -317,8 +454,11 @@ def _fault_round(r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]], s
 
     fault_pass("before")
     client = valkey_client.Valkey.from_url(store.url)
-    lost = sum(1 for key in client.scan_iter(match=f"kvbench:{r.run_id}:*", count=1000)
-               if key.decode() != pending_key(r.run_id))
+    lost = sum(
+        1
+        for key in client.scan_iter(match=f"kvbench:{r.run_id}:*", count=1000)
+        if key.decode() != pending_key(r.run_id)
+    )
     note(f"fault: killing valkey (SIGKILL) with {lost} chunks of this run in it, then starting it again")
     store.kill()
     store.restart()
@@ -334,23 +474,52 @@ def _lmcache_rounds(r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]]
     for c, corpus in enumerate(s.corpora):
         plain = r.params("lmcache", None, [], salted=False)
         r.run("lmcache", NO_CODEC, corpus, warmup_round(docs[corpus]), plain, s.max_inflight)
-        r.run("lmcache", NO_CODEC, corpus, query_round(docs[corpus], s.repeat_count, s.repeat_mode, s.hit_miss_ratio,
-                                                       seed + 1000 * c), plain, s.max_inflight)
+        r.run(
+            "lmcache",
+            NO_CODEC,
+            corpus,
+            query_round(docs[corpus], s.repeat_count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c),
+            plain,
+            s.max_inflight,
+        )
         salted = [Planned("salted", i, doc, text, False) for i, (doc, text) in enumerate(docs[corpus].items())]
-        r.run("lmcache", NO_CODEC, corpus, salted, r.params("lmcache", None, []), s.max_inflight,
-              lmcache_version=bk.lmcache_version())
+        r.run(
+            "lmcache",
+            NO_CODEC,
+            corpus,
+            salted,
+            r.params("lmcache", None, []),
+            s.max_inflight,
+            lmcache_version=bk.lmcache_version(),
+        )
 
 
-def _reference_rounds(rounds: Rounds, server: str, backend: str, s: ServeSettings, prompts: dict[str, dict[str, str]],
-                      seed: int, workdir: Path) -> None:
+def _reference_rounds(
+    rounds: Rounds,
+    server: str,
+    backend: str,
+    s: ServeSettings,
+    prompts: dict[str, dict[str, str]],
+    seed: int,
+    workdir: Path,
+) -> None:
     storage = workdir / "example-kv"
     for c, corpus in enumerate(s.corpora):
         chosen = dict(list(prompts[corpus].items())[: s.reference_docs_per_corpus])
         count = max(s.repeat_count, repeats_for_hits(len(chosen), s.hit_miss_ratio, int(s.load["hits_per_cell"])))
-        for planned in (warmup_round(chosen), query_round(chosen, count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c)):
+        for planned in (
+            warmup_round(chosen),
+            query_round(chosen, count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c),
+        ):
             before = _dir_bytes(storage)
-            rounds.run(backend, "safetensors" if server == "example" else NO_CODEC, corpus, planned,
-                       rounds.params(backend, None, []), s.max_inflight)
+            rounds.run(
+                backend,
+                "safetensors" if server == "example" else NO_CODEC,
+                corpus,
+                planned,
+                rounds.params(backend, None, []),
+                s.max_inflight,
+            )
             if server == "example":
                 rounds.metrics[-1]["disk_bytes_written"] = _dir_bytes(storage) - before
 

@@ -31,12 +31,25 @@ def _last(events: pd.DataFrame, kind: str, columns: dict[str, str]) -> pd.DataFr
 
 def join_transfers(requests: pd.DataFrame, transfers: pd.DataFrame) -> pd.DataFrame:
     """Per request: its lookup and load (the hit path) and its stores summed over codecs."""
-    lookup = _last(transfers, "lookup", {"seconds": "lookup_s", "hit_chunks": "hit_chunks",
-                                         "queued_chunks": "queued_chunks", "error": "lookup_error"})
-    load = _last(transfers, "load", {"get_s": "load_get_s", "check_s": "load_check_s", "decode_s": "load_decode_s",
-                                     "copy_s": "load_copy_s", "loaded_chunks": "loaded_chunks",
-                                     "failed_chunks": "failed_chunks", "integrity": "integrity_failure",
-                                     "error": "load_error"})
+    lookup = _last(
+        transfers,
+        "lookup",
+        {"seconds": "lookup_s", "hit_chunks": "hit_chunks", "queued_chunks": "queued_chunks", "error": "lookup_error"},
+    )
+    load = _last(
+        transfers,
+        "load",
+        {
+            "get_s": "load_get_s",
+            "check_s": "load_check_s",
+            "decode_s": "load_decode_s",
+            "copy_s": "load_copy_s",
+            "loaded_chunks": "loaded_chunks",
+            "failed_chunks": "failed_chunks",
+            "integrity": "integrity_failure",
+            "error": "load_error",
+        },
+    )
     out = requests.merge(lookup, on="tag", how="left").merge(load, on="tag", how="left")
     if not transfers.empty and "event" in transfers:
         stores = transfers[transfers.event == "store"].copy()
@@ -44,8 +57,12 @@ def join_transfers(requests: pd.DataFrame, transfers: pd.DataFrame) -> pd.DataFr
             if col not in stores:
                 stores[col] = np.nan
         stores["store_s"] = stores[["encode_s", "seal_s", "set_s"]].sum(axis=1, min_count=1)
-        agg = stores.groupby("tag").agg(store_gather_s=("gather_s", "max"), store_s=("store_s", "sum"),
-                                        store_queue_s=("queue_s", "max"), store_errors=("error", "count"))
+        agg = stores.groupby("tag").agg(
+            store_gather_s=("gather_s", "max"),
+            store_s=("store_s", "sum"),
+            store_queue_s=("queue_s", "max"),
+            store_errors=("error", "count"),
+        )
         out = out.merge(agg, left_on="tag", right_index=True, how="left")
     for col in ("store_gather_s", "store_s", "store_queue_s", "store_errors"):
         if col not in out:
@@ -65,13 +82,17 @@ def compare_outputs(requests: pd.DataFrame) -> pd.DataFrame:
     """`output_matches_recompute`: the output equals recompute's for the same prompt (the same
     document without a miss prefix) on the same weights; NA where there is no reference."""
     ok = requests[requests.error.isna()] if "error" in requests else requests
-    ref = ok[(ok.backend == "recompute") & ~ok.miss.astype(bool)].groupby(["weights", "corpus", "doc_id"]).output.agg(
-        lambda s: s.iloc[0] if s.nunique() == 1 else None)
+    ref = (
+        ok[(ok.backend == "recompute") & ~ok.miss.astype(bool)]
+        .groupby(["weights", "corpus", "doc_id"])
+        .output.agg(lambda s: s.iloc[0] if s.nunique() == 1 else None)
+    )
     out = requests.copy()
     misses = out.miss.astype("boolean").fillna(True)
     refs = [ref.get((w, c, d)) if not m else None for w, c, d, m in zip(out.weights, out.corpus, out.doc_id, misses)]
     out["output_matches_recompute"] = pd.array(
-        [None if r is None or o is None else o == r for o, r in zip(out.output, refs)], dtype="boolean")
+        [None if r is None or o is None else o == r for o, r in zip(out.output, refs)], dtype="boolean"
+    )
     return out
 
 
@@ -82,7 +103,8 @@ def prediction(kv: pd.DataFrame, dtype: str) -> pd.DataFrame:
         return pd.DataFrame(columns=["weights", "corpus", "codec", "predicted_ratio", "predicted_docs"])
     pooled = pooled_ratios(sel, by=["weights", "corpus", "codec"])
     return pooled.rename(columns={"ratio": "predicted_ratio", "docs": "predicted_docs"})[
-        ["weights", "corpus", "codec", "predicted_ratio", "predicted_docs"]]
+        ["weights", "corpus", "codec", "predicted_ratio", "predicted_docs"]
+    ]
 
 
 def _mean(series: pd.Series) -> float:
@@ -117,16 +139,23 @@ def _wire(events: pd.DataFrame, hits: pd.DataFrame) -> dict:
     raw, wire = stores.raw_bytes.sum(), stores.wire_bytes.sum()
     loaded = loads.raw_bytes.sum()
     return {
-        "stored_chunks": int(stores.chunks.sum()), "raw_bytes": int(raw), "wire_bytes": int(wire),
-        "ratio": raw / wire if wire else float("nan"), "store_failures": int(failed.chunks.fillna(0).sum()),
+        "stored_chunks": int(stores.chunks.sum()),
+        "raw_bytes": int(raw),
+        "wire_bytes": int(wire),
+        "ratio": raw / wire if wire else float("nan"),
+        "store_failures": int(failed.chunks.fillna(0).sum()),
         "encode_mb_s": _mb_s(raw, stores.encode_s.sum()),
         "store_mb_s": _mb_s(raw, (stores.encode_s + stores.seal_s + stores.set_s).sum()),
         "decode_mb_s": _mb_s(loaded, loads.decode_s.sum()),
         "load_mb_s": _mb_s(loaded, (loads.get_s + loads.check_s + loads.decode_s + loads.copy_s).sum()),
-        "warmup_store_mean_s": _mean(warm_store_s), "store_queue_mean_s": _mean(stores.queue_s),
-        "hit_lookup_mean_s": _mean(hits.lookup_s), "hit_get_mean_s": _mean(hits.load_get_s),
-        "hit_check_mean_s": _mean(hits.load_check_s), "hit_decode_mean_s": _mean(hits.load_decode_s),
-        "hit_copy_mean_s": _mean(hits.load_copy_s), "hit_rest_mean_s": _mean(hits.ttft_rest_s),
+        "warmup_store_mean_s": _mean(warm_store_s),
+        "store_queue_mean_s": _mean(stores.queue_s),
+        "hit_lookup_mean_s": _mean(hits.lookup_s),
+        "hit_get_mean_s": _mean(hits.load_get_s),
+        "hit_check_mean_s": _mean(hits.load_check_s),
+        "hit_decode_mean_s": _mean(hits.load_decode_s),
+        "hit_copy_mean_s": _mean(hits.load_copy_s),
+        "hit_rest_mean_s": _mean(hits.ttft_rest_s),
     }
 
 
@@ -141,15 +170,26 @@ def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, 
     """median TTFT of `rows` / median TTFT of recompute's query requests at the same concurrency
     (same weights and corpus), with a bootstrap interval and both n."""
     level = rows.concurrency.min() if len(rows) else None
-    ref = requests[(requests.backend == "recompute") & (requests.weights == weights) & (requests.corpus == corpus)
-                   & (requests["round"] == "query") & (requests.concurrency == level)]
+    ref = requests[
+        (requests.backend == "recompute")
+        & (requests.weights == weights)
+        & (requests.corpus == corpus)
+        & (requests["round"] == "query")
+        & (requests.concurrency == level)
+    ]
     ratio, low, high = ratio_of_medians(rows.ttft_s.to_numpy(), ref.ttft_s.to_numpy(), seed)
-    return {"vs_recompute": ratio, "vs_recompute_ci_low": low, "vs_recompute_ci_high": high,
-            "vs_recompute_n": len(rows), "recompute_n": len(ref)}
+    return {
+        "vs_recompute": ratio,
+        "vs_recompute_ci_low": low,
+        "vs_recompute_ci_high": high,
+        "vs_recompute_n": len(rows),
+        "recompute_n": len(ref),
+    }
 
 
-def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.DataFrame, kv: pd.DataFrame,
-                  seed: int = 0) -> pd.DataFrame:
+def offload_table(
+    requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.DataFrame, kv: pd.DataFrame, seed: int = 0
+) -> pd.DataFrame:
     """One row per weights x backend x codec x corpus. The valkey warm-up stored every codec at
     once: its TTFT is one row of its own (codec `all`, with its ratio to recompute's), not any
     codec's; each codec's row carries its share of that warm-up's store cost, and the warm-up's
@@ -160,8 +200,14 @@ def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.D
         events = transfers.merge(requests[["tag", "weights", "backend", "corpus", "round"]], on="tag", how="inner")
     rows = []
     for (weights, backend, codec, corpus), group in requests.groupby(KEY, sort=False):
-        row: dict = {"weights": weights, "backend": backend, "codec": codec, "corpus": corpus,
-                     "served_dtype": group.served_dtype.iloc[0], "dtype_note": group.dtype_note.iloc[0]}
+        row: dict = {
+            "weights": weights,
+            "backend": backend,
+            "codec": codec,
+            "corpus": corpus,
+            "served_dtype": group.served_dtype.iloc[0],
+            "dtype_note": group.dtype_note.iloc[0],
+        }
         if group["round"].isna().all():  # a backend this machine cannot run
             rows.append({**row, "status": group.error.iloc[0]})
             continue
@@ -177,27 +223,49 @@ def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.D
             status = f"no hits: none of {planned_hits} planned hits loaded anything"
         low, high = bootstrap(hits.ttft_s.to_numpy(), np.median, seed)
         row |= {
-            "status": status, "requests": len(group), "query_concurrency": query.concurrency.min() if len(query) else None,
-            "query_hits": len(hits), "hits_not_loaded": planned_hits - len(hits),
-            "query_misses": len(misses), "fault_requests": int((group["round"] == "fault").sum()),
-            "ttft_warmup_mean_s": _mean(warm.ttft_s), "ttft_query_mean_s": _mean(query.ttft_s),
-            "ttft_hit_mean_s": _mean(hits.ttft_s), "ttft_hit_median_s": float(hits.ttft_s.median()),
-            "ttft_hit_ci_low": low, "ttft_hit_ci_high": high,
-            "ttft_miss_mean_s": _mean(misses.ttft_s), "ttft_miss_median_s": float(misses.ttft_s.median()),
+            "status": status,
+            "requests": len(group),
+            "query_concurrency": query.concurrency.min() if len(query) else None,
+            "query_hits": len(hits),
+            "hits_not_loaded": planned_hits - len(hits),
+            "query_misses": len(misses),
+            "fault_requests": int((group["round"] == "fault").sum()),
+            "ttft_warmup_mean_s": _mean(warm.ttft_s),
+            "ttft_query_mean_s": _mean(query.ttft_s),
+            "ttft_hit_mean_s": _mean(hits.ttft_s),
+            "ttft_hit_median_s": float(hits.ttft_s.median()),
+            "ttft_hit_ci_low": low,
+            "ttft_hit_ci_high": high,
+            "ttft_miss_mean_s": _mean(misses.ttft_s),
+            "ttft_miss_median_s": float(misses.ttft_s.median()),
             "cached_tokens_hit_mean": _mean(hits.cached_tokens),
-            "outputs_identical_share": _mean(identical), "outputs_compared": int(identical.notna().sum()),
-            "lookup_errors": int(group.lookup_failed.sum()), "load_failures": int(group.load_failed.sum()),
+            "outputs_identical_share": _mean(identical),
+            "outputs_compared": int(identical.notna().sum()),
+            "lookup_errors": int(group.lookup_failed.sum()),
+            "load_failures": int(group.load_failed.sum()),
             "integrity_failures": int(group.integrity_failure.notna().sum()),
             "lookups_with_queued_stores": int((group.queued_chunks.fillna(0) > 0).sum()),
         }
         if backend == "valkey":
             measured, name = (warm, "warmup") if codec == "all" else (misses, "miss")
             row |= {f"{name}_{k}": v for k, v in _versus_recompute(requests, measured, weights, corpus, seed).items()}
-            mine = events[(events.backend == "valkey") & (events.weights == weights) & (events.corpus == corpus)
-                          & (events.codec == codec)]
+            mine = events[
+                (events.backend == "valkey")
+                & (events.weights == weights)
+                & (events.corpus == corpus)
+                & (events.codec == codec)
+            ]
             row |= _wire(mine, hits)
-            fault = metrics[(metrics.weights == weights) & (metrics["round"] == "fault") & (metrics.codec == codec)
-                            & (metrics.corpus == corpus)] if "round" in metrics else metrics.iloc[:0]
+            fault = (
+                metrics[
+                    (metrics.weights == weights)
+                    & (metrics["round"] == "fault")
+                    & (metrics.codec == codec)
+                    & (metrics.corpus == corpus)
+                ]
+                if "round" in metrics
+                else metrics.iloc[:0]
+            )
             if "lost_chunks" in fault and fault.lost_chunks.notna().any():
                 row["fault_lost_chunks"] = int(fault.lost_chunks.max())
         if backend == "example" and "disk_bytes_written" in metrics:
@@ -209,16 +277,19 @@ def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.D
         rows.append(row)
     table = pd.DataFrame(rows)
     table["dtype"] = [KV_DTYPE.get(d, d) for d in table.served_dtype]
-    pred = pd.concat([prediction(kv, d).assign(served_dtype=d) for d in table.served_dtype.dropna().unique()]
-                     or [prediction(kv, "-").assign(served_dtype=None)])
+    pred = pd.concat(
+        [prediction(kv, d).assign(served_dtype=d) for d in table.served_dtype.dropna().unique()]
+        or [prediction(kv, "-").assign(served_dtype=None)]
+    )
     table = table.merge(pred, on=["weights", "corpus", "codec", "served_dtype"], how="left")
     if "ratio" in table:
         # the same stored bytes against the cache held at 16 bits (the usual serving dtype)
         table["ratio_vs_16bit"] = table.ratio * 2 / table.served_dtype.map(DTYPE_BYTES)
         table["ratio_vs_prediction"] = table.ratio / table.predicted_ratio
         gap = (table.ratio_vs_prediction - 1).abs()
-        table["within_20pct"] = pd.array([None if np.isnan(g) else bool(g <= PREDICTION_TOLERANCE) for g in gap],
-                                         dtype="boolean")
+        table["within_20pct"] = pd.array(
+            [None if np.isnan(g) else bool(g <= PREDICTION_TOLERANCE) for g in gap], dtype="boolean"
+        )
     return table
 
 
@@ -231,28 +302,44 @@ def load_table(requests: pd.DataFrame, metrics: pd.DataFrame, seed: int = 0) -> 
     rows = []
     for (weights, backend, codec, corpus, level), group in query.groupby([*KEY, "concurrency"], sort=False):
         hits = group[effective_hits(group, backend)]
-        spent = rounds[(rounds.weights == weights) & (rounds.backend == backend) & (rounds.codec == codec)
-                       & (rounds.corpus == corpus) & (rounds.concurrency == level)].round_s.sum()
+        spent = rounds[
+            (rounds.weights == weights)
+            & (rounds.backend == backend)
+            & (rounds.codec == codec)
+            & (rounds.corpus == corpus)
+            & (rounds.concurrency == level)
+        ].round_s.sum()
         ttft = hits.ttft_s.dropna().to_numpy()
         low, high = bootstrap(ttft, lambda v: np.percentile(v, 90), seed)
-        rows.append({
-            "weights": weights, "backend": backend, "codec": codec, "corpus": corpus, "concurrency": int(level),
-            "requests": len(group), "hits": len(hits), "misses": int(group.miss.astype(bool).sum()),
-            "errors": int(group.error.notna().sum()),
-            "ttft_hit_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else np.nan,
-            "ttft_hit_p90_s": float(np.percentile(ttft, 90)) if len(ttft) else np.nan,
-            "ttft_hit_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else np.nan,
-            "ttft_hit_p90_ci_low": low, "ttft_hit_p90_ci_high": high,
-            "ttft_all_p50_s": float(group.ttft_s.median()), "ttft_all_p90_s": float(group.ttft_s.quantile(0.9)),
-            "ttft_miss_p50_s": float(group[group.miss.astype(bool)].ttft_s.median()),
-            "round_s": float(spent), "throughput_rps": len(group) / spent if spent else np.nan,
-            "output_tok_s": group.output_tokens.sum() / spent if spent else np.nan,
-            "outputs_identical_share": _mean(hits.output_matches_recompute.astype("Float64")),
-        })
+        rows.append(
+            {
+                "weights": weights,
+                "backend": backend,
+                "codec": codec,
+                "corpus": corpus,
+                "concurrency": int(level),
+                "requests": len(group),
+                "hits": len(hits),
+                "misses": int(group.miss.astype(bool).sum()),
+                "errors": int(group.error.notna().sum()),
+                "ttft_hit_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else np.nan,
+                "ttft_hit_p90_s": float(np.percentile(ttft, 90)) if len(ttft) else np.nan,
+                "ttft_hit_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else np.nan,
+                "ttft_hit_p90_ci_low": low,
+                "ttft_hit_p90_ci_high": high,
+                "ttft_all_p50_s": float(group.ttft_s.median()),
+                "ttft_all_p90_s": float(group.ttft_s.quantile(0.9)),
+                "ttft_miss_p50_s": float(group[group.miss.astype(bool)].ttft_s.median()),
+                "round_s": float(spent),
+                "throughput_rps": len(group) / spent if spent else np.nan,
+                "output_tok_s": group.output_tokens.sum() / spent if spent else np.nan,
+                "outputs_identical_share": _mean(hits.output_matches_recompute.astype("Float64")),
+            }
+        )
     return pd.DataFrame(rows)
 
 
-BENCHMARK_CELL = ("dummy", "synthetic")   # the blog's benchmark setting: dummy weights, "hi hi hi"
+BENCHMARK_CELL = ("dummy", "synthetic")  # the blog's benchmark setting: dummy weights, "hi hi hi"
 REALISTIC_CELL = ("real", "realistic")
 
 
@@ -271,19 +358,40 @@ def engine_table(offload: pd.DataFrame, requests: pd.DataFrame, transfers: pd.Da
     interval over the two cells' store events (and its draws, for the report's test)."""
     sel = offload[(offload.backend == "valkey") & (offload.codec != "all")]
     sel = sel[sel.ratio.notna()] if "ratio" in sel else sel.iloc[:0]
-    cols = ["weights", "corpus", "codec", "served_dtype", "dtype_note", "stored_chunks", "raw_bytes", "wire_bytes",
-            "ratio", "predicted_ratio", "ratio_vs_prediction", "ttft_hit_median_s", "ttft_miss_median_s", "query_hits",
-            "query_misses"]
+    cols = [
+        "weights",
+        "corpus",
+        "codec",
+        "served_dtype",
+        "dtype_note",
+        "stored_chunks",
+        "raw_bytes",
+        "wire_bytes",
+        "ratio",
+        "predicted_ratio",
+        "ratio_vs_prediction",
+        "ttft_hit_median_s",
+        "ttft_miss_median_s",
+        "query_hits",
+        "query_misses",
+    ]
     table = sel[[c for c in cols if c in sel]].reset_index(drop=True)
     stores = pd.DataFrame()
     if not transfers.empty and "event" in transfers:
         stores = transfers[(transfers.event == "store") & transfers.error.isna()].merge(
-            requests[["tag", "weights", "corpus", "backend"]], on="tag")
+            requests[["tag", "weights", "corpus", "backend"]], on="tag"
+        )
     rng = np.random.default_rng(seed)
     extra = []
     for row in table.itertuples():
-        out = {"inflation": np.nan, "inflation_ci_low": np.nan, "inflation_ci_high": np.nan, "inflation_n": 0,
-               "realistic_n": 0, "inflation_draws": None}
+        out = {
+            "inflation": np.nan,
+            "inflation_ci_low": np.nan,
+            "inflation_ci_high": np.nan,
+            "inflation_n": 0,
+            "realistic_n": 0,
+            "inflation_draws": None,
+        }
         if (row.weights, row.corpus) == BENCHMARK_CELL and not stores.empty:
             mine = stores[(stores.codec == row.codec) & (stores.backend == "valkey")]
             bench = mine[(mine.weights == BENCHMARK_CELL[0]) & (mine.corpus == BENCHMARK_CELL[1])]
@@ -292,10 +400,18 @@ def engine_table(offload: pd.DataFrame, requests: pd.DataFrame, transfers: pd.Da
                 draws = _ratio_draws(bench, rng) / _ratio_draws(real, rng)
                 tail = 100 * (1 - LEVEL) / 2
                 low, high = np.percentile(draws, [tail, 100 - tail])
-                point = (bench.raw_bytes.sum() / bench.wire_bytes.sum()) / (real.raw_bytes.sum() / real.wire_bytes.sum())
+                point = (bench.raw_bytes.sum() / bench.wire_bytes.sum()) / (
+                    real.raw_bytes.sum() / real.wire_bytes.sum()
+                )
                 # the draws too: the report tests the claim on them (kvbench.report.decide, Holm)
-                out |= {"inflation": point, "inflation_ci_low": low, "inflation_ci_high": high,
-                        "inflation_n": len(bench), "realistic_n": len(real), "inflation_draws": draws.tolist()}
+                out |= {
+                    "inflation": point,
+                    "inflation_ci_low": low,
+                    "inflation_ci_high": high,
+                    "inflation_n": len(bench),
+                    "realistic_n": len(real),
+                    "inflation_draws": draws.tolist(),
+                }
         extra.append(out)
     return pd.concat([table, pd.DataFrame(extra, index=table.index)], axis=1)
 
@@ -308,9 +424,11 @@ def summary_text(offload: pd.DataFrame, metrics: pd.DataFrame) -> str:
             lines.append(f"  {row.weights:<5} {row.backend:<9} {row.codec:<17} {row.corpus:<9} {row.status}")
             continue
         if row.codec == "all":
-            lines.append(f"  {row.weights:<5} {row.backend:<9} {'(all codecs)':<17} {row.corpus:<9} shared warm-up "
-                         f"that stored every codec: {row.ttft_warmup_mean_s:6.2f} "
-                         f"({getattr(row, 'warmup_vs_recompute', float('nan')):.2f}x recompute)")
+            lines.append(
+                f"  {row.weights:<5} {row.backend:<9} {'(all codecs)':<17} {row.corpus:<9} shared warm-up "
+                f"that stored every codec: {row.ttft_warmup_mean_s:6.2f} "
+                f"({getattr(row, 'warmup_vs_recompute', float('nan')):.2f}x recompute)"
+            )
             continue
         ratio = getattr(row, "ratio", float("nan"))
         pred = getattr(row, "predicted_ratio", float("nan"))
@@ -319,12 +437,15 @@ def summary_text(offload: pd.DataFrame, metrics: pd.DataFrame) -> str:
             f"hit {row.ttft_hit_mean_s:6.2f} ({row.query_hits:.0f} loaded, {row.hits_not_loaded:.0f} not)  "
             f"miss {row.ttft_miss_mean_s:6.2f}  ratio {ratio:6.2f} (kv stage {pred:5.2f})  "
             f"identical {row.outputs_identical_share:.2f} of {row.outputs_compared:.0f}  "
-            f"lookup errors {row.lookup_errors:.0f}  load failures {row.load_failures:.0f}  [{row.status}]")
+            f"lookup errors {row.lookup_errors:.0f}  load failures {row.load_failures:.0f}  [{row.status}]"
+        )
     if not metrics.empty and "server_ttft_mean_s" in metrics:
         gap = (metrics.client_ttft_mean_s / metrics.server_ttft_mean_s - 1).abs()
         pooled = client_vs_server(metrics)
-        lines.append(f"client vs server mean TTFT: {pooled:+.1%} over all {int(metrics.requests.sum())} requests; "
-                     f"per round at most {gap.max():.1%} ({len(metrics)} rounds)")
+        lines.append(
+            f"client vs server mean TTFT: {pooled:+.1%} over all {int(metrics.requests.sum())} requests; "
+            f"per round at most {gap.max():.1%} ({len(metrics)} rounds)"
+        )
     return "\n".join(lines)
 
 

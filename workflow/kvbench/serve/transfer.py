@@ -37,14 +37,30 @@ def lookup(store: valkey.Valkey, keys: Sequence[str], pending_key: str) -> tuple
     return next((i for i, hit in enumerate(found) if not hit), len(found)), max(0, int(queued or 0))
 
 
-def load_chunks(store: valkey.Valkey, wire: WireFormat, spec: ChunkSpec, keys: Sequence[str],
-                block_ids: Sequence[int], layers: Sequence[torch.Tensor], secret: bytes = b"") -> dict[str, Any]:
+def load_chunks(
+    store: valkey.Valkey,
+    wire: WireFormat,
+    spec: ChunkSpec,
+    keys: Sequence[str],
+    block_ids: Sequence[int],
+    layers: Sequence[torch.Tensor],
+    secret: bytes = b"",
+) -> dict[str, Any]:
     """GET the chunks, check each (integrity.py), decode it and copy the good ones into their
     blocks of every layer, in order. The first chunk that is gone, fails its check or does not
     decode ends the load: it and every later block are returned as `failed_blocks` (vLLM
     recomputes them under kv_load_failure_policy=recompute)."""
-    stats: dict[str, Any] = {"chunks": len(keys), "loaded_chunks": 0, "wire_bytes": 0, "get_s": 0.0,
-                             "check_s": 0.0, "decode_s": 0.0, "copy_s": 0.0, "error": None, "integrity": None}
+    stats: dict[str, Any] = {
+        "chunks": len(keys),
+        "loaded_chunks": 0,
+        "wire_bytes": 0,
+        "get_s": 0.0,
+        "check_s": 0.0,
+        "decode_s": 0.0,
+        "copy_s": 0.0,
+        "error": None,
+        "integrity": None,
+    }
     start = time.perf_counter()
     try:
         values = store.mget(list(keys))
@@ -76,7 +92,7 @@ def load_chunks(store: valkey.Valkey, wire: WireFormat, spec: ChunkSpec, keys: S
     copy_in(decoded, layers, block_ids)
     stats["copy_s"] = time.perf_counter() - t0
     stats["loaded_chunks"] = len(decoded)
-    stats["failed_blocks"] = list(block_ids[len(decoded):])
+    stats["failed_blocks"] = list(block_ids[len(decoded) :])
     stats["raw_bytes"] = len(decoded) * spec.nbytes()
     return stats
 
@@ -88,8 +104,15 @@ def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[tor
     return copy.chunks
 
 
-def store_chunks(store: valkey.Valkey, wire: WireFormat, spec: ChunkSpec, keys: Sequence[str],
-                 chunks: Sequence[torch.Tensor], secret: bytes = b"", pending_key: str | None = None) -> dict[str, Any]:
+def store_chunks(
+    store: valkey.Valkey,
+    wire: WireFormat,
+    spec: ChunkSpec,
+    keys: Sequence[str],
+    chunks: Sequence[torch.Tensor],
+    secret: bytes = b"",
+    pending_key: str | None = None,
+) -> dict[str, Any]:
     """Encode, seal and SET the chunks in one pipelined round trip (and count them off
     `pending_key`, the store's tally of chunks queued for storing, in the same round trip)."""
     t0 = time.perf_counter()
@@ -107,5 +130,12 @@ def store_chunks(store: valkey.Valkey, wire: WireFormat, spec: ChunkSpec, keys: 
         pipe.execute()
     except STORE_ERRORS as err:
         error = f"store: {type(err).__name__}: {err}"
-    return {"chunks": len(chunks), "raw_bytes": len(chunks) * spec.nbytes(), "wire_bytes": sum(map(len, sealed)),
-            "encode_s": t1 - t0, "seal_s": t2 - t1, "set_s": time.perf_counter() - t2, "error": error}
+    return {
+        "chunks": len(chunks),
+        "raw_bytes": len(chunks) * spec.nbytes(),
+        "wire_bytes": sum(map(len, sealed)),
+        "encode_s": t1 - t0,
+        "seal_s": t2 - t1,
+        "set_s": time.perf_counter() - t2,
+        "error": error,
+    }
