@@ -28,13 +28,23 @@ def one_run(kind: str, index: int) -> dict:
     workdir.mkdir(parents=True)
     config = tiny_config(MODEL, workdir)
     begin = time.monotonic()
-    result = snakemake(workdir, config, *(() if kind == "cluster" else ("--cores", "2")), slurm=kind == "cluster",
-                       timeout=3600)
+    result = snakemake(
+        workdir, config, *(() if kind == "cluster" else ("--cores", "2")), slurm=kind == "cluster", timeout=3600
+    )
     wall = time.monotonic() - begin
     (workdir / "snakemake.out").write_text(result.stdout + result.stderr)
-    jobs = sum(1 for line in result.stdout.splitlines() + result.stderr.splitlines() if line.startswith("Finished jobid"))
-    return {"round": index, "run": kind, "wall_s": wall, "returncode": result.returncode, "jobs": jobs,
-            "workdir": str(workdir), "config": config}
+    jobs = sum(
+        1 for line in result.stdout.splitlines() + result.stderr.splitlines() if line.startswith("Finished jobid")
+    )
+    return {
+        "round": index,
+        "run": kind,
+        "wall_s": wall,
+        "returncode": result.returncode,
+        "jobs": jobs,
+        "workdir": str(workdir),
+        "config": config,
+    }
 
 
 def main(rounds: int) -> None:
@@ -42,14 +52,19 @@ def main(rounds: int) -> None:
     for index in range(rounds):
         for kind in ("local", "cluster"):
             rows.append(one_run(kind, index))
-            print(f"round {index} {kind}: {rows[-1]['wall_s']:.0f} s, {rows[-1]['jobs']} jobs, "
-                  f"exit {rows[-1]['returncode']}", flush=True)
+            print(
+                f"round {index} {kind}: {rows[-1]['wall_s']:.0f} s, {rows[-1]['jobs']} jobs, "
+                f"exit {rows[-1]['returncode']}",
+                flush=True,
+            )
         print(f"round {index}: cluster / local = {rows[-1]['wall_s'] / rows[-2]['wall_s']:.2f}", flush=True)
     config = rows[0].pop("config")
     table = pd.DataFrame(rows).drop(columns="config")
     write_table(table, REPO / "results" / "bench" / "cluster_path.parquet", provenance(config, model="smollm2-135m"))
     by = table.groupby("run").wall_s.median()
-    print(f"median wall: local {by['local']:.0f} s, cluster {by['cluster']:.0f} s, ratio {by['cluster'] / by['local']:.2f}")
+    print(
+        f"median wall: local {by['local']:.0f} s, cluster {by['cluster']:.0f} s, ratio {by['cluster'] / by['local']:.2f}"
+    )
 
 
 if __name__ == "__main__":

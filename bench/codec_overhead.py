@@ -48,13 +48,16 @@ def main() -> None:
     for name, (enc, dec) in direct.items():
         codec = get_codec(name)
         blob = enc(data)
-        rows.append({
-            "codec": name, "bytes": len(data),
-            "kvbench_encode_mb_s": best_mb_s(codec.encode, data, args.repeats),
-            "direct_encode_mb_s": best_mb_s(enc, data, args.repeats),
-            "kvbench_decode_mb_s": best_mb_s(codec.decode, blob, args.repeats),
-            "direct_decode_mb_s": best_mb_s(dec, blob, args.repeats),
-        })
+        rows.append(
+            {
+                "codec": name,
+                "bytes": len(data),
+                "kvbench_encode_mb_s": best_mb_s(codec.encode, data, args.repeats),
+                "direct_encode_mb_s": best_mb_s(enc, data, args.repeats),
+                "kvbench_decode_mb_s": best_mb_s(codec.decode, blob, args.repeats),
+                "direct_decode_mb_s": best_mb_s(dec, blob, args.repeats),
+            }
+        )
     table = pd.DataFrame(rows)
     table["encode_slowdown"] = table.direct_encode_mb_s / table.kvbench_encode_mb_s
     table["decode_slowdown"] = table.direct_decode_mb_s / table.kvbench_decode_mb_s

@@ -31,7 +31,8 @@ from kvbench.report.render import fmt
 MODEL = "resources/models/smollm2-135m"
 CONFIG_METHODS = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())["methods"]
 METHODS = {"full-fp32": {"kind": "full"}} | {
-    name: spec for name, spec in CONFIG_METHODS.items() if spec["kind"] in ("full", "kivi", "turboquant", "fp8")}
+    name: spec for name, spec in CONFIG_METHODS.items() if spec["kind"] in ("full", "kivi", "turboquant", "fp8")
+}
 
 
 @torch.inference_mode()
@@ -70,26 +71,52 @@ def main() -> None:
             cache = caches[name]
             with attached(cache, model):
                 start, cpu = time.perf_counter(), time.process_time()
-                model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                      position_ids=torch.tensor([[len(ids) + step]]))
-                rows.append({"step": step, "method": name, "seconds": time.perf_counter() - start,
-                             "cpu_seconds": time.process_time() - cpu, "kv_bytes": cache.nbytes()})
-        print(f"step {step}: " + ", ".join(f"{r['method']} {r['cpu_seconds']:.3f}" for r in rows[-len(caches):]),
-              flush=True)
+                model(
+                    input_ids=torch.tensor([[token]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.tensor([[len(ids) + step]]),
+                )
+                rows.append(
+                    {
+                        "step": step,
+                        "method": name,
+                        "seconds": time.perf_counter() - start,
+                        "cpu_seconds": time.process_time() - cpu,
+                        "kv_bytes": cache.nbytes(),
+                    }
+                )
+        print(
+            f"step {step}: " + ", ".join(f"{r['method']} {r['cpu_seconds']:.3f}" for r in rows[-len(caches) :]),
+            flush=True,
+        )
     table = pd.DataFrame(rows)
     columns = {}
     for clock in ("seconds", "cpu_seconds"):
         per_step = table.pivot(index="step", columns="method", values=clock)
-        columns |= {f"tpot_{clock}": per_step.median(), f"{clock}_vs_full": per_step.div(per_step["full"], axis=0).median(),
-                    f"{clock}_vs_full_fp32": per_step.div(per_step["full-fp32"], axis=0).median()}
-    summary = pd.DataFrame(columns | {"kv_bytes": table.groupby("method").kv_bytes.last()}).sort_values("cpu_seconds_vs_full")
+        columns |= {
+            f"tpot_{clock}": per_step.median(),
+            f"{clock}_vs_full": per_step.div(per_step["full"], axis=0).median(),
+            f"{clock}_vs_full_fp32": per_step.div(per_step["full-fp32"], axis=0).median(),
+        }
+    summary = pd.DataFrame(columns | {"kv_bytes": table.groupby("method").kv_bytes.last()}).sort_values(
+        "cpu_seconds_vs_full"
+    )
     pd.set_option("display.width", 200)
     print(f"{len(ids)} context tokens, {args.steps} steps, {args.threads} threads")
     print(summary.to_string(float_format="%.3f"))
-    config = {"seed": args.seed, "bench": "decode_overhead", "context": args.context, "steps": args.steps,
-              "threads": args.threads}
-    write_table(table.assign(context_tokens=len(ids)), "results/bench/decode_overhead.parquet",
-                provenance(config, model="smollm2-135m"))
+    config = {
+        "seed": args.seed,
+        "bench": "decode_overhead",
+        "context": args.context,
+        "steps": args.steps,
+        "threads": args.threads,
+    }
+    write_table(
+        table.assign(context_tokens=len(ids)),
+        "results/bench/decode_overhead.parquet",
+        provenance(config, model="smollm2-135m"),
+    )
 
 
 # Decode cost per token vs the fp16 `full` at this bench's context: KIVI-2 <= 1.3x, TurboQuant <= 1.5x.
@@ -104,25 +131,37 @@ def render(t: pd.DataFrame) -> pd.DataFrame:
         per_step = t.pivot(index="step", columns="method", values=clock)
         columns[f"TPOT / full ({label})"] = per_step.div(per_step["full"], axis=0).median()
     per_method = t.sort_values("step").groupby("method")
-    out = pd.DataFrame({"tokens": per_method.context_tokens.first(), "steps": per_method.step.nunique(),
-                        "TPOT (s, wall)": per_method.seconds.median(), **columns,
-                        "KV MB": per_method.kv_bytes.last() / 1e6})
+    out = pd.DataFrame(
+        {
+            "tokens": per_method.context_tokens.first(),
+            "steps": per_method.step.nunique(),
+            "TPOT (s, wall)": per_method.seconds.median(),
+            **columns,
+            "KV MB": per_method.kv_bytes.last() / 1e6,
+        }
+    )
     return out.sort_values("TPOT / full (wall)").rename_axis("method").reset_index()
 
 
 def render_budgets(t: pd.DataFrame) -> str:
     """Each budgeted method's wall-clock ratio to `full`, against its budget."""
     shown = render(t).set_index("method")
-    verdicts = [f"{m} {fmt(shown.loc[m, 'TPOT / full (wall)'])}× (budget ≤ {b}×: "
-                f"{'met' if shown.loc[m, 'TPOT / full (wall)'] <= b else 'missed'})" for m, b in BUDGETS.items()
-                if m in shown.index]
+    verdicts = [
+        f"{m} {fmt(shown.loc[m, 'TPOT / full (wall)'])}× (budget ≤ {b}×: "
+        f"{'met' if shown.loc[m, 'TPOT / full (wall)'] <= b else 'missed'})"
+        for m, b in BUDGETS.items()
+        if m in shown.index
+    ]
     tokens = int(t.context_tokens.iloc[0])
     return f"at {tokens} tokens, TPOT over `full`'s: " + ", ".join(verdicts) if verdicts else "no budgeted method ran"
 
 
-BLOCKS = {"decode-overhead": Block(render, ("bench/decode_overhead.parquet",), make="make bench-core"),
-          "decode-overhead-budgets": Block(render_budgets, ("bench/decode_overhead.parquet",), make="make bench-core",
-                                           inline=True)}
+BLOCKS = {
+    "decode-overhead": Block(render, ("bench/decode_overhead.parquet",), make="make bench-core"),
+    "decode-overhead-budgets": Block(
+        render_budgets, ("bench/decode_overhead.parquet",), make="make bench-core", inline=True
+    ),
+}
 
 
 if __name__ == "__main__":

@@ -29,38 +29,55 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from side_by_side import MODEL, OURS, PEER_PYTHON, build_all_prompts
 
 from kvbench.harness import generate
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
 from kvbench.report.blocks import Block
-from side_by_side import MODEL, OURS, PEER_PYTHON, build_all_prompts
 
 # Ours against its peer; `full` against `peer-full` (a plain DynamicCache) shows what appending in
 # place saves over concatenating.
-PEER_OF = {"full": "peer-full", "snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv",
-           "kivi2": "quanto-int2", "kivi4": "quanto-int4"}
+PEER_OF = {
+    "full": "peer-full",
+    "snapkv": "kvpress-snapkv",
+    "snapkv-fp32": "kvpress-snapkv",
+    "kivi2": "quanto-int2",
+    "kivi4": "quanto-int4",
+}
 OWN_FULL = {"ours": "full", "peer": "peer-full"}
 
 
 def run_round(setup: dict[str, Any]) -> dict:
     Path(".bench/steps_setup.json").write_text(json.dumps(setup))
-    subprocess.run([PEER_PYTHON, "bench/peer_methods.py", "steps", MODEL, ".bench/steps_setup.json", ".bench/steps.json"],
-                   check=True)
+    subprocess.run(
+        [PEER_PYTHON, "bench/peer_methods.py", "steps", MODEL, ".bench/steps_setup.json", ".bench/steps.json"],
+        check=True,
+    )
     return json.loads(Path(".bench/steps.json").read_text())
 
 
 def per_round(table: pd.DataFrame) -> pd.DataFrame:
     """Per round, prompt and method: TPOT (mean step time) and its ratios to the same process's
     DynamicCache (`peer-full`) and to the method's own side's full cache, over the same steps."""
-    sums = table.groupby(["round", "prompt_id", "method"], sort=False).agg(
-        context_tokens=("context_tokens", "first"), steps=("step", "nunique"), seconds=("seconds", "sum"),
-        kv_bytes=("kv_bytes", "last")).reset_index()
+    sums = (
+        table.groupby(["round", "prompt_id", "method"], sort=False)
+        .agg(
+            context_tokens=("context_tokens", "first"),
+            steps=("step", "nunique"),
+            seconds=("seconds", "sum"),
+            kv_bytes=("kv_bytes", "last"),
+        )
+        .reset_index()
+    )
     sums["tpot_s"] = sums.seconds / sums.steps
     ref = sums.set_index(["round", "prompt_id", "method"]).seconds
     own_full = sums.method.map(lambda m: OWN_FULL["ours" if m in PEER_OF else "peer"])
     for column, base in (("tpot_vs_dynamic", pd.Series("peer-full", index=sums.index)), ("tpot_vs_own_full", own_full)):
-        sums[column] = sums.seconds.to_numpy() / ref.reindex(pd.MultiIndex.from_arrays([sums["round"], sums.prompt_id, base])).to_numpy()
+        sums[column] = (
+            sums.seconds.to_numpy()
+            / ref.reindex(pd.MultiIndex.from_arrays([sums["round"], sums.prompt_id, base])).to_numpy()
+        )
     return sums
 
 
@@ -77,14 +94,28 @@ def pairs(table: pd.DataFrame) -> pd.DataFrame:
             b = rounds.loc[[(peer, prompt_id)]].set_index("round")
             ratio = a.tpot_s / b.tpot_s
             same = (tokens.loc[(ours, prompt_id)] == tokens.loc[(peer, prompt_id)]).mean()
-            rows.append({"ours": ours, "peer": peer, "prompt_id": prompt_id, "context_tokens": int(a.context_tokens.iloc[0]),
-                         "steps": int(a.steps.iloc[0]), "rounds": len(ratio),
-                         "tpot_ratio": ratio.median(), "tpot_ratio_min": ratio.min(), "tpot_ratio_max": ratio.max(),
-                         "tpot_vs_dynamic_ours": a.tpot_vs_dynamic.median(), "tpot_vs_dynamic_peer": b.tpot_vs_dynamic.median(),
-                         "tpot_vs_own_full_ours": a.tpot_vs_own_full.median(), "tpot_vs_own_full_peer": b.tpot_vs_own_full.median(),
-                         "tpot_ours_s": a.tpot_s.median(), "tpot_peer_s": b.tpot_s.median(),
-                         "bytes_ours": int(a.kv_bytes.iloc[0]), "bytes_peer": int(b.kv_bytes.iloc[0]),
-                         "next_token_agreement": float(same)})
+            rows.append(
+                {
+                    "ours": ours,
+                    "peer": peer,
+                    "prompt_id": prompt_id,
+                    "context_tokens": int(a.context_tokens.iloc[0]),
+                    "steps": int(a.steps.iloc[0]),
+                    "rounds": len(ratio),
+                    "tpot_ratio": ratio.median(),
+                    "tpot_ratio_min": ratio.min(),
+                    "tpot_ratio_max": ratio.max(),
+                    "tpot_vs_dynamic_ours": a.tpot_vs_dynamic.median(),
+                    "tpot_vs_dynamic_peer": b.tpot_vs_dynamic.median(),
+                    "tpot_vs_own_full_ours": a.tpot_vs_own_full.median(),
+                    "tpot_vs_own_full_peer": b.tpot_vs_own_full.median(),
+                    "tpot_ours_s": a.tpot_s.median(),
+                    "tpot_peer_s": b.tpot_s.median(),
+                    "bytes_ours": int(a.kv_bytes.iloc[0]),
+                    "bytes_peer": int(b.kv_bytes.iloc[0]),
+                    "next_token_agreement": float(same),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -100,24 +131,42 @@ def main() -> None:
     threads = len(os.sched_getaffinity(0))  # every CPU the bench may use
     torch.set_num_threads(threads)
     tokenizer, model = load_tokenizer(MODEL), load_model(MODEL)
-    prompts = [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"],
-                "tokens": generate(model, {"kind": "full"}, p["input_ids"], args.steps)["tokens"]}
-               for p in build_all_prompts(tokenizer, args.contexts)]
+    prompts = [
+        {
+            "prompt_id": p["prompt_id"],
+            "input_ids": p["input_ids"],
+            "tokens": generate(model, {"kind": "full"}, p["input_ids"], args.steps)["tokens"],
+        }
+        for p in build_all_prompts(tokenizer, args.contexts)
+    ]
     del model
     rows, versions = [], {}
     for round_ in range(args.rounds):
-        setup = {"prompts": prompts, "seed": args.seed * 1000 + round_, "threads": threads,
-                 "snapkv": OURS["snapkv"], "quanto": {"group_size": args.quanto_group, "residual": OURS["kivi2"]["residual"]},
-                 "ours": {name: OURS[name] for name in PEER_OF}}
+        setup = {
+            "prompts": prompts,
+            "seed": args.seed * 1000 + round_,
+            "threads": threads,
+            "snapkv": OURS["snapkv"],
+            "quanto": {"group_size": args.quanto_group, "residual": OURS["kivi2"]["residual"]},
+            "ours": {name: OURS[name] for name in PEER_OF},
+        }
         out = run_round(setup)
         versions = out["versions"]
-        rows += [r | {"round": round_, "implementation": "ours" if r["method"] in PEER_OF else "peer"} for r in out["rows"]]
+        rows += [
+            r | {"round": round_, "implementation": "ours" if r["method"] in PEER_OF else "peer"} for r in out["rows"]
+        ]
     table = pd.DataFrame(rows).assign(peer_versions=json.dumps(versions, sort_keys=True), threads=threads)
     compared = pairs(table)
     pd.set_option("display.width", 250)
     print(compared.to_string(index=False, float_format="%.3f"))
-    config = {"seed": args.seed, "bench": "decode_side_by_side", "rounds": args.rounds, "steps": args.steps,
-              "contexts": args.contexts, "quanto_group": args.quanto_group}
+    config = {
+        "seed": args.seed,
+        "bench": "decode_side_by_side",
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "contexts": args.contexts,
+        "quanto_group": args.quanto_group,
+    }
     write_table(table, "results/bench/decode_side_by_side.parquet", provenance(config, model="smollm2-135m"))
     write_table(compared, "results/bench/decode_side_by_side_pairs.parquet", provenance(config, model="smollm2-135m"))
 
@@ -132,15 +181,28 @@ def render(pairs: pd.DataFrame) -> pd.DataFrame:
     more = "faster, +" + extra.round(1).astype(str) + " % bytes"
     verdict = np.select([faster & (extra <= 0), faster], ["yes", more], "no")
     span = pairs.tpot_ratio_min.round(3).astype(str) + "–" + pairs.tpot_ratio_max.round(3).astype(str)
-    return pd.DataFrame({
-        "prompt": pairs.prompt_id, "tokens": pairs.context_tokens, "ours": pairs.ours, "peer": pairs.peer,
-        "steps": pairs.steps, "rounds": pairs.rounds, "TPOT ours/peer": pairs.tpot_ratio, "range over rounds": span,
-        "TPOT / DynamicCache, ours": pairs.tpot_vs_dynamic_ours,
-        "TPOT / DynamicCache, peer": pairs.tpot_vs_dynamic_peer,
-        "TPOT / own full, ours": pairs.tpot_vs_own_full_ours, "TPOT / own full, peer": pairs.tpot_vs_own_full_peer,
-        "TPOT ours (s)": pairs.tpot_ours_s, "TPOT peer (s)": pairs.tpot_peer_s,
-        "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6,
-        "same next token %": (100 * pairs.next_token_agreement).round(1), "ours ≤ peer at ≤ its bytes": verdict})
+    return pd.DataFrame(
+        {
+            "prompt": pairs.prompt_id,
+            "tokens": pairs.context_tokens,
+            "ours": pairs.ours,
+            "peer": pairs.peer,
+            "steps": pairs.steps,
+            "rounds": pairs.rounds,
+            "TPOT ours/peer": pairs.tpot_ratio,
+            "range over rounds": span,
+            "TPOT / DynamicCache, ours": pairs.tpot_vs_dynamic_ours,
+            "TPOT / DynamicCache, peer": pairs.tpot_vs_dynamic_peer,
+            "TPOT / own full, ours": pairs.tpot_vs_own_full_ours,
+            "TPOT / own full, peer": pairs.tpot_vs_own_full_peer,
+            "TPOT ours (s)": pairs.tpot_ours_s,
+            "TPOT peer (s)": pairs.tpot_peer_s,
+            "KV MB ours": pairs.bytes_ours / 1e6,
+            "KV MB peer": pairs.bytes_peer / 1e6,
+            "same next token %": (100 * pairs.next_token_agreement).round(1),
+            "ours ≤ peer at ≤ its bytes": verdict,
+        }
+    )
 
 
 BLOCKS = {"peers-decode": Block(render, ("bench/decode_side_by_side_pairs.parquet",), make="make bench-peers")}

@@ -67,9 +67,15 @@ MARKERS = {
 SETTLE_S = {"models": 3.0, "corpus": 3.0}
 SERVER_LOGS = (".vllm.log", ".valkey.log")
 # Where a stage's jobs write (to tell which stage an incomplete output belongs to).
-OUTPUT_PREFIX = {"resources/models/": "models", "results/corpus/": "corpus", "results/kv/": "kv",
-                 "results/system/": "system", "results/quality/": "quality", "results/serve/": "serve",
-                 "results/report/": "report"}
+OUTPUT_PREFIX = {
+    "resources/models/": "models",
+    "results/corpus/": "corpus",
+    "results/kv/": "kv",
+    "results/system/": "system",
+    "results/quality/": "quality",
+    "results/serve/": "serve",
+    "results/report/": "report",
+}
 
 
 def stage_marker(workdir: Path, stage: str, since: float) -> bool:
@@ -127,20 +133,38 @@ def processes_in(workdir: Path) -> list[int]:
 
 
 def snakemake_cmd(workdir: Path, config_path: Path, *args: str) -> list[str]:
-    return [str(PYTHON), "-m", "snakemake", "-s", str(CODE / "Snakefile"), "-d", str(workdir), "--configfile",
-            str(config_path), *args]
+    return [
+        str(PYTHON),
+        "-m",
+        "snakemake",
+        "-s",
+        str(CODE / "Snakefile"),
+        "-d",
+        str(workdir),
+        "--configfile",
+        str(config_path),
+        *args,
+    ]
 
 
 def start(workdir: Path, config_path: Path) -> subprocess.Popen:
     log = open(workdir / "snakemake.out", "a")
-    return subprocess.Popen(snakemake_cmd(workdir, config_path, "--cores", "2"), stdout=log, stderr=subprocess.STDOUT,
-                            cwd=workdir, env={**os.environ, TAG: str(workdir)})
+    return subprocess.Popen(
+        snakemake_cmd(workdir, config_path, "--cores", "2"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=workdir,
+        env={**os.environ, TAG: str(workdir)},
+    )
 
 
 def cleaned_up_logs(workdir: Path, since: float) -> int:
     """Job logs of this attempt that end with the job's own cleanup after a signal."""
-    return sum("job terminated by signal" in p.read_text(errors="replace") for p in (workdir / "logs").rglob("*.log")
-               if p.is_file() and p.stat().st_mtime > since)
+    return sum(
+        "job terminated by signal" in p.read_text(errors="replace")
+        for p in (workdir / "logs").rglob("*.log")
+        if p.is_file() and p.stat().st_mtime > since
+    )
 
 
 def run_to_end(workdir: Path, config_path: Path) -> float:
@@ -162,9 +186,14 @@ def kill_at_next_stage(workdir: Path, config_path: Path, stages: list[str]) -> d
     if stage is not None:
         time.sleep(SETTLE_S.get(stage, 0.0))  # into the job's work, not at its first line
     if proc.poll() is not None:
-        return {"stage": stage, "killed": False, "interrupted": False, "incomplete_jobs": [],
-                "note": f"snakemake ended (code {proc.returncode}) "
-                        + (f"after {stage}'s mark: its job had already ended" if stage else "before any stage's mark")}
+        return {
+            "stage": stage,
+            "killed": False,
+            "interrupted": False,
+            "incomplete_jobs": [],
+            "note": f"snakemake ended (code {proc.returncode}) "
+            + (f"after {stage}'s mark: its job had already ended" if stage else "before any stage's mark"),
+        }
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = time.monotonic()
@@ -174,27 +203,46 @@ def kill_at_next_stage(workdir: Path, config_path: Path, stages: list[str]) -> d
     while processes_in(workdir) and time.monotonic() - killed_at < 120:
         time.sleep(0.5)
     gone_s = time.monotonic() - killed_at if not processes_in(workdir) else None
-    unlock = subprocess.run(snakemake_cmd(workdir, config_path, "--unlock"), capture_output=True, text=True, cwd=workdir)
+    unlock = subprocess.run(
+        snakemake_cmd(workdir, config_path, "--unlock"), capture_output=True, text=True, cwd=workdir
+    )
     in_stage = any(stage_of(output) == stage for output in running)
-    return {"stage": stage, "killed": True, "interrupted": in_stage, "killed_after_s": killed_at - begin,
-            "incomplete_jobs": running, "jobs_cleaned_up": cleaned_up_logs(workdir, since),
-            "incomplete_outputs": len(running), "incomplete_stages": ",".join(sorted({stage_of(o) for o in running})),
-            "processes_at_kill": left_at_kill, "processes_after_120s": len(processes_in(workdir)),
-            "processes_gone_after_s": gone_s,
-            "unlock_returncode": unlock.returncode,
-            "note": "" if in_stage else f"no {stage} output was incomplete at the kill (its job had just ended)"}
+    return {
+        "stage": stage,
+        "killed": True,
+        "interrupted": in_stage,
+        "killed_after_s": killed_at - begin,
+        "incomplete_jobs": running,
+        "jobs_cleaned_up": cleaned_up_logs(workdir, since),
+        "incomplete_outputs": len(running),
+        "incomplete_stages": ",".join(sorted({stage_of(o) for o in running})),
+        "processes_at_kill": left_at_kill,
+        "processes_after_120s": len(processes_in(workdir)),
+        "processes_gone_after_s": gone_s,
+        "unlock_returncode": unlock.returncode,
+        "note": "" if in_stage else f"no {stage} output was incomplete at the kill (its job had just ended)",
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
-                        help="stages to kill in, once each (default: all)")
-    parser.add_argument("--compare-only", action="store_true",
-                        help="compare the two runs left in .bench/kill_resume again (after a change to the comparison)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--stages", nargs="+", choices=STAGES, default=list(STAGES), help="stages to kill in, once each (default: all)"
+    )
+    parser.add_argument(
+        "--compare-only",
+        action="store_true",
+        help="compare the two runs left in .bench/kill_resume again (after a change to the comparison)",
+    )
     args = parser.parse_args()
     if args.compare_only:
-        kills = pd.read_parquet(REPO / "results" / "bench" / "kill_resume.parquet").drop(columns=list(PROVENANCE_COLUMNS))
+        kills = pd.read_parquet(REPO / "results" / "bench" / "kill_resume.parquet").drop(
+            columns=list(PROVENANCE_COLUMNS)
+        )
         kills = kills.assign(code_commit=code_commit()).to_dict("records")
         return report(kills, compare_runs(OUT / "reference", OUT / "killed"))
     stages = [s for s in STAGES if s in args.stages]
@@ -225,8 +273,10 @@ def main() -> None:
         print(f"  kill -9: {kills[-1]}", flush=True)
         if not kills[-1]["killed"]:  # the run finished: no stage left can be killed any more
             ended = kills.pop()
-            kills += [ended if s == ended["stage"] else {**ended, "stage": s, "note": f"the run finished before {s}'s mark"}
-                      for s in left]
+            kills += [
+                ended if s == ended["stage"] else {**ended, "stage": s, "note": f"the run finished before {s}'s mark"}
+                for s in left
+            ]
             break
         left.remove(kills[-1]["stage"])
     run_to_end(kill_dir, kill_config)
@@ -237,53 +287,76 @@ def main() -> None:
 
 def code_commit() -> str:
     """The commit both runs ran (the worktree's)."""
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=CODE, check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=CODE, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def report(kills: list[dict], tables: list[dict]) -> None:
     """Print and write both tables; exit 1 unless every stage was hit mid-job and every table is equal."""
     for row in tables:
-        print(f"  {row['table']:<50} {row['rows']!s:>6} rows  {'equal' if row['equal'] else 'DIFFERENT: ' + row['differing_columns']}")
+        print(
+            f"  {row['table']:<50} {row['rows']!s:>6} rows  {'equal' if row['equal'] else 'DIFFERENT: ' + row['differing_columns']}"
+        )
     # The runs' config; `code_commit` is the commit both runs ran (provenance's is this checkout's).
     prov = provenance(yaml.safe_load((OUT / "reference" / "config.yaml").read_text()), model="smol")
     write_table(pd.DataFrame(kills), REPO / "results" / "bench" / "kill_resume.parquet", prov)
-    write_table(pd.DataFrame(tables).assign(code_commit=kills[0].get("code_commit")),
-                REPO / "results" / "bench" / "kill_resume_tables.parquet", prov)
+    write_table(
+        pd.DataFrame(tables).assign(code_commit=kills[0].get("code_commit")),
+        REPO / "results" / "bench" / "kill_resume_tables.parquet",
+        prov,
+    )
     equal = sum(r["equal"] for r in tables)
     interrupted = [k["stage"] for k in kills if k["interrupted"]]
-    print(f"{equal}/{len(tables)} tables equal (timing columns aside); {len(interrupted)}/{len(kills)} stages "
-          f"interrupted mid-job ({', '.join(interrupted)}); uninterrupted {kills[0]['reference_run_s']:.0f} s, "
-          f"interrupted {sum(k['killed'] for k in kills)}x + resumed {kills[0]['interrupted_run_s']:.0f} s")
+    print(
+        f"{equal}/{len(tables)} tables equal (timing columns aside); {len(interrupted)}/{len(kills)} stages "
+        f"interrupted mid-job ({', '.join(interrupted)}); uninterrupted {kills[0]['reference_run_s']:.0f} s, "
+        f"interrupted {sum(k['killed'] for k in kills)}x + resumed {kills[0]['interrupted_run_s']:.0f} s"
+    )
     # The report job is short: a kill in it is best effort (its row says whether it had ended).
     if equal != len(tables) or not all(
-            (k["interrupted"] or k["stage"] == "report") and (k.get("processes_after_120s") or 0) == 0
-            and (k.get("unlock_returncode") or 0) == 0 for k in kills):
+        (k["interrupted"] or k["stage"] == "report")
+        and (k.get("processes_after_120s") or 0) == 0
+        and (k.get("unlock_returncode") or 0) == 0
+        for k in kills
+    ):
         raise SystemExit(1)
+
 
 def render(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
     """Per kill: the stage, when, what snakemake held incomplete, what survived it; then the
     comparison of every final table with the uninterrupted run's."""
+
     def outputs(value: object) -> str:
         return ", ".join(f"`{o}`" for o in value) if value is not None and len(value) else ""
 
-    shown = pd.DataFrame({
-        "stage": kills.stage, "killed": kills.killed, "mid-job": kills.get("interrupted"),
-        "killed after (s)": kills.get("killed_after_s"), "incomplete outputs": kills.incomplete_jobs.map(outputs),
-        "jobs that logged their cleanup": kills.get("jobs_cleaned_up"),
-        "processes after 120 s": kills.get("processes_after_120s"),
-        "unlock return code": kills.get("unlock_returncode"),
-        "note": kills.note})
+    shown = pd.DataFrame(
+        {
+            "stage": kills.stage,
+            "killed": kills.killed,
+            "mid-job": kills.get("interrupted"),
+            "killed after (s)": kills.get("killed_after_s"),
+            "incomplete outputs": kills.incomplete_jobs.map(outputs),
+            "jobs that logged their cleanup": kills.get("jobs_cleaned_up"),
+            "processes after 120 s": kills.get("processes_after_120s"),
+            "unlock return code": kills.get("unlock_returncode"),
+            "note": kills.note,
+        }
+    )
     equal = int(tables.equal.sum())
     mid_job = int(kills.interrupted.sum()) if "interrupted" in kills else 0
-    differing = ", ".join(f"`{t}` ({c})" for t, c in zip(tables.table[~tables.equal],
-                                                          tables.differing_columns[~tables.equal]))
-    summary = (f"{mid_job}/{len(kills)} stages killed mid-job; "
-               f"{equal}/{len(tables)} final tables equal to the uninterrupted run's (timing columns aside)"
-               + (f"; differing: {differing}" if differing else "")
-               + f". Uninterrupted run {kills.reference_run_s.iloc[0]:.0f} s; interrupted run "
-               f"({int(kills.killed.sum())} kills, unlocks and the final rerun) "
-               f"{kills.interrupted_run_s.iloc[0]:.0f} s."
-               + (f" Both runs ran commit {kills.code_commit.iloc[0][:12]}." if "code_commit" in kills else ""))
+    differing = ", ".join(
+        f"`{t}` ({c})" for t, c in zip(tables.table[~tables.equal], tables.differing_columns[~tables.equal])
+    )
+    summary = (
+        f"{mid_job}/{len(kills)} stages killed mid-job; "
+        f"{equal}/{len(tables)} final tables equal to the uninterrupted run's (timing columns aside)"
+        + (f"; differing: {differing}" if differing else "")
+        + f". Uninterrupted run {kills.reference_run_s.iloc[0]:.0f} s; interrupted run "
+        f"({int(kills.killed.sum())} kills, unlocks and the final rerun) "
+        f"{kills.interrupted_run_s.iloc[0]:.0f} s."
+        + (f" Both runs ran commit {kills.code_commit.iloc[0][:12]}." if "code_commit" in kills else "")
+    )
     return f"{markdown_table(shown)}\n\n{summary}"
 
 
@@ -292,8 +365,10 @@ def render_cost(kills: pd.DataFrame, tables: pd.DataFrame) -> str:
     return f"the tiny config's whole DAG ran in {kills.reference_run_s.iloc[0]:.0f} s uninterrupted, here"
 
 
-BLOCKS = {"kill-resume": Block(render, (KILLS, TABLES), make="make bench-kill"),
-          "tiny-run-cost": Block(render_cost, (KILLS, TABLES), make="make bench-kill", inline=True)}
+BLOCKS = {
+    "kill-resume": Block(render, (KILLS, TABLES), make="make bench-kill"),
+    "tiny-run-cost": Block(render_cost, (KILLS, TABLES), make="make bench-kill", inline=True),
+}
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ def cache_bytes(cache) -> int:
     total = 0
     for layer in cache.layers:
         total += held_bytes(layer.keys) + held_bytes(layer.values)
-        total += held_bytes(getattr(layer, "_quantized_keys", None)) + held_bytes(getattr(layer, "_quantized_values", None))
+        total += held_bytes(getattr(layer, "_quantized_keys", None)) + held_bytes(
+            getattr(layer, "_quantized_values", None)
+        )
     return total
 
 
@@ -69,14 +71,23 @@ def run(model, ids: list[int], make_cache, press, new_tokens: int) -> dict:
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     while len(tokens) < new_tokens and token not in eos_ids:  # kvbench's harness stops there too
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                    position_ids=torch.tensor([[position]]))
+        out = model(
+            input_ids=torch.tensor([[token]]),
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=torch.tensor([[position]]),
+        )
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
         position += 1
     decode = time.perf_counter() - decode_start
-    return {"ttft_s": ttft, "tpot_s": decode / max(1, len(tokens) - 1), "kv_bytes_prefill": bytes_prefill,
-            "kv_bytes_end": cache_bytes(cache), "output_ids": tokens}
+    return {
+        "ttft_s": ttft,
+        "tpot_s": decode / max(1, len(tokens) - 1),
+        "kv_bytes_prefill": bytes_prefill,
+        "kv_bytes_end": cache_bytes(cache),
+        "output_ids": tokens,
+    }
 
 
 def peers(model, setup: dict) -> dict:
@@ -85,12 +96,23 @@ def peers(model, setup: dict) -> dict:
     snap, quanto = setup["snapkv"], setup["quanto"]
 
     def quantized(bits: int):
-        return lambda: QuantizedCache(backend="quanto", config=model.config, nbits=bits,
-                                      q_group_size=quanto["group_size"], residual_length=quanto["residual"])
+        return lambda: QuantizedCache(
+            backend="quanto",
+            config=model.config,
+            nbits=bits,
+            q_group_size=quanto["group_size"],
+            residual_length=quanto["residual"],
+        )
 
-    press = SnapKVPress(compression_ratio=1 - snap["keep_ratio"], window_size=snap["window"], kernel_size=snap["kernel"])
-    return {"peer-full": (DynamicCache, None), "kvpress-snapkv": (DynamicCache, press),
-            "quanto-int2": (quantized(2), None), "quanto-int4": (quantized(4), None)}
+    press = SnapKVPress(
+        compression_ratio=1 - snap["keep_ratio"], window_size=snap["window"], kernel_size=snap["kernel"]
+    )
+    return {
+        "peer-full": (DynamicCache, None),
+        "kvpress-snapkv": (DynamicCache, press),
+        "quanto-int2": (quantized(2), None),
+        "quanto-int4": (quantized(4), None),
+    }
 
 
 def timings(model, setup: dict) -> list[dict]:
@@ -104,9 +126,18 @@ def timings(model, setup: dict) -> list[dict]:
             # Warm-up past the 128-token residual, so quanto's kernels load outside the timing.
             run(model, prompt["input_ids"][:256], make_cache, press, 2)
             result = run(model, prompt["input_ids"], make_cache, press, setup["new_tokens"])
-            rows.append({"method": name, "prompt_id": prompt["prompt_id"], "context_tokens": len(prompt["input_ids"]),
-                         "new_tokens": len(result["output_ids"]), **result})
-            print(name, prompt["prompt_id"], f"TTFT {result['ttft_s']:.2f} s, TPOT {result['tpot_s']:.3f} s", flush=True)
+            rows.append(
+                {
+                    "method": name,
+                    "prompt_id": prompt["prompt_id"],
+                    "context_tokens": len(prompt["input_ids"]),
+                    "new_tokens": len(result["output_ids"]),
+                    **result,
+                }
+            )
+            print(
+                name, prompt["prompt_id"], f"TTFT {result['ttft_s']:.2f} s, TPOT {result['tpot_s']:.3f} s", flush=True
+            )
     return rows
 
 
@@ -118,8 +149,10 @@ def step_methods(model, setup: dict) -> dict:
     from kvbench.methods.catalog import build_cache
 
     null = lambda cache: contextlib.nullcontext()  # noqa: E731
-    methods = {name: (make_cache, (lambda cache, p=press: p(model)) if press is not None else null, null)
-               for name, (make_cache, press) in peers(model, setup).items()}
+    methods = {
+        name: (make_cache, (lambda cache, p=press: p(model)) if press is not None else null, null)
+        for name, (make_cache, press) in peers(model, setup).items()
+    }
     shape, ours = ModelShape.of(model.config), lambda cache: attached(cache, model)  # noqa: E731
     for name, spec in setup["ours"].items():
         methods[name] = (lambda spec=spec: build_cache(spec, shape), ours, ours)
@@ -139,8 +172,12 @@ def decode_steps(model, setup: dict) -> list[dict]:
             prefill(model, ids, cache)
         for step in range(2):
             with at_step(cache):
-                model(input_ids=torch.tensor([[ids[step]]]), past_key_values=cache, use_cache=True,
-                      position_ids=torch.tensor([[len(ids) + step]]))
+                model(
+                    input_ids=torch.tensor([[ids[step]]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.tensor([[len(ids) + step]]),
+                )
     rng, rows = random.Random(setup["seed"]), []
     for prompt in setup["prompts"]:
         ids, caches = prompt["input_ids"], {}
@@ -152,13 +189,29 @@ def decode_steps(model, setup: dict) -> list[dict]:
             for name in rng.sample(list(methods), len(methods)):
                 with methods[name][2](caches[name]):
                     start = time.perf_counter()
-                    out = model(input_ids=torch.tensor([[token]]), past_key_values=caches[name], use_cache=True,
-                                position_ids=torch.tensor([[len(ids) + step]]))
+                    out = model(
+                        input_ids=torch.tensor([[token]]),
+                        past_key_values=caches[name],
+                        use_cache=True,
+                        position_ids=torch.tensor([[len(ids) + step]]),
+                    )
                     seconds = time.perf_counter() - start
-                rows.append({"method": name, "prompt_id": prompt["prompt_id"], "context_tokens": len(ids), "step": step,
-                             "seconds": seconds, "next_token": int(out.logits[0, -1].argmax()),
-                             "kv_bytes": caches[name].nbytes() if name in setup["ours"] else cache_bytes(caches[name])})
-        print(prompt["prompt_id"], " ".join(f"{r['method']} {r['seconds']:.3f}" for r in rows[-len(methods):]), flush=True)
+                rows.append(
+                    {
+                        "method": name,
+                        "prompt_id": prompt["prompt_id"],
+                        "context_tokens": len(ids),
+                        "step": step,
+                        "seconds": seconds,
+                        "next_token": int(out.logits[0, -1].argmax()),
+                        "kv_bytes": caches[name].nbytes() if name in setup["ours"] else cache_bytes(caches[name]),
+                    }
+                )
+        print(
+            prompt["prompt_id"],
+            " ".join(f"{r['method']} {r['seconds']:.3f}" for r in rows[-len(methods) :]),
+            flush=True,
+        )
         del caches
     return rows
 
@@ -177,8 +230,14 @@ def kept_positions(model, setup: dict) -> list[dict]:
         for index, (a, b) in enumerate(zip(full.layers, pressed.layers)):
             for head in range(a.keys.shape[1]):
                 where = {row.numpy().tobytes(): p for p, row in enumerate(a.keys[0, head])}
-                rows.append({"prompt_id": prompt["prompt_id"], "layer": index, "head": head,
-                             "kept": sorted(where[row.numpy().tobytes()] for row in b.keys[0, head])})
+                rows.append(
+                    {
+                        "prompt_id": prompt["prompt_id"],
+                        "layer": index,
+                        "head": head,
+                        "kept": sorted(where[row.numpy().tobytes()] for row in b.keys[0, head]),
+                    }
+                )
     return rows
 
 

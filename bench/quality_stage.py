@@ -34,24 +34,44 @@ def main() -> None:
     targets = [f"results/quality/{m}/summary.parquet" for m in models]
     if args.run:
         snakemake = str(Path(sys.executable).with_name("snakemake"))
-        subprocess.run([snakemake, "--cores", "all", "--configfile", args.config, "--forcerun", "quality_tasks",
-                        *targets], cwd=REPO, check=True)
+        subprocess.run(
+            [snakemake, "--cores", "all", "--configfile", args.config, "--forcerun", "quality_tasks", *targets],
+            cwd=REPO,
+            check=True,
+        )
     # The stage's jobs in this config (a file of a renamed rule or an earlier layout would count twice).
-    n_jobs = len(batches(config["quality"]["methods"], config["quality"].get("reference", "full"),
-                         config["quality"].get("methods_per_job")))
-    names = ["tasks", *(f"{m}/{name}" for m in models for name in [*(f"job{i}" for i in range(1, n_jobs + 1)), "summary"])]
-    rows = [{"job": name, "wall_s": float(pd.read_csv(REPO / "benchmarks" / "quality" / f"{name}.tsv", sep="\t")["s"].iloc[0])}
-            for name in names]
+    n_jobs = len(
+        batches(
+            config["quality"]["methods"],
+            config["quality"].get("reference", "full"),
+            config["quality"].get("methods_per_job"),
+        )
+    )
+    names = [
+        "tasks",
+        *(f"{m}/{name}" for m in models for name in [*(f"job{i}" for i in range(1, n_jobs + 1)), "summary"]),
+    ]
+    rows = [
+        {
+            "job": name,
+            "wall_s": float(pd.read_csv(REPO / "benchmarks" / "quality" / f"{name}.tsv", sep="\t")["s"].iloc[0]),
+        }
+        for name in names
+    ]
     jobs = pd.DataFrame(rows)
     print(jobs.to_string(index=False, float_format="%.1f"))
-    print(f"\nquality stage: {jobs.wall_s.sum():.0f} s ({jobs.wall_s.sum() / 60:.1f} min) over {len(jobs)} jobs, "
-          "run one after another (each method job takes the whole machine)")
+    print(
+        f"\nquality stage: {jobs.wall_s.sum():.0f} s ({jobs.wall_s.sum() / 60:.1f} min) over {len(jobs)} jobs, "
+        "run one after another (each method job takes the whole machine)"
+    )
     for model in models:
         timing = pd.read_parquet(REPO / "results" / "quality" / model / "jobs.parquet")
         wall, forward = timing.job_wall_s.sum(), timing.job_forward_s.sum()
-        print(f"{model}: {len(timing)} method job(s) {wall:.0f} s, forward passes {forward:.0f} s, outside them "
-              f"{wall - forward:.0f} s = {(wall - forward) / wall:.1%} of the method jobs, "
-              f"{(jobs.wall_s.sum() - forward) / jobs.wall_s.sum():.1%} of the stage")
+        print(
+            f"{model}: {len(timing)} method job(s) {wall:.0f} s, forward passes {forward:.0f} s, outside them "
+            f"{wall - forward:.0f} s = {(wall - forward) / wall:.1%} of the method jobs, "
+            f"{(jobs.wall_s.sum() - forward) / jobs.wall_s.sum():.1%} of the stage"
+        )
 
 
 if __name__ == "__main__":

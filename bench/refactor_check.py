@@ -80,8 +80,13 @@ def run(commit: str, config: dict, reuse: bool) -> tuple[Path, float]:
     print(f"{commit[:12]}: running the tiny config in {workdir} ...", flush=True)
     begin = time.monotonic()
     with open(workdir / "snakemake.out", "w") as log:
-        done = subprocess.run([SNAKEMAKE, "-s", str(code / "Snakefile"), "-d", str(workdir), "--configfile", str(path),
-                               "--cores", "2"], stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=env)
+        done = subprocess.run(
+            [SNAKEMAKE, "-s", str(code / "Snakefile"), "-d", str(workdir), "--configfile", str(path), "--cores", "2"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=env,
+        )
     seconds = time.monotonic() - begin
     if done.returncode != 0:
         raise SystemExit(f"snakemake failed at {commit[:12]}; see {workdir / 'snakemake.out'}")
@@ -91,12 +96,18 @@ def run(commit: str, config: dict, reuse: bool) -> tuple[Path, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--base", default="main", help="the commit before the refactor (default: main)")
     parser.add_argument("--head", default="HEAD", help="the commit after it (default: HEAD)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="reuse a finished run of the same commit and config left in .bench/refactor_check")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse a finished run of the same commit and config left in .bench/refactor_check",
+    )
     args = parser.parse_args()
     base, head = git("rev-parse", args.base), git("rev-parse", args.head)
     if git("status", "--porcelain", "--untracked-files=no"):
@@ -112,13 +123,16 @@ def main() -> None:
     for row in rows:
         numeric = json.loads(row["numeric_differences"])
         row["max_abs_difference"] = max(numeric.values()) if numeric else float("nan")
-        print(f"  {row['table']:<55} {row['rows']!s:>6} rows  "
-              + ("equal" if row["equal"] else f"DIFFERENT: {row['differing_columns']} {row['numeric_differences']}"))
+        print(
+            f"  {row['table']:<55} {row['rows']!s:>6} rows  "
+            + ("equal" if row["equal"] else f"DIFFERENT: {row['differing_columns']} {row['numeric_differences']}")
+        )
     table = pd.DataFrame(rows).assign(base_commit=base, head_commit=head, base_run_s=base_s, head_run_s=head_s)
     write_table(table, REPO / "results" / "bench" / "refactor_check.parquet", provenance(config, model="smol"))
     equal = int(table.equal.sum())
-    print(f"{equal}/{len(table)} tables equal between {base[:12]} and {head[:12]} "
-          "(provenance and timing columns aside)")
+    print(
+        f"{equal}/{len(table)} tables equal between {base[:12]} and {head[:12]} (provenance and timing columns aside)"
+    )
     if equal != len(table):
         raise SystemExit(1)
 

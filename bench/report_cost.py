@@ -40,16 +40,21 @@ def main() -> None:
     job_tsv = args.workdir / "benchmarks/report/tables.tsv"
     rows = []
     for i in range(1, args.rounds + 1):
-        rule = timed([*base, "--cores", "2", "--forcerun", "report_tables", "--allowed-rules", "report_tables"],
-                     args.workdir)
+        rule = timed(
+            [*base, "--cores", "2", "--forcerun", "report_tables", "--allowed-rules", "report_tables"], args.workdir
+        )
         job = float(job_tsv.read_text().splitlines()[1].split("\t")[0])
         html = timed([*base, "--report", "results/report.html"], args.workdir)
         rows.append((rule, job, html))
-        print(f"round {i}: snakemake report_tables {rule:.1f} s (job {job:.1f} s), --report {html:.1f} s, "
-              f"stage total {rule + html:.1f} s")
+        print(
+            f"round {i}: snakemake report_tables {rule:.1f} s (job {job:.1f} s), --report {html:.1f} s, "
+            f"stage total {rule + html:.1f} s"
+        )
     med = [statistics.median(col) for col in zip(*rows)]
-    print(f"median: report_tables {med[0]:.1f} s (job {med[1]:.1f} s), --report {med[2]:.1f} s, "
-          f"stage total {med[0] + med[2]:.1f} s (budget 60 s)")
+    print(
+        f"median: report_tables {med[0]:.1f} s (job {med[1]:.1f} s), --report {med[2]:.1f} s, "
+        f"stage total {med[0] + med[2]:.1f} s (budget 60 s)"
+    )
 
 
 if __name__ == "__main__":

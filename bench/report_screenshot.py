@@ -20,12 +20,28 @@ import tempfile
 import time
 from pathlib import Path
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--hide-scrollbars",
+]
 # view name -> file name of the registered result to open (None: the landing page)
-VIEWS = {"landing": None, "overview": "overview.html", "claims": "claims.html", "recommendations": "recommendations.html",
-         "differences": "differences.html", "power": "power.html", "frontier": "frontier.png",
-         "correlation": "correlation.png", "pipeline_cost": "pipeline_cost.html"}
+VIEWS = {
+    "landing": None,
+    "overview": "overview.html",
+    "claims": "claims.html",
+    "recommendations": "recommendations.html",
+    "differences": "differences.html",
+    "power": "power.html",
+    "frontier": "frontier.png",
+    "correlation": "correlation.png",
+    "pipeline_cost": "pipeline_cost.html",
+}
 OPEN = """
 <script>
 window.addEventListener("load", () => setTimeout(() => {{
@@ -49,9 +65,20 @@ def chromium() -> str:
 def screenshot(browser: str, page: Path, out: Path, size: str, timeout: int) -> float:
     with tempfile.TemporaryDirectory(prefix="kvbench-chromium-") as profile:
         start = time.monotonic()
-        subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
-                        "--virtual-time-budget=4000", f"--screenshot={out}", page.resolve().as_uri()],
-                       check=True, capture_output=True, timeout=timeout)
+        subprocess.run(
+            [
+                browser,
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={size}",
+                "--virtual-time-budget=4000",
+                f"--screenshot={out}",
+                page.resolve().as_uri(),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+        )
         return time.monotonic() - start
 
 

@@ -54,9 +54,14 @@ def paged_cache(model_dir: str, tokens: int) -> tuple[list[torch.Tensor], ChunkS
     for layer in range(layers):
         c = torch.zeros(n // BLOCK, kv_heads, BLOCK, 2 * head)
         kc, vc = c.view(n // BLOCK, kv_heads, 2 * BLOCK, head).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(keys[layer, :n].reshape(n, kv_heads, head).contiguous(),
-                                       values[layer, :n].reshape(n, kv_heads, head).contiguous(), kc, vc,
-                                       torch.arange(n), "vec")
+        ops.cpu_attn_reshape_and_cache(
+            keys[layer, :n].reshape(n, kv_heads, head).contiguous(),
+            values[layer, :n].reshape(n, kv_heads, head).contiguous(),
+            kc,
+            vc,
+            torch.arange(n),
+            "vec",
+        )
         cache.append(c)
     return cache, ChunkSpec(layers, kv_heads, BLOCK, head, torch.float32)
 
@@ -102,16 +107,28 @@ def main() -> None:
                 raw_mb = stored["raw_bytes"] / 1e6
                 store_s = stored["encode_s"] + stored["set_s"]
                 load_s = lookup_s + loaded["get_s"] + loaded["decode_s"] + loaded["copy_s"]
-                rows.append({
-                    "round": rnd, "codec": codec, "chunks": len(blocks), "raw_bytes": stored["raw_bytes"],
-                    "wire_bytes": stored["wire_bytes"], "ratio": stored["raw_bytes"] / stored["wire_bytes"],
-                    "raw_set_mb_s": raw_mb / raw_set_s, "connector_store_mb_s": raw_mb / store_s,
-                    "raw_get_mb_s": raw_mb / raw_get_s, "connector_load_mb_s": loaded["raw_bytes"] / 1e6 / load_s,
-                    "store_encode_s": stored["encode_s"], "store_set_s": stored["set_s"], "load_lookup_s": lookup_s,
-                    "load_get_s": loaded["get_s"], "loaded_chunks": loaded["loaded_chunks"],
-                    "load_decode_s": loaded["decode_s"], "load_copy_s": loaded["copy_s"],
-                    "error": stored["error"] or loaded["error"],
-                })
+                rows.append(
+                    {
+                        "round": rnd,
+                        "codec": codec,
+                        "chunks": len(blocks),
+                        "raw_bytes": stored["raw_bytes"],
+                        "wire_bytes": stored["wire_bytes"],
+                        "ratio": stored["raw_bytes"] / stored["wire_bytes"],
+                        "raw_set_mb_s": raw_mb / raw_set_s,
+                        "connector_store_mb_s": raw_mb / store_s,
+                        "raw_get_mb_s": raw_mb / raw_get_s,
+                        "connector_load_mb_s": loaded["raw_bytes"] / 1e6 / load_s,
+                        "store_encode_s": stored["encode_s"],
+                        "store_set_s": stored["set_s"],
+                        "load_lookup_s": lookup_s,
+                        "load_get_s": loaded["get_s"],
+                        "loaded_chunks": loaded["loaded_chunks"],
+                        "load_decode_s": loaded["decode_s"],
+                        "load_copy_s": loaded["copy_s"],
+                        "error": stored["error"] or loaded["error"],
+                    }
+                )
                 client.delete(*keys, *raw_keys)
     table = pd.DataFrame(rows)
     summary = table.groupby("codec", sort=False).median(numeric_only=True)
@@ -119,13 +136,22 @@ def main() -> None:
     summary["load_vs_raw"] = summary.connector_load_mb_s / summary.raw_get_mb_s
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     table.to_parquet(args.out, index=False)
-    cols = ["ratio", "raw_set_mb_s", "connector_store_mb_s", "store_vs_raw", "raw_get_mb_s", "connector_load_mb_s",
-            "load_vs_raw"]
+    cols = [
+        "ratio",
+        "raw_set_mb_s",
+        "connector_store_mb_s",
+        "store_vs_raw",
+        "raw_get_mb_s",
+        "connector_load_mb_s",
+        "load_vs_raw",
+    ]
     print(summary[cols].round(2).to_string())
     for codec, row in summary.iterrows():
         ok = row.store_vs_raw >= BUDGET and row.load_vs_raw >= BUDGET
-        print(f"{codec}: store {row.store_vs_raw:.0%}, load {row.load_vs_raw:.0%} of raw "
-              f"({'>=' if ok else 'below'} {BUDGET:.0%})")
+        print(
+            f"{codec}: store {row.store_vs_raw:.0%}, load {row.load_vs_raw:.0%} of raw "
+            f"({'>=' if ok else 'below'} {BUDGET:.0%})"
+        )
     if "none" in summary.index:  # the budget: the transport, on the same bytes as the raw client
         none = summary.loc["none"]
         ok = none.store_vs_raw >= BUDGET and none.load_vs_raw >= BUDGET

@@ -45,7 +45,7 @@ forced row to its end before its branch (the same one-row passes, in another ord
 shared: other work lands in whichever path runs at the time; the paired per-round ratios cancel only
 drift slower than a round, so the spread over rounds is printed with the ratio.
 
-    .venv/bin/python bench/shared_prefill.py [--samples 4] [--rounds 2] [--tasks results/quality/tasks]
+    .venv/bin/python bench/shared_prefill.py [--samples 4] [--rounds 2] [--tasks results/quality/smollm2-135m/tasks]
     .venv/bin/python bench/shared_prefill.py --build-from ../other/results/corpus/realistic --tasks /tmp/tasks
 """
 
@@ -65,13 +65,24 @@ import pandas as pd
 import torch
 import yaml
 
+from kvbench.report.blocks import Block
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "results" / "bench" / "shared_prefill.parquet"
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
 PER_METHOD, SHARED, SHARED_ONE_ROW = "per-method", "shared", "shared-one-row"
 PATHS = (PER_METHOD, SHARED, SHARED_ONE_ROW)
-FIELDS = ("kv_bytes_prefill", "kv_bytes_end", "first_divergence", "same_output_as_reference", "kl_first", "kl_mean",
-          "kl_max", "top1_agreement", "fidelity_positions")
+FIELDS = (
+    "kv_bytes_prefill",
+    "kv_bytes_end",
+    "first_divergence",
+    "same_output_as_reference",
+    "kl_first",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "fidelity_positions",
+)
 T = TypeVar("T")
 
 
@@ -113,9 +124,18 @@ def requests(folder: Path, n: int) -> tuple[list[Any], frozenset[str]]:
         if not config["metadata"]["chat"]:
             plain.add(task)
         docs = [json.loads(line) for line in (folder / f"{task}.jsonl").read_text().splitlines()]
-        groups.append([Instance("generate_until", doc, (apply_template(config["doc_to_text"], doc),
-                                                        dict(config["generation_kwargs"])), i, (task, i, 1))
-                       for i, doc in enumerate(docs)])
+        groups.append(
+            [
+                Instance(
+                    "generate_until",
+                    doc,
+                    (apply_template(config["doc_to_text"], doc), dict(config["generation_kwargs"])),
+                    i,
+                    (task, i, 1),
+                )
+                for i, doc in enumerate(docs)
+            ]
+        )
     chosen = pick(groups, n)
     if len(chosen) < n:
         raise ValueError(f"{folder}: {len(chosen)} samples, {n} asked for (--samples)")
@@ -129,8 +149,12 @@ def build_task_folder(corpus: Path, folder: Path, config: Mapping[str, Any], mod
 
     if (folder / MANIFEST).exists():
         raise SystemExit(f"--build-from: {folder} already holds a task folder; remove it or leave out --build-from")
-    sources = load_sources(pd.read_parquet(corpus / "docs.parquet"), pd.read_parquet(corpus / "facts.parquet"), None,
-                           text_tokenizer(model_dir))
+    sources = load_sources(
+        pd.read_parquet(corpus / "docs.parquet"),
+        pd.read_parquet(corpus / "facts.parquet"),
+        None,
+        text_tokenizer(model_dir),
+    )
     write_tasks(build_tasks(config["quality"]["tasks"], sources, int(config["seed"])), folder)
 
 
@@ -142,15 +166,27 @@ def outcome(row: Any) -> dict[str, Any]:
     error = row.error or done.error
     if error is not None:
         return {"error": error}
-    out = {"tokens": done.tokens, "kv_bytes_end": done.bytes_end,
-           "first_divergence": row.divergence if row.reference is not None else None}
+    out = {
+        "tokens": done.tokens,
+        "kv_bytes_end": done.bytes_end,
+        "first_divergence": row.divergence if row.reference is not None else None,
+    }
     if row.reference is not None:
         out |= {"same_output_as_reference": done.tokens == row.reference.tokens, **summarize(row.kl, row.top1)}
     return out
 
 
-def per_method(model: Any, prompts: list[Any], methods: Mapping[str, dict[str, Any]], *, seed: int, reference: str,
-               fidelity_positions: int | None, cost: Any, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+def per_method(
+    model: Any,
+    prompts: list[Any],
+    methods: Mapping[str, dict[str, Any]],
+    *,
+    seed: int,
+    reference: str,
+    fidelity_positions: int | None,
+    cost: Any,
+    **_: Any,
+) -> dict[tuple[str, str], dict[str, Any]]:
     """Method after method (the reference first), sample after sample: the method's own prefill, then
     its rows decoded one per forward pass."""
     from kvbench.decode import Row, eos_ids, run_rows
@@ -172,9 +208,18 @@ def per_method(model: Any, prompts: list[Any], methods: Mapping[str, dict[str, A
                 continue
             cost.prefill_s += seconds
             mine = method == reference
-            row = Row(cache, logits, len(prompt.ids), prompt.max_new_tokens, eos, prompt.stop,
-                      reference=None if mine else references.get(prompt.key), forced_positions=fidelity_positions,
-                      keep_logprobs=mine, keep_positions=fidelity_positions)
+            row = Row(
+                cache,
+                logits,
+                len(prompt.ids),
+                prompt.max_new_tokens,
+                eos,
+                prompt.stop,
+                reference=None if mine else references.get(prompt.key),
+                forced_positions=fidelity_positions,
+                keep_logprobs=mine,
+                keep_positions=fidelity_positions,
+            )
             bytes_prefill = cache.nbytes()
             run_rows(model, [row], max_batch=1, tally=cost.decode)
             if mine and row.error is None:
@@ -183,22 +228,51 @@ def per_method(model: Any, prompts: list[Any], methods: Mapping[str, dict[str, A
     return results
 
 
-def shared(model: Any, prompts: list[Any], methods: Mapping[str, dict[str, Any]], *, seed: int, reference: str,
-           fidelity_positions: int | None, cost: Any, max_rows: int, prompts_per_batch: int,
-           ) -> dict[tuple[str, str], dict[str, Any]]:
+def shared(
+    model: Any,
+    prompts: list[Any],
+    methods: Mapping[str, dict[str, Any]],
+    *,
+    seed: int,
+    reference: str,
+    fidelity_positions: int | None,
+    cost: Any,
+    max_rows: int,
+    prompts_per_batch: int,
+) -> dict[tuple[str, str], dict[str, Any]]:
     """The quality engine, query-aware only."""
     from kvbench.quality import engine
 
-    outcomes, _ = engine.run(model, prompts, methods, protocols=(engine.QUERY_AWARE,), seed=seed, reference=reference,
-                             fidelity_positions=fidelity_positions, prompts_per_batch=prompts_per_batch,
-                             max_rows=max_rows, cost=cost, log=lambda _: None)
-    return {(method, key): {"error": o.error, **({"tokens": o.tokens} if o.error is None else {}),
-                            **{k: o.record[k] for k in FIELDS if k in o.record}}
-            for (method, _protocol, key), o in outcomes.items()}
+    outcomes, _ = engine.run(
+        model,
+        prompts,
+        methods,
+        protocols=(engine.QUERY_AWARE,),
+        seed=seed,
+        reference=reference,
+        fidelity_positions=fidelity_positions,
+        prompts_per_batch=prompts_per_batch,
+        max_rows=max_rows,
+        cost=cost,
+        log=lambda _: None,
+    )
+    return {
+        (method, key): {
+            "error": o.error,
+            **({"tokens": o.tokens} if o.error is None else {}),
+            **{k: o.record[k] for k in FIELDS if k in o.record},
+        }
+        for (method, _protocol, key), o in outcomes.items()
+    }
 
 
-def timed(run: Callable[..., dict], model: Any, prompts: list[Any], methods: Mapping[str, dict[str, Any]],
-          settings: Mapping[str, Any]) -> tuple[dict, dict[str, float | int]]:
+def timed(
+    run: Callable[..., dict],
+    model: Any,
+    prompts: list[Any],
+    methods: Mapping[str, dict[str, Any]],
+    settings: Mapping[str, Any],
+) -> tuple[dict, dict[str, float | int]]:
     from kvbench.quality.engine import Cost
 
     cost = Cost()
@@ -206,9 +280,15 @@ def timed(run: Callable[..., dict], model: Any, prompts: list[Any], methods: Map
     start, cpu = time.perf_counter(), time.process_time()
     results = run(model, prompts, methods, cost=cost, **settings)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return results, {"wall_s": wall, "cpu_s": cpu, "prefill_s": cost.prefill_s, "fork_s": cost.fork_s,
-                     "decode_s": cost.decode.seconds, "decode_steps": cost.decode.steps,
-                     "row_steps": cost.decode.row_steps}
+    return results, {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "prefill_s": cost.prefill_s,
+        "fork_s": cost.fork_s,
+        "decode_s": cost.decode.seconds,
+        "decode_steps": cost.decode.steps,
+        "row_steps": cost.decode.row_steps,
+    }
 
 
 def sample_rows(outputs: Mapping[str, list[dict]], prompts: list[Any], methods: list[str]) -> list[dict[str, Any]]:
@@ -221,11 +301,21 @@ def sample_rows(outputs: Mapping[str, list[dict]], prompts: list[Any], methods: 
                 first = results[0].get(key, {"error": "no outcome"})
                 tokens = first.get("tokens")
                 every = all(later.get(key, {}).get("tokens") == tokens for later in results[1:])
-                rows.append({"record": "sample", "path": path, "method": method, "sample": prompt.key,
-                             "prompt_tokens": len(prompt.ids), "max_new_tokens": prompt.max_new_tokens,
-                             "output_ids": tokens, "new_tokens": len(tokens) if tokens is not None else None,
-                             "error": first.get("error"), **{k: first.get(k) for k in FIELDS},
-                             "same_every_round": every})
+                rows.append(
+                    {
+                        "record": "sample",
+                        "path": path,
+                        "method": method,
+                        "sample": prompt.key,
+                        "prompt_tokens": len(prompt.ids),
+                        "max_new_tokens": prompt.max_new_tokens,
+                        "output_ids": tokens,
+                        "new_tokens": len(tokens) if tokens is not None else None,
+                        "error": first.get("error"),
+                        **{k: first.get(k) for k in FIELDS},
+                        "same_every_round": every,
+                    }
+                )
     return rows
 
 
@@ -239,11 +329,16 @@ def compare(samples: pd.DataFrame) -> pd.DataFrame:
         ok = other is not None and row.output_ids is not None and other.output_ids is not None
         same_bytes.append(bool(row.kv_bytes_prefill == other.kv_bytes_prefill) if ok else None)
         same_tokens.append(bool(list(row.output_ids) == list(other.output_ids)) if ok else None)
-        kl_diff.append(float(row.kl_mean) - float(other.kl_mean) if ok and pd.notna(row.kl_mean)
-                       and pd.notna(other.kl_mean) else None)
-    return samples.assign(same_prefill_bytes_as_per_method=pd.array(same_bytes, dtype="boolean"),
-                          same_tokens_as_per_method=pd.array(same_tokens, dtype="boolean"),
-                          kl_mean_minus_per_method=pd.array(kl_diff, dtype="Float64"))
+        kl_diff.append(
+            float(row.kl_mean) - float(other.kl_mean)
+            if ok and pd.notna(row.kl_mean) and pd.notna(other.kl_mean)
+            else None
+        )
+    return samples.assign(
+        same_prefill_bytes_as_per_method=pd.array(same_bytes, dtype="boolean"),
+        same_tokens_as_per_method=pd.array(same_tokens, dtype="boolean"),
+        kl_mean_minus_per_method=pd.array(kl_diff, dtype="Float64"),
+    )
 
 
 def _spread(values: pd.Series) -> str:
@@ -260,49 +355,92 @@ def render(table: pd.DataFrame) -> str:
     paths = [p for p in PATHS if p in set(rounds.path)]
     n = rounds["round"].nunique()
     first = rounds.iloc[0]
-    per_path = rounds.groupby("path")[["wall_s", "cpu_s", "prefill_s", "fork_s", "decode_s", "decode_steps",
-                                       "row_steps"]].median().reindex(paths)
-    per_path = per_path.rename(columns={"wall_s": "wall s", "cpu_s": "CPU s", "prefill_s": "prefill s",
-                                        "fork_s": "fork s", "decode_s": "decode s", "decode_steps": "forward passes",
-                                        "row_steps": "row-steps"}).rename_axis("path (median over rounds)")
+    per_path = (
+        rounds.groupby("path")[["wall_s", "cpu_s", "prefill_s", "fork_s", "decode_s", "decode_steps", "row_steps"]]
+        .median()
+        .reindex(paths)
+    )
+    per_path = per_path.rename(
+        columns={
+            "wall_s": "wall s",
+            "cpu_s": "CPU s",
+            "prefill_s": "prefill s",
+            "fork_s": "fork s",
+            "decode_s": "decode s",
+            "decode_steps": "forward passes",
+            "row_steps": "row-steps",
+        }
+    ).rename_axis("path (median over rounds)")
     wall = rounds.pivot(index="round", columns="path", values="wall_s")
     cpu = rounds.pivot(index="round", columns="path", values="cpu_s")
-    ratios = [(PER_METHOD, SHARED, "the quality stage's gain (both levers)"),
-              (PER_METHOD, SHARED_ONE_ROW, "the shared prefill alone"),
-              (SHARED_ONE_ROW, SHARED, "the batched decode alone")]
-    speedups = pd.DataFrame([{"speedup": f"{a} / {b}", "what": what,
-                              "wall: median [min, max]": _spread(wall[a] / wall[b]),
-                              "CPU: median [min, max]": _spread(cpu[a] / cpu[b]), "rounds": n}
-                             for a, b, what in ratios if a in wall and b in wall])
+    ratios = [
+        (PER_METHOD, SHARED, "the quality stage's gain (both levers)"),
+        (PER_METHOD, SHARED_ONE_ROW, "the shared prefill alone"),
+        (SHARED_ONE_ROW, SHARED, "the batched decode alone"),
+    ]
+    speedups = pd.DataFrame(
+        [
+            {
+                "speedup": f"{a} / {b}",
+                "what": what,
+                "wall: median [min, max]": _spread(wall[a] / wall[b]),
+                "CPU: median [min, max]": _spread(cpu[a] / cpu[b]),
+                "rounds": n,
+            }
+            for a, b, what in ratios
+            if a in wall and b in wall
+        ]
+    )
     pairs = samples[samples.path == PER_METHOD]
-    lines = [f"{int(first.samples)} samples ({int(first.prompt_tokens)} prompt tokens) x {int(first.methods)} methods, "
-             f"query-aware, {n} rounds interleaved (order rotated), {int(first.threads)} threads; one process.",
-             "", markdown_table(per_path.reset_index()), "", markdown_table(speedups), "",
-             f"Checks over {len(pairs)} method x sample pairs (each path's first timed round against the per-method "
-             "path's):"]
+    lines = [
+        f"{int(first.samples)} samples ({int(first.prompt_tokens)} prompt tokens) x {int(first.methods)} methods, "
+        f"query-aware, {n} rounds interleaved (order rotated), {int(first.threads)} threads; one process.",
+        "",
+        markdown_table(per_path.reset_index()),
+        "",
+        markdown_table(speedups),
+        "",
+        f"Checks over {len(pairs)} method x sample pairs (each path's first timed round against the per-method "
+        "path's):",
+    ]
     for path in paths[1:]:
         mine = samples[samples.path == path]
         kl = mine.kl_mean_minus_per_method.abs().dropna()
-        lines.append(f"- {path}: bytes after the prefill equal in {int(mine.same_prefill_bytes_as_per_method.sum())}"
-                     f"/{len(mine)}, same output tokens in {int(mine.same_tokens_as_per_method.sum())}/{len(mine)}, "
-                     f"max |kl_mean difference| {kl.max() if len(kl) else float('nan'):.3g} over {len(kl)} rows"
-                     + (" (expected: all equal, difference 0: one row per pass on both paths, the same arithmetic)"
-                        if path == SHARED_ONE_ROW else " (expected: bytes equal; tokens and KL may part by the batch's "
-                        "rounding: a projection over many rows sums in another order)"))
+        lines.append(
+            f"- {path}: bytes after the prefill equal in {int(mine.same_prefill_bytes_as_per_method.sum())}"
+            f"/{len(mine)}, same output tokens in {int(mine.same_tokens_as_per_method.sum())}/{len(mine)}, "
+            f"max |kl_mean difference| {kl.max() if len(kl) else float('nan'):.3g} over {len(kl)} rows"
+            + (
+                " (expected: all equal, difference 0: one row per pass on both paths, the same arithmetic)"
+                if path == SHARED_ONE_ROW
+                else " (expected: bytes equal; tokens and KL may part by the batch's "
+                "rounding: a projection over many rows sums in another order)"
+            )
+        )
     errors = samples[samples.error.notna()]
-    lines.append(f"- errors: {', '.join(f'{r.path} {r.method} {r.sample}: {r.error}' for r in errors.itertuples())}"
-                 if len(errors) else "- errors: none on any path")
+    lines.append(
+        f"- errors: {', '.join(f'{r.path} {r.method} {r.sample}: {r.error}' for r in errors.itertuples())}"
+        if len(errors)
+        else "- errors: none on any path"
+    )
     unstable = [f"{r.path} {r.method} {r.sample}" for r in samples.itertuples() if not r.same_every_round]
     lines.append(f"- same tokens in every round on every path: {'no: ' + ', '.join(unstable) if unstable else 'yes'}")
     return "\n".join(lines)
 
 
+BLOCKS = {"shared-prefill": Block(render, ("bench/shared_prefill.parquet",), make="make bench-prefill")}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "config" / "config.yaml"))
-    parser.add_argument("--tasks", default="results/quality/tasks", help="a quality task folder")
-    parser.add_argument("--build-from", type=Path, help="build --tasks first from this realistic corpus folder "
-                        "(docs.parquet, facts.parquet) with the config's quality.tasks")
+    parser.add_argument("--tasks", help="a quality task folder (default: results/quality/<first quality model>/tasks)")
+    parser.add_argument(
+        "--build-from",
+        type=Path,
+        help="build --tasks first from this realistic corpus folder "
+        "(docs.parquet, facts.parquet) with the config's quality.tasks",
+    )
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--methods", nargs="+", help="keys of methods: (default: the config's quality.methods)")
@@ -331,25 +469,43 @@ def main(argv: list[str] | None = None) -> None:
     reference = quality["reference"]
     methods = {m: config["methods"][m] for m in [reference, *(m for m in names if m != reference)]}
     model_name = quality["models"][0]
-    folder = Path(args.tasks)
+    folder = Path(args.tasks or f"results/quality/{model_name}/tasks")
     if args.build_from:
         build_task_folder(args.build_from, folder, config, model_dir(config, model_name))
     chosen, plain = requests(folder, args.samples)  # before the model loads: a short folder fails fast
     torch.set_num_threads(args.threads)
     seed = int(config["seed"])
     tokenizer = load_tokenizer(model_dir(config, model_name))
-    model = load_model(model_dir(config, model_name), "real", seed, getattr(torch, quality["compute_dtype"]),
-                       quality["device"])
-    lm = KvbenchLM(model, tokenizer, methods, seed=seed, max_gen_cap=int(quality["max_gen_cap"]),
-                   max_prompt_tokens=max_prompt_tokens(quality, model), plain_tasks=plain)
+    model = load_model(
+        model_dir(config, model_name), "real", seed, getattr(torch, quality["compute_dtype"]), quality["device"]
+    )
+    lm = KvbenchLM(
+        model,
+        tokenizer,
+        methods,
+        seed=seed,
+        max_gen_cap=int(quality["max_gen_cap"]),
+        max_prompt_tokens=max_prompt_tokens(quality, model),
+        plain_tasks=plain,
+    )
     prompts = [lm._prepare(request) for request in chosen]  # the adapter's truncation, template, stop, length
-    common = {"seed": seed, "reference": reference, "fidelity_positions": quality["fidelity_positions"],
-              "prompts_per_batch": int(quality["prompts_per_batch"])}
-    runs = {PER_METHOD: (per_method, common), SHARED: (shared, {**common, "max_rows": int(quality["max_rows"])}),
-            SHARED_ONE_ROW: (shared, {**common, "max_rows": 1})}
+    common = {
+        "seed": seed,
+        "reference": reference,
+        "fidelity_positions": quality["fidelity_positions"],
+        "prompts_per_batch": int(quality["prompts_per_batch"]),
+    }
+    runs = {
+        PER_METHOD: (per_method, common),
+        SHARED: (shared, {**common, "max_rows": int(quality["max_rows"])}),
+        SHARED_ONE_ROW: (shared, {**common, "max_rows": 1}),
+    }
     runs = {p: runs[p] for p in PATHS if p in args.paths}
-    print(f"{len(prompts)} samples ({', '.join(f'{p.key} {len(p.ids)} tokens' for p in prompts)}) x {len(methods)} "
-          f"methods, paths {', '.join(runs)}, {args.rounds} rounds, {args.threads} threads", flush=True)
+    print(
+        f"{len(prompts)} samples ({', '.join(f'{p.key} {len(p.ids)} tokens' for p in prompts)}) x {len(methods)} "
+        f"methods, paths {', '.join(runs)}, {args.rounds} rounds, {args.threads} threads",
+        flush=True,
+    )
 
     warm = [Prompt("warm-up", prompts[0].ids[:256], None, 2)]
     for path, (run, settings) in runs.items():
@@ -360,19 +516,40 @@ def main(argv: list[str] | None = None) -> None:
             run, settings = runs[path]
             results, seconds = timed(run, model, prompts, methods, settings)
             outputs.setdefault(path, []).append(results)
-            rows.append({"record": "round", "round": r, "place": place, "path": path, **seconds,
-                         "samples": len(prompts), "methods": len(methods),
-                         "prompt_tokens": sum(len(p.ids) for p in prompts), "threads": args.threads})
-            print(f"round {r} {path}: {seconds['wall_s']:.1f} s wall, {seconds['cpu_s']:.1f} s CPU (prefill "
-                  f"{seconds['prefill_s']:.1f}, forks {seconds['fork_s']:.1f}, decode {seconds['decode_s']:.1f} s in "
-                  f"{seconds['decode_steps']} passes, {seconds['row_steps']} row-steps)", flush=True)
+            rows.append(
+                {
+                    "record": "round",
+                    "round": r,
+                    "place": place,
+                    "path": path,
+                    **seconds,
+                    "samples": len(prompts),
+                    "methods": len(methods),
+                    "prompt_tokens": sum(len(p.ids) for p in prompts),
+                    "threads": args.threads,
+                }
+            )
+            print(
+                f"round {r} {path}: {seconds['wall_s']:.1f} s wall, {seconds['cpu_s']:.1f} s CPU (prefill "
+                f"{seconds['prefill_s']:.1f}, forks {seconds['fork_s']:.1f}, decode {seconds['decode_s']:.1f} s in "
+                f"{seconds['decode_steps']} passes, {seconds['row_steps']} row-steps)",
+                flush=True,
+            )
     rows += sample_rows(outputs, prompts, list(methods))
     table = pd.DataFrame(rows)
     per_sample = table.record == "sample"
     table = pd.concat([table[~per_sample], compare(table[per_sample].reset_index(drop=True))], ignore_index=True)
-    bench_config = {"seed": seed, "bench": "shared_prefill", "samples": args.samples, "rounds": args.rounds,
-                    "methods": list(methods), "paths": list(runs), "threads": args.threads, "quality": quality,
-                    "tasks": str(folder)}
+    bench_config = {
+        "seed": seed,
+        "bench": "shared_prefill",
+        "samples": args.samples,
+        "rounds": args.rounds,
+        "methods": list(methods),
+        "paths": list(runs),
+        "threads": args.threads,
+        "quality": quality,
+        "tasks": str(folder),
+    }
     write_table(table, args.out, provenance(bench_config, model=model_name))
     print(f"\n{render(table)}\n\nwrote {args.out}")
 

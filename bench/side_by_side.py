@@ -34,12 +34,11 @@ from typing import Any
 import pandas as pd
 import torch
 import yaml
-
 from transformers import DynamicCache
 
 from kvbench.harness import generate
-from kvbench.methods.catalog import build_cache
 from kvbench.kv.study import long_document, pick_documents
+from kvbench.methods.catalog import build_cache
 from kvbench.models import load_model, load_tokenizer
 from kvbench.prompts import build_prompts
 from kvbench.provenance import provenance, write_table
@@ -53,8 +52,14 @@ OURS["full"] = {"kind": "full"}  # fp32 as the peer's DynamicCache keeps it; app
 OURS["dynamic"] = {"kind": "full"}  # run as transformers' own DynamicCache (make_cache below)
 OURS["snapkv-fp32"] = OURS["snapkv"] | {"storage": "fp32"}
 # dynamic vs peer-full: the two venvs' transformers versions alone (the base of every raw ratio).
-PEER_OF = {"dynamic": "peer-full", "full": "peer-full", "snapkv": "kvpress-snapkv", "snapkv-fp32": "kvpress-snapkv",
-           "kivi2": "quanto-int2", "kivi4": "quanto-int4"}
+PEER_OF = {
+    "dynamic": "peer-full",
+    "full": "peer-full",
+    "snapkv": "kvpress-snapkv",
+    "snapkv-fp32": "kvpress-snapkv",
+    "kivi2": "quanto-int2",
+    "kivi4": "quanto-int4",
+}
 PEERS = ["peer-full", "kvpress-snapkv", "quanto-int2", "quanto-int4"]
 
 
@@ -84,7 +89,9 @@ def build_all_prompts(tokenizer: Any, contexts: list[int]) -> list[dict[str, Any
         if context <= 1024:
             prompts += build_prompts(docs, facts, tokenizer, 1, context, pick_documents)
             continue
-        joined = long_document(docs, lambda text: tokenizer(text).input_ids, context + 104).assign(doc_id=f"joined-{context}")
+        joined = long_document(docs, lambda text: tokenizer(text).input_ids, context + 104).assign(
+            doc_id=f"joined-{context}"
+        )
         # The joined document asks about the first realistic document's fact.
         first_fact = facts[facts.doc_id == sorted(docs.doc_id)[0]].assign(doc_id=f"joined-{context}")
         prompts += build_prompts(joined, first_fact, tokenizer, 1, context, pick_documents)
@@ -99,19 +106,36 @@ def our_round(model: Any, prompts: list[dict[str, Any]], new_tokens: int, round_
         for prompt in prompts:
             generate(model, OURS[name], prompt["input_ids"][:256], 2, make_cache=make_cache(name))  # warm-up, excluded
             run = generate(model, OURS[name], prompt["input_ids"], new_tokens, make_cache=make_cache(name))
-            rows.append({"implementation": "kvbench", "method": name, "round": round_, "prompt_id": prompt["prompt_id"],
-                         "context_tokens": run["context_tokens"], "new_tokens": run["new_tokens"], "ttft_s": run["ttft_s"],
-                         "tpot_s": run["tpot_s"], "kv_bytes_prefill": run["kv_bytes_prefill"], "kv_bytes_end": run["kv_bytes_end"],
-                         "output_ids": run["tokens"]})
-            print(f"round {round_} {name} {prompt['prompt_id']}: TTFT {run['ttft_s']:.2f} s, TPOT {run['tpot_s']:.3f} s",
-                  flush=True)
+            rows.append(
+                {
+                    "implementation": "kvbench",
+                    "method": name,
+                    "round": round_,
+                    "prompt_id": prompt["prompt_id"],
+                    "context_tokens": run["context_tokens"],
+                    "new_tokens": run["new_tokens"],
+                    "ttft_s": run["ttft_s"],
+                    "tpot_s": run["tpot_s"],
+                    "kv_bytes_prefill": run["kv_bytes_prefill"],
+                    "kv_bytes_end": run["kv_bytes_end"],
+                    "output_ids": run["tokens"],
+                }
+            )
+            print(
+                f"round {round_} {name} {prompt['prompt_id']}: TTFT {run['ttft_s']:.2f} s, TPOT {run['tpot_s']:.3f} s",
+                flush=True,
+            )
     return rows
 
 
 def run_ours(prompts: list[dict[str, Any]], new_tokens: int, round_: int, order: list[str]) -> list[dict]:
     """One round of ours in a fresh process, as each peer round runs (`--our-round`)."""
-    setup = {"prompts": [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"]} for p in prompts],
-             "new_tokens": new_tokens, "round": round_, "order": order}
+    setup = {
+        "prompts": [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"]} for p in prompts],
+        "new_tokens": new_tokens,
+        "round": round_,
+        "order": order,
+    }
     Path(".bench/ours_setup.json").write_text(json.dumps(setup))
     subprocess.run([sys.executable, __file__, "--our-round", ".bench/ours_setup.json", ".bench/ours.json"], check=True)
     return json.loads(Path(".bench/ours.json").read_text())
@@ -126,24 +150,42 @@ def our_round_process(setup_path: str, out_path: str) -> None:
 
 def peer_setup(prompts: list[dict[str, Any]], new_tokens: int, quanto_group: int, order: list[str]) -> dict:
     # The peers get our settings: SnapKV's window, kernel and keep ratio; KIVI's residual.
-    return {"snapkv": OURS["snapkv"], "quanto": {"group_size": quanto_group, "residual": OURS["kivi2"]["residual"]},
-            "new_tokens": new_tokens, "order": order, "threads": torch.get_num_threads(),
-            "prompts": [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"]} for p in prompts]}
+    return {
+        "snapkv": OURS["snapkv"],
+        "quanto": {"group_size": quanto_group, "residual": OURS["kivi2"]["residual"]},
+        "new_tokens": new_tokens,
+        "order": order,
+        "threads": torch.get_num_threads(),
+        "prompts": [{"prompt_id": p["prompt_id"], "input_ids": p["input_ids"]} for p in prompts],
+    }
 
 
 def run_peer(mode: str, setup: dict) -> dict:
     Path(".bench/setup.json").write_text(json.dumps(setup))
-    subprocess.run([PEER_PYTHON, "bench/peer_methods.py", mode, MODEL, ".bench/setup.json", ".bench/peers.json"],
-                   check=True)
+    subprocess.run(
+        [PEER_PYTHON, "bench/peer_methods.py", mode, MODEL, ".bench/setup.json", ".bench/peers.json"], check=True
+    )
     return json.loads(Path(".bench/peers.json").read_text())
 
 
 def peer_round(prompts, new_tokens: int, quanto_group: int, round_: int, rng: random.Random) -> tuple[list[dict], dict]:
     peers = run_peer("run", peer_setup(prompts, new_tokens, quanto_group, rng.sample(PEERS, len(PEERS))))
-    rows = [{"implementation": "peer", "method": p["method"], "round": round_, "prompt_id": p["prompt_id"],
-             "context_tokens": p["context_tokens"], "new_tokens": p["new_tokens"], "ttft_s": p["ttft_s"], "tpot_s": p["tpot_s"],
-             "kv_bytes_prefill": p["kv_bytes_prefill"], "kv_bytes_end": p["kv_bytes_end"],
-             "output_ids": p["output_ids"]} for p in peers["rows"]]
+    rows = [
+        {
+            "implementation": "peer",
+            "method": p["method"],
+            "round": round_,
+            "prompt_id": p["prompt_id"],
+            "context_tokens": p["context_tokens"],
+            "new_tokens": p["new_tokens"],
+            "ttft_s": p["ttft_s"],
+            "tpot_s": p["tpot_s"],
+            "kv_bytes_prefill": p["kv_bytes_prefill"],
+            "kv_bytes_end": p["kv_bytes_end"],
+            "output_ids": p["output_ids"],
+        }
+        for p in peers["rows"]
+    ]
     return rows, peers["versions"]
 
 
@@ -165,20 +207,38 @@ def pairs(table: pd.DataFrame) -> pd.DataFrame:
     by = table.set_index(["method", "round", "prompt_id"])
     for ours, peer in PEER_OF.items():
         for prompt_id in table.prompt_id.unique():
-            a, b = by.xs((ours, prompt_id), level=("method", "prompt_id")), by.xs((peer, prompt_id), level=("method", "prompt_id"))
+            a, b = (
+                by.xs((ours, prompt_id), level=("method", "prompt_id")),
+                by.xs((peer, prompt_id), level=("method", "prompt_id")),
+            )
             tpot_norm = (1 + a.tpot_overhead) / (1 + b.tpot_overhead)
-            rows.append({"ours": ours, "peer": peer, "prompt_id": prompt_id, "context_tokens": int(a.context_tokens.iloc[0]),
-                         "ttft_ratio": (a.ttft_s / b.ttft_s).median(), "tpot_ratio": (a.tpot_s / b.tpot_s).median(),
-                         "ttft_norm_ratio": ((1 + a.ttft_overhead) / (1 + b.ttft_overhead)).median(),
-                         "tpot_norm_ratio": tpot_norm.median(), "tpot_norm_ratio_min": tpot_norm.min(),
-                         "tpot_norm_ratio_max": tpot_norm.max(),
-                         "ttft_overhead_ours": a.ttft_overhead.median(), "ttft_overhead_peer": b.ttft_overhead.median(),
-                         "tpot_overhead_ours": a.tpot_overhead.median(), "tpot_overhead_peer": b.tpot_overhead.median(),
-                         "bytes_prefill_ours": int(a.kv_bytes_prefill.iloc[0]), "bytes_prefill_peer": int(b.kv_bytes_prefill.iloc[0]),
-                         "bytes_ours": int(a.kv_bytes_end.iloc[0]), "bytes_peer": int(b.kv_bytes_end.iloc[0]),
-                         "bytes_ratio": a.kv_bytes_end.iloc[0] / b.kv_bytes_end.iloc[0], "rounds": len(a),
-                         # TPOT averages over these steps: equal counts, or the pair says it is not
-                         "new_tokens_ours": int(a.new_tokens.median()), "new_tokens_peer": int(b.new_tokens.median())})
+            rows.append(
+                {
+                    "ours": ours,
+                    "peer": peer,
+                    "prompt_id": prompt_id,
+                    "context_tokens": int(a.context_tokens.iloc[0]),
+                    "ttft_ratio": (a.ttft_s / b.ttft_s).median(),
+                    "tpot_ratio": (a.tpot_s / b.tpot_s).median(),
+                    "ttft_norm_ratio": ((1 + a.ttft_overhead) / (1 + b.ttft_overhead)).median(),
+                    "tpot_norm_ratio": tpot_norm.median(),
+                    "tpot_norm_ratio_min": tpot_norm.min(),
+                    "tpot_norm_ratio_max": tpot_norm.max(),
+                    "ttft_overhead_ours": a.ttft_overhead.median(),
+                    "ttft_overhead_peer": b.ttft_overhead.median(),
+                    "tpot_overhead_ours": a.tpot_overhead.median(),
+                    "tpot_overhead_peer": b.tpot_overhead.median(),
+                    "bytes_prefill_ours": int(a.kv_bytes_prefill.iloc[0]),
+                    "bytes_prefill_peer": int(b.kv_bytes_prefill.iloc[0]),
+                    "bytes_ours": int(a.kv_bytes_end.iloc[0]),
+                    "bytes_peer": int(b.kv_bytes_end.iloc[0]),
+                    "bytes_ratio": a.kv_bytes_end.iloc[0] / b.kv_bytes_end.iloc[0],
+                    "rounds": len(a),
+                    # TPOT averages over these steps: equal counts, or the pair says it is not
+                    "new_tokens_ours": int(a.new_tokens.median()),
+                    "new_tokens_peer": int(b.new_tokens.median()),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -202,7 +262,7 @@ def main() -> None:
     rows, versions = [], {}
     for round_ in range(args.rounds):
         # Sides alternate which goes first (a coin flip over 3 rounds need not balance).
-        for side in (["peer", "ours"] if round_ % 2 == 0 else ["ours", "peer"]):
+        for side in ["peer", "ours"] if round_ % 2 == 0 else ["ours", "peer"]:
             if side == "peer":
                 peer_rows, versions = peer_round(prompts, args.new_tokens, args.quanto_group, round_, rng)
                 rows += peer_rows
@@ -210,17 +270,31 @@ def main() -> None:
                 rows += run_ours(prompts, args.new_tokens, round_, rng.sample(list(OURS), len(OURS)))
     table = add_overheads(pd.DataFrame(rows))
     pd.set_option("display.width", 250)
-    summary = table.groupby(["implementation", "method", "prompt_id"], sort=False).agg(
-        ttft_s=("ttft_s", "median"), tpot_s=("tpot_s", "median"), kv_bytes_end=("kv_bytes_end", "first"),
-        ttft_overhead=("ttft_overhead", "median"), tpot_overhead=("tpot_overhead", "median"),
-        rounds=("round", "nunique")).reset_index()
+    summary = (
+        table.groupby(["implementation", "method", "prompt_id"], sort=False)
+        .agg(
+            ttft_s=("ttft_s", "median"),
+            tpot_s=("tpot_s", "median"),
+            kv_bytes_end=("kv_bytes_end", "first"),
+            ttft_overhead=("ttft_overhead", "median"),
+            tpot_overhead=("tpot_overhead", "median"),
+            rounds=("round", "nunique"),
+        )
+        .reset_index()
+    )
     print(summary.to_string(index=False, float_format="%.3f"))
     compared = pairs(table)
     print(compared.to_string(index=False, float_format="%.3f"))
     table["peer_versions"] = json.dumps(versions, sort_keys=True)
     table["threads"] = torch.get_num_threads()
-    config = {"seed": args.seed, "bench": "side_by_side", "rounds": args.rounds, "new_tokens": args.new_tokens,
-              "contexts": args.contexts, "quanto_group": args.quanto_group}
+    config = {
+        "seed": args.seed,
+        "bench": "side_by_side",
+        "rounds": args.rounds,
+        "new_tokens": args.new_tokens,
+        "contexts": args.contexts,
+        "quanto_group": args.quanto_group,
+    }
     write_table(table, "results/bench/side_by_side.parquet", provenance(config, model="smollm2-135m"))
     write_table(compared, "results/bench/side_by_side_pairs.parquet", provenance(config, model="smollm2-135m"))
 
@@ -232,19 +306,27 @@ def render(pairs: pd.DataFrame) -> pd.DataFrame:
     both sides' measured bytes and decode steps."""
     pct = lambda col: (100 * pairs[col]).round(1)  # noqa: E731
     span = pairs.tpot_norm_ratio_min.round(3).astype(str) + "–" + pairs.tpot_norm_ratio_max.round(3).astype(str)
-    return pd.DataFrame({
-        "prompt": pairs.prompt_id, "tokens": pairs.context_tokens, "ours": pairs.ours, "peer": pairs.peer,
-        "TTFT ours/peer": pairs.ttft_ratio, "TPOT ours/peer": pairs.tpot_ratio,
-        "TTFT ours/peer ÷ DynamicCache": pairs.ttft_norm_ratio,
-        "TPOT ours/peer ÷ DynamicCache": pairs.tpot_norm_ratio,
-        "TPOT ÷ DynamicCache range": span,
-        "TTFT vs DynamicCache, ours %": pct("ttft_overhead_ours"),
-        "TTFT vs DynamicCache, peer %": pct("ttft_overhead_peer"),
-        "TPOT vs DynamicCache, ours %": pct("tpot_overhead_ours"),
-        "TPOT vs DynamicCache, peer %": pct("tpot_overhead_peer"),
-        "KV MB ours": pairs.bytes_ours / 1e6, "KV MB peer": pairs.bytes_peer / 1e6,
-        "new tokens ours/peer": pairs.new_tokens_ours.astype(str) + "/" + pairs.new_tokens_peer.astype(str),
-        "rounds": pairs.rounds})
+    return pd.DataFrame(
+        {
+            "prompt": pairs.prompt_id,
+            "tokens": pairs.context_tokens,
+            "ours": pairs.ours,
+            "peer": pairs.peer,
+            "TTFT ours/peer": pairs.ttft_ratio,
+            "TPOT ours/peer": pairs.tpot_ratio,
+            "TTFT ours/peer ÷ DynamicCache": pairs.ttft_norm_ratio,
+            "TPOT ours/peer ÷ DynamicCache": pairs.tpot_norm_ratio,
+            "TPOT ÷ DynamicCache range": span,
+            "TTFT vs DynamicCache, ours %": pct("ttft_overhead_ours"),
+            "TTFT vs DynamicCache, peer %": pct("ttft_overhead_peer"),
+            "TPOT vs DynamicCache, ours %": pct("tpot_overhead_ours"),
+            "TPOT vs DynamicCache, peer %": pct("tpot_overhead_peer"),
+            "KV MB ours": pairs.bytes_ours / 1e6,
+            "KV MB peer": pairs.bytes_peer / 1e6,
+            "new tokens ours/peer": pairs.new_tokens_ours.astype(str) + "/" + pairs.new_tokens_peer.astype(str),
+            "rounds": pairs.rounds,
+        }
+    )
 
 
 BLOCKS = {"peers": Block(render, ("bench/side_by_side_pairs.parquet",), make="make bench-peers")}

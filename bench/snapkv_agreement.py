@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+from side_by_side import MODEL, OURS, build_all_prompts, peer_setup, run_peer
 
 from kvbench.harness import attached
 from kvbench.methods.base import ModelShape
@@ -25,7 +26,6 @@ from kvbench.methods.kinds import settings_of
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
 from kvbench.report.blocks import Block
-from side_by_side import MODEL, OURS, build_all_prompts, peer_setup, run_peer
 
 
 @torch.inference_mode()
@@ -79,14 +79,31 @@ def main() -> None:
                 threshold = s.topk(keep).values[-1].item()
                 only = sorted(set(ours) ^ set(other))
                 gap = max((abs(s[p].item() - threshold) / threshold for p in only), default=0.0)
-                rows.append({"prompt_id": prompt["prompt_id"], "context_tokens": len(prompt["input_ids"]), "layer": layer,
-                             "head": head, "kept_ours": len(ours), "kept_kvpress": len(other),
-                             "shared": len(set(ours) & set(other)) / len(other), "max_relative_score_gap": gap})
+                rows.append(
+                    {
+                        "prompt_id": prompt["prompt_id"],
+                        "context_tokens": len(prompt["input_ids"]),
+                        "layer": layer,
+                        "head": head,
+                        "kept_ours": len(ours),
+                        "kept_kvpress": len(other),
+                        "shared": len(set(ours) & set(other)) / len(other),
+                        "max_relative_score_gap": gap,
+                    }
+                )
     table = pd.DataFrame(rows)
-    summary = table.groupby("prompt_id").agg(
-        context_tokens=("context_tokens", "first"), heads=("shared", "size"), mean_shared=("shared", "mean"),
-        min_shared=("shared", "min"), heads_identical=("shared", lambda s: (s == 1).mean()),
-        max_relative_score_gap=("max_relative_score_gap", "max")).reset_index()
+    summary = (
+        table.groupby("prompt_id")
+        .agg(
+            context_tokens=("context_tokens", "first"),
+            heads=("shared", "size"),
+            mean_shared=("shared", "mean"),
+            min_shared=("shared", "min"),
+            heads_identical=("shared", lambda s: (s == 1).mean()),
+            max_relative_score_gap=("max_relative_score_gap", "max"),
+        )
+        .reset_index()
+    )
     pd.set_option("display.width", 200)
     print(summary.to_string(index=False, float_format="%.6g"))
     table["peer_versions"] = json.dumps(peer["versions"], sort_keys=True)
@@ -96,14 +113,29 @@ def main() -> None:
 
 def render(t: pd.DataFrame) -> pd.DataFrame:
     """Per prompt, over its (layer, KV head) pairs: the share of kvpress's kept positions ours keeps."""
-    out = t.groupby("prompt_id", sort=False).agg(
-        tokens=("context_tokens", "first"), heads=("shared", "size"), mean_shared=("shared", "mean"),
-        min_shared=("shared", "min"), below_100=("shared", lambda s: int((s < 1).sum())),
-        max_gap=("max_relative_score_gap", "max")).reset_index()
+    out = (
+        t.groupby("prompt_id", sort=False)
+        .agg(
+            tokens=("context_tokens", "first"),
+            heads=("shared", "size"),
+            mean_shared=("shared", "mean"),
+            min_shared=("shared", "min"),
+            below_100=("shared", lambda s: int((s < 1).sum())),
+            max_gap=("max_relative_score_gap", "max"),
+        )
+        .reset_index()
+    )
     out[["mean_shared", "min_shared"]] = (100 * out[["mean_shared", "min_shared"]]).round(2)
-    return out.rename(columns={"prompt_id": "prompt", "heads": "(layer, head) pairs", "mean_shared": "mean shared %",
-                               "min_shared": "min shared %", "below_100": "pairs below 100 %",
-                               "max_gap": "max relative score gap"})
+    return out.rename(
+        columns={
+            "prompt_id": "prompt",
+            "heads": "(layer, head) pairs",
+            "mean_shared": "mean shared %",
+            "min_shared": "min shared %",
+            "below_100": "pairs below 100 %",
+            "max_gap": "max relative score gap",
+        }
+    )
 
 
 BLOCKS = {"snapkv-agreement": Block(render, ("bench/snapkv_agreement.parquet",), make="make bench-peers")}

@@ -98,8 +98,15 @@ def score_errors(keys: list[torch.Tensor], queries: list[torch.Tensor]) -> pd.Da
             p_hat = approx.masked_fill(causal, float("-inf")).log_softmax(-1)
             kl.append((p.exp() * (p - p_hat)).nan_to_num().sum(-1).mean().item())
             top.append((p.argmax(-1) == p_hat.argmax(-1)).float().mean().item())
-        rows.append({"method": name, "score_bias": sum(bias) / len(bias), "score_error_std": sum(spread) / len(spread),
-                     "attention_kl": sum(kl) / len(kl), "attention_top1": sum(top) / len(top)})
+        rows.append(
+            {
+                "method": name,
+                "score_bias": sum(bias) / len(bias),
+                "score_error_std": sum(spread) / len(spread),
+                "attention_kl": sum(kl) / len(kl),
+                "attention_top1": sum(top) / len(top),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -111,8 +118,13 @@ def next_token_kl(model, ids: list[int], tokens: int) -> pd.DataFrame:
     for name, spec in METHODS.items():
         logp = teacher_forced(model, spec, ids, answer)
         kl = (reference.exp() * (reference - logp)).sum(-1)
-        rows.append({"method": name, "next_token_kl": kl.mean().item(),
-                     "top1_agreement": (logp.argmax(-1) == reference.argmax(-1)).float().mean().item()})
+        rows.append(
+            {
+                "method": name,
+                "next_token_kl": kl.mean().item(),
+                "top1_agreement": (logp.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+            }
+        )
         print(f"{name}: KL {rows[-1]['next_token_kl']:.4f}, top-1 {rows[-1]['top1_agreement']:.2f}", flush=True)
     return pd.DataFrame(rows)
 
@@ -134,8 +146,9 @@ def main() -> None:
 
 def render(t: pd.DataFrame) -> pd.DataFrame:
     """Per method: key-score error on real K and queries, and next-token fidelity to full."""
-    return t[["method", "score_bias", "score_error_std", "attention_kl", "attention_top1", "next_token_kl",
-              "top1_agreement"]].round(4)
+    return t[
+        ["method", "score_bias", "score_error_std", "attention_kl", "attention_top1", "next_token_kl", "top1_agreement"]
+    ].round(4)
 
 
 def render_reading(t: pd.DataFrame) -> str:
@@ -147,17 +160,22 @@ def render_reading(t: pd.DataFrame) -> str:
         prod, mse = f"turboquant{bits}", f"turboquant{bits}-mse"
         if prod in rows.index and mse in rows.index:
             p, m = rows.loc[prod], rows.loc[mse]
-            parts.append(f"at {bits} bits the product variant's score bias is {p.score_bias:+.4f} (MSE variant "
-                         f"{m.score_bias:+.4f}) but its error spreads {fmt(p.score_error_std)} against "
-                         f"{fmt(m.score_error_std)} ({fmt(p.score_error_std / m.score_error_std)}×), giving "
-                         f"attention KL {fmt(p.attention_kl)} vs {fmt(m.attention_kl)} and next-token KL "
-                         f"{fmt(p.next_token_kl)} vs {fmt(m.next_token_kl)}")
+            parts.append(
+                f"at {bits} bits the product variant's score bias is {p.score_bias:+.4f} (MSE variant "
+                f"{m.score_bias:+.4f}) but its error spreads {fmt(p.score_error_std)} against "
+                f"{fmt(m.score_error_std)} ({fmt(p.score_error_std / m.score_error_std)}×), giving "
+                f"attention KL {fmt(p.attention_kl)} vs {fmt(m.attention_kl)} and next-token KL "
+                f"{fmt(p.next_token_kl)} vs {fmt(m.next_token_kl)}"
+            )
     return "; ".join(parts) or "no TurboQuant product / MSE pair in the table"
 
 
-BLOCKS = {"turboquant-scores": Block(render, ("bench/turboquant_scores.parquet",), make="make bench-core"),
-          "turboquant-scores-reading": Block(render_reading, ("bench/turboquant_scores.parquet",), make="make bench-core",
-                                             inline=True)}
+BLOCKS = {
+    "turboquant-scores": Block(render, ("bench/turboquant_scores.parquet",), make="make bench-core"),
+    "turboquant-scores-reading": Block(
+        render_reading, ("bench/turboquant_scores.parquet",), make="make bench-core", inline=True
+    ),
+}
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ FILLER = [
 ]
 
 
-def tiny_corpus(seed: int = 7, docs_per_type: int = 2, sentences: int = 6, drop: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+def tiny_corpus(
+    seed: int = 7, docs_per_type: int = 2, sentences: int = 6, drop: str | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Documents and their located facts; `drop` names a fact left out of every text (never present)."""
     docs, facts = [], []
     for plan in plan_documents(["medical", "legal"], docs_per_type, seed):
@@ -37,8 +39,10 @@ def tiny_corpus(seed: int = 7, docs_per_type: int = 2, sentences: int = 6, drop:
             lines = rng.sample(FILLER, sentences)
             for key, value in stated[index::3]:
                 unit = labels[key].get("unit")
-                lines.insert(rng.randrange(len(lines)), f"The {labels[key]['label'].lower()} was {value}"
-                             f"{' ' + unit + 's' if unit else ''}.")
+                lines.insert(
+                    rng.randrange(len(lines)),
+                    f"The {labels[key]['label'].lower()} was {value}{' ' + unit + 's' if unit else ''}.",
+                )
             start = len(text) + 2
             text += f"\n\n{name.upper()}\n" + " ".join(lines)
             sections.append(Section(name, start, len(text), 0))
@@ -46,7 +50,16 @@ def tiny_corpus(seed: int = 7, docs_per_type: int = 2, sentences: int = 6, drop:
             text = text.replace(plan.facts[drop], "(withheld)")
         kept, _ = locate_facts(GeneratedDoc(plan, text, header_end, sections, 0))
         facts += kept
-        docs.append({"doc_id": plan.doc_id, "corpus": "realistic", "domain": plan.domain, "doc_type": plan.doc_type,
-                     "title": plan.title, "text": text, "sections": json.dumps([[s.name, s.start, s.end] for s in sections]),
-                     "fact_sheet": json.dumps(plan.facts)})
+        docs.append(
+            {
+                "doc_id": plan.doc_id,
+                "corpus": "realistic",
+                "domain": plan.domain,
+                "doc_type": plan.doc_type,
+                "title": plan.title,
+                "text": text,
+                "sections": json.dumps([[s.name, s.start, s.end] for s in sections]),
+                "fact_sheet": json.dumps(plan.facts),
+            }
+        )
     return pd.DataFrame(docs), pd.DataFrame(facts)

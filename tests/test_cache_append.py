@@ -51,8 +51,9 @@ def test_a_cropped_view_of_its_own_room_is_copied_not_overwritten():
     assert after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("shape, dtype", [((2, 1, 5, 4), torch.float16), ((1, 2, 3, 16), torch.uint8),
-                                          ((3, 4, 1, 2), torch.float32)])
+@pytest.mark.parametrize(
+    "shape, dtype", [((2, 1, 5, 4), torch.float16), ((1, 2, 3, 16), torch.uint8), ((3, 4, 1, 2), torch.float32)]
+)
 def test_append_equals_concatenation_for_batches_single_heads_and_storage_dtypes(shape, dtype):
     layer, gen = MethodLayer(), torch.Generator().manual_seed(2)
     layer.values = (torch.rand(*shape, generator=gen) * 100).to(dtype)
@@ -63,7 +64,9 @@ def test_append_equals_concatenation_for_batches_single_heads_and_storage_dtypes
         assert torch.equal(layer.append("values", new), expected)
 
 
-@pytest.mark.parametrize("new", [torch.zeros(1, 2, 1, 8), torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 8, dtype=torch.float16)])
+@pytest.mark.parametrize(
+    "new", [torch.zeros(1, 2, 1, 8), torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 8, dtype=torch.float16)]
+)
 def test_append_refuses_what_concatenation_would(new):
     with pytest.raises(ValueError, match="cannot append"):
         prefilled().append("keys", new)
@@ -87,9 +90,15 @@ def pre_hooks(model) -> list[int]:
 
 # After one decode step SnapKV and CaM at prefill hold their 32 kept tokens plus the new one; H2O
 # evicts back to 32; CaM's decode schedule keeps scoring (it needs every step's query).
-@pytest.mark.parametrize("spec, hooks_in_decode, held", [
-    ({"kind": "snapkv", "keep_ratio": 0.5}, 0, 33), ({"kind": "cam", "keep_ratio": 0.5}, 0, 33),
-    ({"kind": "h2o", "keep_ratio": 0.5}, 1, 32), ({"kind": "cam", "target": 48, "window": 8}, 1, 65)])
+@pytest.mark.parametrize(
+    "spec, hooks_in_decode, held",
+    [
+        ({"kind": "snapkv", "keep_ratio": 0.5}, 0, 33),
+        ({"kind": "cam", "keep_ratio": 0.5}, 0, 33),
+        ({"kind": "h2o", "keep_ratio": 0.5}, 1, 32),
+        ({"kind": "cam", "target": 48, "window": 8}, 1, 65),
+    ],
+)
 def test_query_hooks_stay_only_while_a_layer_needs_queries(model_dir, spec, hooks_in_decode, held):
     from kvbench.harness import attached
     from kvbench.methods.base import ModelShape

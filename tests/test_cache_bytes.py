@@ -21,8 +21,15 @@ FIXTURE = Path(__file__).parent / "data" / "legal-contract-00.txt"
 # compression, TurboQuant's MSE variant.
 EXTRA = {
     "full-fp32": {"kind": "full"},
-    "cam-decode": {"kind": "cam", "window": 8, "kernel": 7, "interval": 3, "target": 600, "buffer": 16,
-                   "merge_budget": 32},
+    "cam-decode": {
+        "kind": "cam",
+        "window": 8,
+        "kernel": 7,
+        "interval": 3,
+        "target": 600,
+        "buffer": 16,
+        "merge_budget": 32,
+    },
     "cam-both": {"kind": "cam", "window": 16, "capacity": 700, "interval": 2, "target": 500, "selection": "per_head"},
     "turboquant3-mse": {"kind": "turboquant", "bits": 3, "variant": "mse"},
 }

@@ -28,8 +28,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvbench.tinyrun import FAKE_SLURM, REPO, SLURM_ARGS, SNAKEMAKE, cancel_fake_slurm_jobs, default_config, \
-    snakemake, write_config
+from kvbench.tinyrun import (
+    FAKE_SLURM,
+    REPO,
+    SLURM_ARGS,
+    SNAKEMAKE,
+    cancel_fake_slurm_jobs,
+    default_config,
+    snakemake,
+    write_config,
+)
 
 sys.path.insert(0, str(REPO / "tests" / "fake_hub"))
 import fake_hub  # noqa: E402
@@ -58,11 +66,22 @@ def make_hub(root: Path, model_dir: Path) -> None:
     (longbench / "qasper").mkdir(parents=True)
     (longbench / "README.md").write_text(
         "---\nconfigs:\n- config_name: qasper\n  data_files:\n  - split: test\n    path: qasper/test-*\n"
-        "---\nFAKE rows\n")
+        "---\nFAKE rows\n"
+    )
     contract = (REPO / "tests" / "data" / "legal-contract-00.txt").read_text()
-    rows = [{"question": f"Which clause number is {i}?", "context": contract[300 * i: 300 * i + 600],
-             "answers": [f"clause {i}"], "length": 120, "dataset": "qasper", "language": "en", "all_classes": None,
-             "_id": f"fake-{i}"} for i in range(QASPER_ROWS)]
+    rows = [
+        {
+            "question": f"Which clause number is {i}?",
+            "context": contract[300 * i : 300 * i + 600],
+            "answers": [f"clause {i}"],
+            "length": 120,
+            "dataset": "qasper",
+            "language": "en",
+            "all_classes": None,
+            "_id": f"fake-{i}",
+        }
+        for i in range(QASPER_ROWS)
+    ]
     pd.DataFrame(rows).to_parquet(longbench / "qasper" / "test-00000-of-00001.parquet")
 
 
@@ -73,8 +92,14 @@ def offline_config(workdir: Path, models: dict) -> dict:
     config["corpus"].update(generator="smol", tokenizer="smol")
     config["kv"]["model"] = config["serve"]["model"] = "smol"
     config["system"]["models"] = ["smol"]
-    config["quality"].update(models=["smol"], methods=["full", "snapkv"], tasks={}, max_gen_cap=4,
-                             lm_eval_tasks=["longbench_qasper"], lm_eval_limit=LIMIT)
+    config["quality"].update(
+        models=["smol"],
+        methods=["full", "snapkv"],
+        tasks={},
+        max_gen_cap=4,
+        lm_eval_tasks=["longbench_qasper"],
+        lm_eval_limit=LIMIT,
+    )
     return config
 
 
@@ -94,8 +119,13 @@ def prefetch(config_path: Path, endpoint: str, token: str | None = None) -> subp
     env |= {"HF_ENDPOINT": endpoint, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
     if token:
         env["HF_TOKEN"] = token
-    return subprocess.run(["make", "-s", "-C", str(REPO), "prefetch", f"CONFIG={config_path}"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ["make", "-s", "-C", str(REPO), "prefetch", f"CONFIG={config_path}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def fake_slurm_jobs(workdir: Path) -> list[dict]:
@@ -123,9 +153,17 @@ def cluster(hub, tmp_path_factory):
         ran = snakemake(workdir, None, *TARGETS, "--configfile", str(config_path), slurm=True, timeout=1200)
     finally:
         os.environ.pop("HF_ENDPOINT")
-    return {"workdir": workdir, "config": config, "config_path": config_path, "refused": refused,
-            "refused_jobs": refused_jobs, "refused_made_model": refused_made_model, "prefetch": fetched, "ran": ran,
-            "hub_requests_during_run": (root / "requests.log").read_text()[len(requests_after_prefetch):]}
+    return {
+        "workdir": workdir,
+        "config": config,
+        "config_path": config_path,
+        "refused": refused,
+        "refused_jobs": refused_jobs,
+        "refused_made_model": refused_made_model,
+        "prefetch": fetched,
+        "ran": ran,
+        "hub_requests_during_run": (root / "requests.log").read_text()[len(requests_after_prefetch) :],
+    }
 
 
 def test_without_a_prefetch_the_run_stops_before_any_job_naming_the_command(cluster):
@@ -187,10 +225,26 @@ def test_a_job_whose_node_lacks_a_prefetched_file_fails_naming_the_command(clust
     hold = workdir / "hold"
     hold.touch()
     state = workdir / ".fake_slurm"
-    env = dict(os.environ) | {"PATH": f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}", "FAKE_SLURM_DIR": str(state),
-                              "FAKE_SLURM_HOLD": str(hold)}
-    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "-d", str(workdir), *TARGETS, "--configfile",
-           str(cluster["config_path"]), "--retries", "0", "--forcerun", "quality_reference", *SLURM_ARGS]
+    env = dict(os.environ) | {
+        "PATH": f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SLURM_DIR": str(state),
+        "FAKE_SLURM_HOLD": str(hold),
+    }
+    cmd = [
+        SNAKEMAKE,
+        "-s",
+        str(REPO / "Snakefile"),
+        "-d",
+        str(workdir),
+        *TARGETS,
+        "--configfile",
+        str(cluster["config_path"]),
+        "--retries",
+        "0",
+        "--forcerun",
+        "quality_reference",
+        *SLURM_ARGS,
+    ]
     before = len(fake_slurm_jobs(workdir))
     with subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
@@ -218,8 +272,9 @@ def test_a_gated_model_is_refused_with_its_licence_then_fetched_with_a_token(hub
     _, endpoint = hub
     config = offline_config(tmp_path, {"smol": {"path": str(tmp_path)}, "gated": {"hub": GATED_REPO}})
     config["quality"]["lm_eval_tasks"] = []
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "hidden_size": 64,
-                                                      "num_attention_heads": 1}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"max_position_embeddings": 8192, "hidden_size": 64, "num_attention_heads": 1})
+    )
     config_path = write_config(tmp_path, config)
     refused = prefetch(config_path, endpoint)
     assert refused.returncode != 0
@@ -233,4 +288,3 @@ def test_a_gated_model_is_refused_with_its_licence_then_fetched_with_a_token(hub
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     manifest = json.loads((Path(config["hub_cache"]) / "kvbench-prefetch.json").read_text())
     assert list(manifest["models"]) == [GATED_REPO]
-

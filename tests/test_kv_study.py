@@ -7,9 +7,16 @@ from kvbench.kv.study import KVSettings, document_rows, pick_documents, run_stud
 from kvbench.kv.summary import claim_text, inflation_factors
 from kvbench.models import DUMMY_RANGE, load_model
 
-SETTINGS = KVSettings(context_tokens=300, docs_per_corpus=2, dtypes=("fp16", "bf16", "fp8_e4m3"),
-                      codecs=("none", "zstd-1", "zstd-3+byteplane", "lz4+byteplane"), detail_dtypes=("fp16",),
-                      detail_codecs=("zstd-3",), chunk_tokens=256, repeats=1)
+SETTINGS = KVSettings(
+    context_tokens=300,
+    docs_per_corpus=2,
+    dtypes=("fp16", "bf16", "fp8_e4m3"),
+    codecs=("none", "zstd-1", "zstd-3+byteplane", "lz4+byteplane"),
+    detail_dtypes=("fp16",),
+    detail_codecs=("zstd-3",),
+    chunk_tokens=256,
+    repeats=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +75,27 @@ def test_weight_variants_are_deterministic(model_dir):
 
 
 def test_pick_documents_round_robins_domains_and_doc_types():
-    docs = pd.DataFrame({
-        "doc_id": ["la0", "la1", "lb0", "lc0", "ma0", "mb0", "mb1"],
-        "domain": ["legal", "legal", "legal", "legal", "medical", "medical", "medical"],
-        "doc_type": ["la", "la", "lb", "lc", "ma", "mb", "mb"],
-    })
+    docs = pd.DataFrame(
+        {
+            "doc_id": ["la0", "la1", "lb0", "lc0", "ma0", "mb0", "mb1"],
+            "domain": ["legal", "legal", "legal", "legal", "medical", "medical", "medical"],
+            "doc_type": ["la", "la", "lb", "lc", "ma", "mb", "mb"],
+        }
+    )
     assert list(pick_documents(docs, 4).doc_id) == ["la0", "ma0", "lb0", "mb0"]
     assert list(pick_documents(docs, 7).doc_id) == ["la0", "ma0", "lb0", "mb0", "lc0", "la1", "mb1"]
 
 
 def test_fake_failure_on_one_document_is_recorded_not_dropped(real_model, tokenizer):
-    docs = pd.DataFrame({"doc_id": ["ok", "bad"], "corpus": "c", "domain": "d", "doc_type": ["x", "y"],
-                         "text": ["A short document.", "FAIL"]})
+    docs = pd.DataFrame(
+        {
+            "doc_id": ["ok", "bad"],
+            "corpus": "c",
+            "domain": "d",
+            "doc_type": ["x", "y"],
+            "text": ["A short document.", "FAIL"],
+        }
+    )
 
     def encode(text):
         if text == "FAIL":
@@ -94,11 +110,26 @@ def test_fake_failure_on_one_document_is_recorded_not_dropped(real_model, tokeni
 
 def test_inflation_factor_is_the_ratio_of_pooled_ratios():
     rows = []
-    for corpus, weights, comp in [("realistic", "real", 80), ("realistic", "dummy", 20),
-                                  ("synthetic", "real", 40), ("synthetic", "dummy", 5)]:
+    for corpus, weights, comp in [
+        ("realistic", "real", 80),
+        ("realistic", "dummy", 20),
+        ("synthetic", "real", 40),
+        ("synthetic", "dummy", 5),
+    ]:
         for part in ("K", "V"):
-            rows.append({"corpus": corpus, "weights": weights, "dtype": "fp16", "codec": "zstd-3", "part": part,
-                         "doc_id": "d", "raw_bytes": 100, "compressed_bytes": comp, "error": None})
+            rows.append(
+                {
+                    "corpus": corpus,
+                    "weights": weights,
+                    "dtype": "fp16",
+                    "codec": "zstd-3",
+                    "part": part,
+                    "doc_id": "d",
+                    "raw_bytes": 100,
+                    "compressed_bytes": comp,
+                    "error": None,
+                }
+            )
     factors = inflation_factors(pd.DataFrame(rows)).set_index(["comparison", "held_fixed"])
     assert factors.loc[("dummy_vs_real", "corpus=realistic"), "inflation"] == pytest.approx(4.0)
     assert factors.loc[("synthetic_vs_realistic", "weights=real"), "inflation"] == pytest.approx(2.0)
@@ -114,7 +145,9 @@ def test_underflow_is_counted_per_dtype_to_the_bit():
     # fp16: smallest normal 6.1e-5, smallest subnormal 6.0e-8; bf16 has fp32's range; fp8 e4m3:
     # smallest normal 2^-6, smallest subnormal 2^-9.
     x = torch.tensor([1e-6, 1e-8, 0.0, 1.0, 7e-5, -3e-7])
-    counts = {d: (s.below_normal, s.flushed_to_zero, s.values) for d in ("fp16", "bf16", "fp8_e4m3") for s in [store(x, d)]}
+    counts = {
+        d: (s.below_normal, s.flushed_to_zero, s.values) for d in ("fp16", "bf16", "fp8_e4m3") for s in [store(x, d)]
+    }
     assert counts == {"fp16": (3, 1, 6), "bf16": (0, 0, 6), "fp8_e4m3": (4, 4, 6)}
 
 
@@ -134,10 +167,25 @@ def test_summary_puts_per_layer_ratios_and_underflow_beside_whole_cache_ratios()
     whole, layers = [], []
     for corpus, weights, comp, below in [("realistic", "real", 80, 0), ("synthetic", "dummy", 5, 90)]:
         for part in ("K", "V"):
-            key = {"corpus": corpus, "weights": weights, "dtype": "fp16", "codec": "zstd-3", "part": part,
-                   "doc_id": "d", "error": None}
-            whole.append({**key, "raw_bytes": 100, "compressed_bytes": comp, "values": 50, "below_normal": below // 2,
-                          "flushed_to_zero": 0})
+            key = {
+                "corpus": corpus,
+                "weights": weights,
+                "dtype": "fp16",
+                "codec": "zstd-3",
+                "part": part,
+                "doc_id": "d",
+                "error": None,
+            }
+            whole.append(
+                {
+                    **key,
+                    "raw_bytes": 100,
+                    "compressed_bytes": comp,
+                    "values": 50,
+                    "below_normal": below // 2,
+                    "flushed_to_zero": 0,
+                }
+            )
             for layer in range(2):  # each layer alone compresses less than the whole cache
                 layers.append({**key, "layer": layer, "raw_bytes": 50, "compressed_bytes": comp, "values": 25})
     factors = inflation_factors(pd.DataFrame(whole), pd.DataFrame(layers)).set_index("comparison")

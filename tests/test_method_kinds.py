@@ -14,7 +14,14 @@ import pytest
 from kvbench.methods.base import ModelShape
 from kvbench.methods.catalog import build_cache
 from kvbench.methods.kinds import (
-    KINDS, CaMSettings, H2OSettings, KiviSettings, SnapKVSettings, StreamingLLMSettings, declared, methods_table,
+    KINDS,
+    CaMSettings,
+    H2OSettings,
+    KiviSettings,
+    SnapKVSettings,
+    StreamingLLMSettings,
+    declared,
+    methods_table,
     settings_of,
 )
 from kvbench.tinyrun import REPO
@@ -60,12 +67,18 @@ def test_settings_are_typed_and_filled_from_the_declaration():
 
 def test_the_implementations_use_the_declared_defaults():
     snap = build_cache({"kind": "snapkv"}, SHAPE).layers[0]
-    assert (snap.window, snap.kernel, snap.pooling) == (32, 7, "avg") == tuple(
-        declared(SnapKVSettings)[n].default for n in ("window", "kernel", "pooling"))
+    assert (
+        (snap.window, snap.kernel, snap.pooling)
+        == (32, 7, "avg")
+        == tuple(declared(SnapKVSettings)[n].default for n in ("window", "kernel", "pooling"))
+    )
     cam = build_cache({"kind": "cam", "target": 100}, SHAPE).layers[0]
     defaults = CaMSettings(target=100)
-    assert (cam.window, cam.merge_budget, cam.interval, cam.buffer, cam.shared) == (
-        defaults.window, defaults.merge_budget, defaults.interval, defaults.buffer, True) == (16, 32, 32, 64, True)
+    assert (
+        (cam.window, cam.merge_budget, cam.interval, cam.buffer, cam.shared)
+        == (defaults.window, defaults.merge_budget, defaults.interval, defaults.buffer, True)
+        == (16, 32, 32, 64, True)
+    )
     kivi = build_cache({"kind": "kivi", "bits": 2}, SHAPE).layers[0]
     assert (kivi.group, kivi.residual) == (KiviSettings(bits=2).group_size, KiviSettings(bits=2).residual) == (32, 128)
     sinks = build_cache({"kind": "streamingllm", "window": 8}, SHAPE).layers[0]
@@ -136,10 +149,12 @@ def test_each_method_module_imported_first_and_alone_registers_its_kind():
 
 
 def test_the_config_check_imports_neither_torch_nor_a_stage_from_config():
-    code = ("import sys\nimport kvbench.config\n"
-            "stages = [m for m in sys.modules if m.split('.')[:2] in (['kvbench', s] for s in "
-            "('methods', 'serve', 'quality', 'corpus', 'kv', 'system', 'report'))]\n"
-            "assert not stages, stages\n"
-            "import kvbench.checks\nassert 'torch' not in sys.modules")
+    code = (
+        "import sys\nimport kvbench.config\n"
+        "stages = [m for m in sys.modules if m.split('.')[:2] in (['kvbench', s] for s in "
+        "('methods', 'serve', 'quality', 'corpus', 'kv', 'system', 'report'))]\n"
+        "assert not stages, stages\n"
+        "import kvbench.checks\nassert 'torch' not in sys.modules"
+    )
     result = _fresh(code)
     assert result.returncode == 0, result.stdout + result.stderr

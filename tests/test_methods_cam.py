@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvbench.methods.base import ModelShape, layer_seed
-from kvbench.methods.catalog import build_cache
 from kvbench.methods.cam import cam_compress
+from kvbench.methods.catalog import build_cache
 from kvbench.methods.eviction import attention_probs, snapkv_scores
 
 SHAPE = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=16)
@@ -51,18 +51,28 @@ def case(tokens=60, seed=0, shared=False, zero_attn=False):
     return values, scores, attn
 
 
-@pytest.mark.parametrize("keep, new, budget, shared, zero_attn", [
-    (20, 100, 4, False, False),  # prefill: every evicted token is a candidate
-    (20, 7, 4, False, False),  # decode: only the 7 best-scoring evicted tokens
-    (30, 100, 32, True, False),  # kvpress's shared selection; windows cut short at the end
-    (15, 9, 3, False, True),  # zero attention: 0/0 never merges, x/0 always does
-])
+@pytest.mark.parametrize(
+    "keep, new, budget, shared, zero_attn",
+    [
+        (20, 100, 4, False, False),  # prefill: every evicted token is a candidate
+        (20, 7, 4, False, False),  # decode: only the 7 best-scoring evicted tokens
+        (30, 100, 32, True, False),  # kvpress's shared selection; windows cut short at the end
+        (15, 9, 3, False, True),  # zero attention: 0/0 never merges, x/0 always does
+    ],
+)
 def test_cam_update_equals_the_straightforward_reference(keep, new, budget, shared, zero_attn):
     values, scores, attn = case(shared=shared, zero_attn=zero_attn)
     n = min(new, values.shape[1] - keep)
     draws = torch.rand(SHAPE.kv_heads, n, generator=torch.Generator().manual_seed(7))
-    kept, merged = cam_compress(values, scores, attn, keep, new, budget,
-                                lambda shape: torch.rand(shape, generator=torch.Generator().manual_seed(7)))
+    kept, merged = cam_compress(
+        values,
+        scores,
+        attn,
+        keep,
+        new,
+        budget,
+        lambda shape: torch.rand(shape, generator=torch.Generator().manual_seed(7)),
+    )
     ref_kept, ref_merged = straightforward_cam(values, scores, attn, keep, new, budget, draws)
     assert torch.equal(kept, ref_kept)
     assert torch.allclose(merged, ref_merged, atol=1e-6)
@@ -142,8 +152,16 @@ def brute_attention(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def test_cam_decode_schedule_equals_the_straightforward_reference_step_by_step():
     # A accumulated since the last compression, n = steps since then, the scorer's buffered queries,
     # the seeded draws and the merged values: all against a straightforward replay of the schedule.
-    spec = {"kind": "cam", "window": 4, "kernel": 3, "interval": 5, "target": 50, "buffer": 16, "merge_budget": 8,
-            "storage": "fp32"}
+    spec = {
+        "kind": "cam",
+        "window": 4,
+        "kernel": 3,
+        "interval": 5,
+        "target": 50,
+        "buffer": 16,
+        "merge_budget": 8,
+        "storage": "fp32",
+    }
     seed, gen = 3, torch.Generator().manual_seed(2)
     layer = build_cache(spec, SHAPE, seed=seed).layers[0]
     keys, values = torch.randn(1, 3, 48, 16, generator=gen), torch.randn(1, 3, 48, 16, generator=gen)

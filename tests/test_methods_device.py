@@ -45,8 +45,16 @@ def held_tensors(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tenso
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def meta_model(request) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        attn_implementation="eager",
+    )
     return LlamaForCausalLM(config).eval().to(device="meta", dtype=request.param)
 
 
@@ -56,11 +64,19 @@ def test_every_method_runs_on_the_device_and_dtype_of_its_inputs(meta_model, nam
     handles = cache.attach(meta_model)
     try:
         with torch.inference_mode():
-            out = meta_model(input_ids=torch.zeros(1, PROMPT, dtype=torch.long, device="meta"),
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = meta_model(
+                input_ids=torch.zeros(1, PROMPT, dtype=torch.long, device="meta"),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             for position in range(PROMPT, PROMPT + STEPS):
-                out = meta_model(input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"), past_key_values=cache,
-                                 use_cache=True, position_ids=torch.tensor([[position]], device="meta"))
+                out = meta_model(
+                    input_ids=torch.zeros(1, 1, dtype=torch.long, device="meta"),
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.tensor([[position]], device="meta"),
+                )
     finally:
         for handle in handles:
             handle.remove()
@@ -92,8 +108,12 @@ def _decode(model: LlamaForCausalLM, name: str, ids: torch.Tensor) -> tuple[list
         with torch.inference_mode():
             model(input_ids=ids[:, :CUDA_PROMPT], past_key_values=cache, use_cache=True, logits_to_keep=1)
             for position in range(CUDA_PROMPT, ids.shape[1]):
-                out = model(input_ids=ids[:, position:position + 1], past_key_values=cache, use_cache=True,
-                            position_ids=torch.tensor([[position]], device=model.device))
+                out = model(
+                    input_ids=ids[:, position : position + 1],
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.tensor([[position]], device=model.device),
+                )
                 logits.append(out.logits[0, -1].float().cpu())
     finally:
         for handle in handles:
@@ -106,8 +126,16 @@ def _model(attention: str, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
     puts every eviction's keep boundary on near-ties (relative score gaps ~1e-5, close to the
     CPU/GPU rounding difference); a trained model's attention is peaked, as scaled queries make it."""
     torch.manual_seed(2)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, attn_implementation=attention)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        attn_implementation=attention,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:

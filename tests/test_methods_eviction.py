@@ -37,8 +37,9 @@ def brute_snapkv(queries, keys, window, kernel, pooling):
     out = torch.zeros(SHAPE.kv_heads, t - window)
     for kv_head in range(SHAPE.kv_heads):
         for qh in range(kv_head * GROUP, (kv_head + 1) * GROUP):
-            rows = [brute_probs(queries[0, qh, -window + i], keys[0, kv_head], t - window + i + 1)
-                    for i in range(window)]
+            rows = [
+                brute_probs(queries[0, qh, -window + i], keys[0, kv_head], t - window + i + 1) for i in range(window)
+            ]
             mean = [sum(row[j] for row in rows) / window for j in range(t - window)]
             half = kernel // 2
             for j in range(t - window):
@@ -55,9 +56,13 @@ def test_snapkv_scores_equal_brute_force(pooling):
     assert torch.isinf(scores[:, -6:]).all()  # the window is always kept
 
 
-@pytest.mark.parametrize("spec, keep", [({"kind": "snapkv", "keep_ratio": 0.25, "window": 8, "kernel": 5}, 25),
-                                        ({"kind": "snapkv", "capacity": 40, "window": 8, "kernel": 5,
-                                          "pooling": "max"}, 40)])
+@pytest.mark.parametrize(
+    "spec, keep",
+    [
+        ({"kind": "snapkv", "keep_ratio": 0.25, "window": 8, "kernel": 5}, 25),
+        ({"kind": "snapkv", "capacity": 40, "window": 8, "kernel": 5, "pooling": "max"}, 40),
+    ],
+)
 def test_snapkv_keeps_the_brute_force_top_positions_and_the_window(spec, keep):
     keys, values, queries = tensors(103)  # int(103 * 0.25) = 25, as kvpress rounds
     layer = build_cache(spec, SHAPE).layers[0]
@@ -80,8 +85,15 @@ def test_gqa_scores_average_the_group():
     probs = attention_probs(queries[..., -4:, :], keys)
     for kv_head in range(SHAPE.kv_heads):
         for i in range(4):
-            expected = [sum(x) / GROUP for x in zip(*[brute_probs(queries[0, qh, 8 + i], keys[0, kv_head], 9 + i)
-                                                      for qh in range(kv_head * GROUP, (kv_head + 1) * GROUP)])]
+            expected = [
+                sum(x) / GROUP
+                for x in zip(
+                    *[
+                        brute_probs(queries[0, qh, 8 + i], keys[0, kv_head], 9 + i)
+                        for qh in range(kv_head * GROUP, (kv_head + 1) * GROUP)
+                    ]
+                )
+            ]
             assert torch.allclose(probs[kv_head, i], torch.tensor(expected), atol=1e-6)
 
 
@@ -97,8 +109,12 @@ def test_h2o_scores_and_kept_tokens_equal_brute_force():
 
     def attend(h, position, query_rows):
         # Decode attends to the stored (fp16) kept keys plus its own key at compute precision.
-        cached = torch.stack([all_keys[0, h, p] if p >= position - 1 or position == 40 else
-                              all_keys[0, h, p].half().float() for p in kept[h]])
+        cached = torch.stack(
+            [
+                all_keys[0, h, p] if p >= position - 1 or position == 40 else all_keys[0, h, p].half().float()
+                for p in kept[h]
+            ]
+        )
         for qh in range(h * GROUP, (h + 1) * GROUP):
             for q, visible in query_rows:
                 for j, p in enumerate(brute_probs(q[qh], cached, visible)):
@@ -165,8 +181,12 @@ def test_hook_queries_are_the_queries_eager_attention_used(model_dir):
     try:
         with torch.inference_mode(), attached(cache, model):
             model(input_ids=ids, past_key_values=cache, use_cache=True)
-            model(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True,
-                  position_ids=torch.tensor([[ids.shape[1]]]))
+            model(
+                input_ids=torch.tensor([[42]]),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[ids.shape[1]]]),
+            )
     finally:
         llama.eager_attention_forward = original
         model.config._attn_implementation = "sdpa"
@@ -176,11 +196,17 @@ def test_hook_queries_are_the_queries_eager_attention_used(model_dir):
             assert ours.shape == real.shape and torch.allclose(ours, real, atol=1e-6)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"kind": "snapkv", "kernel": 6}, r"kernel: 6 must be odd \(a centred pooling window\)"),
-    ({"kind": "snapkv", "pooling": "mean"}, r"pooling: 'mean' is not one of \['avg', 'max'\]"),
-    ({"kind": "cam", "target": 100, "selection": "heads"}, r"selection: 'heads' is not one of \['shared', 'per_head'\]"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"kind": "snapkv", "kernel": 6}, r"kernel: 6 must be odd \(a centred pooling window\)"),
+        ({"kind": "snapkv", "pooling": "mean"}, r"pooling: 'mean' is not one of \['avg', 'max'\]"),
+        (
+            {"kind": "cam", "target": 100, "selection": "heads"},
+            r"selection: 'heads' is not one of \['shared', 'per_head'\]",
+        ),
+    ],
+)
 def test_scoring_settings_that_would_fail_mid_run_are_refused(spec, message):
     with pytest.raises(ValueError, match=message):
         build_cache(spec, SHAPE)
@@ -191,8 +217,15 @@ def test_query_hook_refuses_models_that_norm_their_queries():
     # scorer other queries than the model's: refused at attach time (the harness records an error row).
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=32, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config = Qwen3Config(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
     model = Qwen3ForCausalLM(config)
     cache = build_cache({"kind": "snapkv", "keep_ratio": 0.5}, ModelShape.of(config))
     with pytest.raises(NotImplementedError, match="q_norm"):

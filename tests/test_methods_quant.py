@@ -99,8 +99,11 @@ def test_kivi_full_precision_tokens_follow_the_reference_rule(prompt):
     for step in range(170):  # two key flushes for every prompt length
         # after every step: keys keep T mod R at full precision, values min(T, R)
         tokens = prompt + step
-        assert (layer.keys.shape[-2], layer.values.shape[-2]) == (ref.full_keys, ref.full_values) \
+        assert (
+            (layer.keys.shape[-2], layer.values.shape[-2])
+            == (ref.full_keys, ref.full_values)
             == (tokens % 128, min(tokens, 128))
+        )
         assert layer.quantized_tokens() == (ref.keys_q, ref.values_q)
         assert layer.get_seq_length() == tokens
         layer.update(kv(1), kv(1))
@@ -122,11 +125,16 @@ def test_kivi_decode_attends_like_the_reference():
         seen_keys, seen_values = torch.cat(stored_keys, dim=-2), torch.cat(stored_values, dim=-2)
         # Quantized parts equal the reference quantizer on the same tokens (keys: groups of 32 tokens
         # aligned at 0; values: each token alone); the rest is the stored token itself.
-        assert torch.allclose(keys[..., :keys_q, :], reference_quantize(seen_keys[..., :keys_q, :], 4, 32, True),
-                              rtol=0, atol=1e-6)
+        assert torch.allclose(
+            keys[..., :keys_q, :], reference_quantize(seen_keys[..., :keys_q, :], 4, 32, True), rtol=0, atol=1e-6
+        )
         assert torch.equal(keys[..., keys_q:, :], seen_keys[..., keys_q:, :])
-        assert torch.allclose(values[..., :values_q, :], reference_quantize(seen_values[..., :values_q, :], 4, 32, False),
-                              rtol=0, atol=1e-6)
+        assert torch.allclose(
+            values[..., :values_q, :],
+            reference_quantize(seen_values[..., :values_q, :], 4, 32, False),
+            rtol=0,
+            atol=1e-6,
+        )
         assert torch.equal(values[..., values_q:, :], seen_values[..., values_q:, :])
     assert (keys - seen_keys).abs().max() < 0.5  # 4-bit steps of ~N(0,1) data, not garbage
 
@@ -222,7 +230,9 @@ def test_unknown_kind_is_named():
 
 
 def test_unknown_setting_is_named_with_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"bitz: unknown setting for kind 'kivi' \(allowed: bits, group_size, residual, storage\)"):
+    with pytest.raises(
+        ValueError, match=r"bitz: unknown setting for kind 'kivi' \(allowed: bits, group_size, residual, storage\)"
+    ):
         build_cache({"kind": "kivi", "bitz": 2}, SHAPE)
 
 
@@ -264,10 +274,9 @@ def test_kivi_attention_on_the_real_model_equals_the_models_own_over_rebuilt_kv(
     would compare different caches: float-order differences of ~1e-6 flip 2-bit codes on rounding
     edges.)"""
     from kvbench.harness import generate
+    from kvbench.methods import native
     from kvbench.methods.kivi import KiviLayer
     from kvbench.models import load_model
-
-    from kvbench.methods import native
 
     if native.library() is None:
         pytest.skip(native.status())
@@ -286,8 +295,9 @@ def test_kivi_attention_on_the_real_model_equals_the_models_own_over_rebuilt_kv(
             expected = None
             if self.pending:
                 expected, _ = original(module, query, *self.twin_kv, attention_mask, *args, scaling=scaling, **kwargs)
-            out, weights = super().attend(original, module, query, key, value, attention_mask, *args,
-                                          scaling=scaling, **kwargs)
+            out, weights = super().attend(
+                original, module, query, key, value, attention_mask, *args, scaling=scaling, **kwargs
+            )
             if expected is not None:
                 gaps.append((out - expected).abs().max().item())
             return out, weights

@@ -67,7 +67,7 @@ def test_turboquant_layer_decodes_within_the_lloyd_max_distortion(bits, variant)
     assert (layer.key_block.signs is not None) == (variant == "prod")
     decoded_keys, decoded_values = layer.decoded()
     rel = ((decoded_values - 2 * x).norm() / (2 * x).norm()).item()
-    assert rel ** 2 == pytest.approx(lloyd_max(bits)[1], rel=0.25)
+    assert rel**2 == pytest.approx(lloyd_max(bits)[1], rel=0.25)
     mse_keys = layer.key_block.decode(layer.key_mse, None)  # the keys' MSE stage alone
     assert ((mse_keys - x).norm() / x.norm()).item() ** 2 == pytest.approx(lloyd_max(key_bits)[1], rel=0.25)
 
@@ -151,7 +151,7 @@ def test_decode_tokens_append_as_if_encoded_with_the_prompt(bits, variant):
     tokens = torch.randn(1, 3, 70, D)
     layer.update(tokens[..., :50, :], tokens[..., :50, :])
     for i in range(50, 70):
-        layer.update(tokens[..., i:i + 1, :], tokens[..., i:i + 1, :])
+        layer.update(tokens[..., i : i + 1, :], tokens[..., i : i + 1, :])
     assert layer.get_seq_length() == 70 and layer.key_block.packed.shape[-2] == 70
     whole = TurboBlock(tokens, layer.key_mse, layer.sketch)
     assert torch.equal(layer.key_block.codes(), whole.codes()) and torch.equal(layer.key_block.norms, whole.norms)

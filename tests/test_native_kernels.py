@@ -13,8 +13,9 @@ import torch
 from kvbench.methods import native
 from kvbench.methods.packing import lut_dots, lut_sums, pack, pack_planes, pack_sign_magnitude
 
-CPU_FLAGS = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
-                     "").split())
+CPU_FLAGS = set(
+    next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
+)
 HERE = Path(__file__)
 # (layout, bits): FLAT (`pack`), SIGN_MAGNITUDE (3-bit, `pack_sign_magnitude`), PLANES (`pack_planes`)
 CASES = [("flat", 1), ("flat", 2), ("flat", 4), ("sign_magnitude", 3), ("planes", 2), ("planes", 4)]
@@ -62,8 +63,9 @@ def in_own_process(script: str, cache: Path, **env: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@pytest.mark.skipif(not shutil.which(os.environ.get("CC", "cc")) or "avx2" not in CPU_FLAGS,
-                    reason="needs a C compiler and AVX2")
+@pytest.mark.skipif(
+    not shutil.which(os.environ.get("CC", "cc")) or "avx2" not in CPU_FLAGS, reason="needs a C compiler and AVX2"
+)
 def test_the_kernels_build_and_load_on_this_machine():
     """Where they can run they do: a silent fallback would leave the decode budgets unmet unseen."""
     assert native.status().startswith("native"), native.status()
@@ -119,22 +121,26 @@ def test_a_query_that_does_not_match_the_codes_is_refused():
 @pytest.mark.skipif("avx512f" not in CPU_FLAGS or "avx2" not in CPU_FLAGS, reason="AVX2 is the only path here")
 def test_the_avx2_build_equals_the_formula_too(tmp_path):
     """Built without AVX-512 (as on the AVX2 machines), in a process of its own."""
-    script = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import test_native_kernels as t\n"
-              "from kvbench.methods import native\n"
-              "assert native.status().startswith('native AVX2'), native.status()\n"
-              "for layout, bits in t.CASES + [('planes', 1)]:\n"
-              "    t.check_against_formula(layout, bits)\n"
-              "    t.check_against_formula(layout, bits, dim=128, rows=17)\n")
+    script = (
+        f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import test_native_kernels as t\n"
+        "from kvbench.methods import native\n"
+        "assert native.status().startswith('native AVX2'), native.status()\n"
+        "for layout, bits in t.CASES + [('planes', 1)]:\n"
+        "    t.check_against_formula(layout, bits)\n"
+        "    t.check_against_formula(layout, bits, dim=128, rows=17)\n"
+    )
     in_own_process(script, tmp_path, KVBENCH_KERNEL_FLAGS="-mno-avx512f")
 
 
 def test_switched_off_the_callers_get_none_and_the_status_says_so(tmp_path):
-    script = ("import torch\n"
-              "from kvbench.methods import native\n"
-              "from kvbench.methods.packing import lut_dots, pack\n"
-              "assert native.status().startswith('torch'), native.status()\n"
-              "packed = pack(torch.zeros(2, 8, 64, dtype=torch.int64), 2).view(2, 8, -1)\n"
-              "assert lut_dots(packed, 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64)) is None\n")
+    script = (
+        "import torch\n"
+        "from kvbench.methods import native\n"
+        "from kvbench.methods.packing import lut_dots, pack\n"
+        "assert native.status().startswith('torch'), native.status()\n"
+        "packed = pack(torch.zeros(2, 8, 64, dtype=torch.int64), 2).view(2, 8, -1)\n"
+        "assert lut_dots(packed, 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64)) is None\n"
+    )
     in_own_process(script, tmp_path, KVBENCH_NATIVE_KERNELS="0")
 
 

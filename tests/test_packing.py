@@ -4,8 +4,10 @@ import torch
 from kvbench.methods.packing import pack, pack_planes, packed_bytes, unpack, unpack_as, unpack_planes_into
 
 
-@pytest.mark.parametrize("bits, n, expected_bytes", [(2, 4, 1), (2, 5, 2), (4, 2, 1), (4, 7, 4), (3, 8, 3),
-                                                     (3, 9, 4), (1, 8, 1), (1, 17, 3), (8, 5, 5)])
+@pytest.mark.parametrize(
+    "bits, n, expected_bytes",
+    [(2, 4, 1), (2, 5, 2), (4, 2, 1), (4, 7, 4), (3, 8, 3), (3, 9, 4), (1, 8, 1), (1, 17, 3), (8, 5, 5)],
+)
 def test_packed_size_is_exactly_bits_times_codes(bits, n, expected_bytes):
     codes = torch.randint(0, 2**bits, (n,), generator=torch.Generator().manual_seed(n))
     packed = pack(codes, bits)

@@ -70,16 +70,18 @@ def test_hardware_names_the_decode_kernels_where_methods_ran():
     import subprocess
     import sys
 
-    script = ("import re, torch\n"
-              "from kvbench.provenance import hardware\n"
-              "assert 'kernels' not in hardware()\n"  # a stage that runs no method
-              "from kvbench.methods.packing import lut_dots, pack\n"
-              "assert re.search(r'CPU decode kernels: (native AVX|torch).*; no kernel calls$', hardware()), hardware()\n"
-              "packed = pack(torch.zeros(2, 8, 64, dtype=torch.int64), 2).view(2, 8, -1)\n"
-              "native = lut_dots(packed, 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64)) is not None\n"
-              "lut_dots(packed.to('meta'), 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64))\n"
-              "ran = '1 native, ' if native else ''\n"
-              "assert hardware().endswith(f'; kernel calls: {ran}1 torch (not on the CPU)') or not native, hardware()\n")
+    script = (
+        "import re, torch\n"
+        "from kvbench.provenance import hardware\n"
+        "assert 'kernels' not in hardware()\n"  # a stage that runs no method
+        "from kvbench.methods.packing import lut_dots, pack\n"
+        "assert re.search(r'CPU decode kernels: (native AVX|torch).*; no kernel calls$', hardware()), hardware()\n"
+        "packed = pack(torch.zeros(2, 8, 64, dtype=torch.int64), 2).view(2, 8, -1)\n"
+        "native = lut_dots(packed, 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64)) is not None\n"
+        "lut_dots(packed.to('meta'), 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 64))\n"
+        "ran = '1 native, ' if native else ''\n"
+        "assert hardware().endswith(f'; kernel calls: {ran}1 torch (not on the CPU)') or not native, hardware()\n"
+    )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
 
@@ -107,7 +109,9 @@ def test_a_summary_over_several_models_keeps_each_rows_model(tmp_path):
     from kvbench.provenance import read_tables
 
     for model in ("llama", "mistral"):
-        write_table(pd.DataFrame({"method": ["full"]}), tmp_path / f"{model}.parquet", provenance({"seed": 1}, model=model))
+        write_table(
+            pd.DataFrame({"method": ["full"]}), tmp_path / f"{model}.parquet", provenance({"seed": 1}, model=model)
+        )
     merged = read_tables([str(tmp_path / "llama.parquet"), str(tmp_path / "mistral.parquet")], keep=("model",))
     write_table(merged, tmp_path / "all.parquet", provenance({"seed": 1}, model=None))
     back = pd.read_parquet(tmp_path / "all.parquet")

@@ -32,11 +32,16 @@ H2O = {"kind": "h2o", "keep_ratio": 0.1}  # keeps scoring at every decode step: 
 
 
 SPECS = {
-    "full": {"kind": "full", "storage": "fp16"}, "kivi2": KIVI2, "kivi4": {**KIVI2, "bits": 4},
-    "turboquant4": {"kind": "turboquant", "bits": 4}, "snapkv": {"kind": "snapkv", "keep_ratio": 0.25, "window": 8},
+    "full": {"kind": "full", "storage": "fp16"},
+    "kivi2": KIVI2,
+    "kivi4": {**KIVI2, "bits": 4},
+    "turboquant4": {"kind": "turboquant", "bits": 4},
+    "snapkv": {"kind": "snapkv", "keep_ratio": 0.25, "window": 8},
     "cam": {"kind": "cam", "keep_ratio": 0.25, "window": 8, "merge_budget": 8, "selection": "per_head"},
     "cam-decoding": {"kind": "cam", "window": 8, "interval": 4, "target": 64, "merge_budget": 8},
-    "streamingllm": {"kind": "streamingllm", "sinks": 4, "window": 60}, "h2o": H2O, "fp8": {"kind": "fp8"},
+    "streamingllm": {"kind": "streamingllm", "sinks": 4, "window": 60},
+    "h2o": H2O,
+    "fp8": {"kind": "fp8"},
 }
 
 
@@ -94,8 +99,18 @@ def test_rows_in_one_batch_do_not_read_each_others_caches(model, ids, shared):
     forced = Reference(answer, None, "")
 
     def rows(names):
-        out = [Row(fork(model, shared, SPECS[n], len(ids), 5)[0], shared.logits, len(ids), len(answer),
-                   reference=forced, branch_free=False, keep_logprobs=True) for n in names]
+        out = [
+            Row(
+                fork(model, shared, SPECS[n], len(ids), 5)[0],
+                shared.logits,
+                len(ids),
+                len(answer),
+                reference=forced,
+                branch_free=False,
+                keep_logprobs=True,
+            )
+            for n in names
+        ]
         run_rows(model, out)
         return out
 
@@ -130,9 +145,13 @@ def test_context_only_is_the_context_compressed_alone_then_the_question_through_
     assert caches[2].layers[0].keys.shape[-2] < split  # SnapKV compressed the context alone
     batch, errors, _ = extend_rows(model, caches, ids[split:], split)
     assert not errors
+
     def kl(logits):
-        return float(torch.nn.functional.kl_div(logits.log_softmax(-1), shared.logits.log_softmax(-1), log_target=True,
-                                                reduction="sum"))
+        return float(
+            torch.nn.functional.kl_div(
+                logits.log_softmax(-1), shared.logits.log_softmax(-1), log_target=True, reduction="sum"
+            )
+        )
 
     assert kl(batch[0]) < 1e-4  # the full cache (16-bit): the whole prompt's answer, up to its storage rounding
     assert kl(batch[2]) > 1e-2  # SnapKV's first answer token now depends on what it kept
@@ -141,8 +160,15 @@ def test_context_only_is_the_context_compressed_alone_then_the_question_through_
 @pytest.fixture(scope="module")
 def outcomes(model, ids, split):
     prompt = Prompt("t/0", ids, split, 16)
-    return engine.run(model, [prompt], {n: SPECS[n] for n in ("full", "h2o", "kivi2", "kivi4", "snapkv")},
-                      protocols=(QUERY_AWARE, CONTEXT_ONLY), seed=5, reference="full", log=lambda _: None)
+    return engine.run(
+        model,
+        [prompt],
+        {n: SPECS[n] for n in ("full", "h2o", "kivi2", "kivi4", "snapkv")},
+        protocols=(QUERY_AWARE, CONTEXT_ONLY),
+        seed=5,
+        reference="full",
+        log=lambda _: None,
+    )
 
 
 def test_the_reference_runs_first_and_against_itself_has_zero_kl(model, ids, outcomes):
@@ -152,8 +178,15 @@ def test_the_reference_runs_first_and_against_itself_has_zero_kl(model, ids, out
     ref = references[f"{QUERY_AWARE}/t/0"]
     assert ref.tokens == full.tokens and ref.logprobs.shape == (len(full.tokens), model.config.vocab_size)
     assert ref.logprobs.argmax(-1).tolist() == full.tokens
-    again = engine.run(model, [Prompt("t/0", ids, None, 16)], {"full": SPECS["full"]}, protocols=(QUERY_AWARE,),
-                       seed=5, references=references, log=lambda _: None)[0][("full", QUERY_AWARE, "t/0")]
+    again = engine.run(
+        model,
+        [Prompt("t/0", ids, None, 16)],
+        {"full": SPECS["full"]},
+        protocols=(QUERY_AWARE,),
+        seed=5,
+        references=references,
+        log=lambda _: None,
+    )[0][("full", QUERY_AWARE, "t/0")]
     assert again.tokens == full.tokens and again.record["first_divergence"] is None
     assert again.record["kl_mean"] < 1e-6 and again.record["top1_agreement"] == 1.0
 
@@ -163,8 +196,15 @@ def test_a_diverging_method_gets_its_own_output_and_teacher_forced_fidelity(mode
     # divergence is the method's own greedy run, the forced row a separate teacher-forced run.
     results, references = outcomes
     ref = references[f"{QUERY_AWARE}/t/0"]
-    alone = engine.run(model, [Prompt("t/0", ids, None, 16)], {"h2o": H2O}, protocols=(QUERY_AWARE,), seed=5,
-                       references=references, log=lambda _: None)[0][("h2o", QUERY_AWARE, "t/0")]
+    alone = engine.run(
+        model,
+        [Prompt("t/0", ids, None, 16)],
+        {"h2o": H2O},
+        protocols=(QUERY_AWARE,),
+        seed=5,
+        references=references,
+        log=lambda _: None,
+    )[0][("h2o", QUERY_AWARE, "t/0")]
     assert alone.tokens == generate(model, H2O, ids, 16, seed=5)["tokens"]
     expected = compare(ref, teacher_forced(model, H2O, ids, ref.tokens, seed=5))
     for key in ("kl_first", "kl_mean", "kl_max", "top1_agreement", "fidelity_positions"):
@@ -189,8 +229,15 @@ def test_fidelity_orders_methods_by_how_much_they_keep(model, ids, outcomes):
     def kl(name, spec=None):
         if spec is None:
             return results[(name, QUERY_AWARE, "t/0")].record["kl_mean"]
-        return engine.run(model, [Prompt("t/0", ids, None, 16)], {name: spec}, protocols=(QUERY_AWARE,), seed=5,
-                          references=references, log=lambda _: None)[0][(name, QUERY_AWARE, "t/0")].record["kl_mean"]
+        return engine.run(
+            model,
+            [Prompt("t/0", ids, None, 16)],
+            {name: spec},
+            protocols=(QUERY_AWARE,),
+            seed=5,
+            references=references,
+            log=lambda _: None,
+        )[0][(name, QUERY_AWARE, "t/0")].record["kl_mean"]
 
     assert kl("kivi2") > kl("kivi4")
     assert kl("snapkv") > kl("snapkv50", {**SPECS["snapkv"], "keep_ratio": 0.5})
@@ -202,8 +249,16 @@ def test_fidelity_positions_cap_the_forced_part_but_never_the_answer(model, ids,
     # Teacher-forced on the first 4 positions only; the answer is whole either way: a row that agreed
     # on all 4 goes on by itself, one that diverged branched off.
     results, references = outcomes
-    capped = engine.run(model, [Prompt("t/0", ids, None, 16)], {name: SPECS[name]}, protocols=(QUERY_AWARE,), seed=5,
-                        references=references, fidelity_positions=4, log=lambda _: None)[0][(name, QUERY_AWARE, "t/0")]
+    capped = engine.run(
+        model,
+        [Prompt("t/0", ids, None, 16)],
+        {name: SPECS[name]},
+        protocols=(QUERY_AWARE,),
+        seed=5,
+        references=references,
+        fidelity_positions=4,
+        log=lambda _: None,
+    )[0][(name, QUERY_AWARE, "t/0")]
     assert capped.tokens == generate(model, SPECS[name], ids, 16, seed=5)["tokens"]
     assert capped.record["fidelity_positions"] == 3  # positions 1-3: decode positions of the forced 4
     if name != "full":  # (full is the reference there: no fidelity of its own)
@@ -214,8 +269,14 @@ def test_fidelity_positions_cap_the_forced_part_but_never_the_answer(model, ids,
 
 
 def test_a_stop_rule_ends_generation(model, ids):
-    result = engine.run(model, [Prompt("t/0", ids, None, 16, stop=lambda tokens: len(tokens) >= 3)],
-                        {"full": SPECS["full"]}, protocols=(QUERY_AWARE,), seed=5, log=lambda _: None)[0]
+    result = engine.run(
+        model,
+        [Prompt("t/0", ids, None, 16, stop=lambda tokens: len(tokens) >= 3)],
+        {"full": SPECS["full"]},
+        protocols=(QUERY_AWARE,),
+        seed=5,
+        log=lambda _: None,
+    )[0]
     assert len(result[("full", QUERY_AWARE, "t/0")].tokens) == 3
 
 
@@ -233,17 +294,25 @@ def test_fake_fault_in_one_row_leaves_the_others_running(model, ids, shared, mon
     broken, _ = fork(model, shared, {"kind": "full"}, len(ids))
     broken.__class__ = _BrokenAtDecode
     healthy, _ = fork(model, shared, {"kind": "full"}, len(ids))
-    rows = [Row(broken, shared.logits, len(ids), 8, eos_ids(model)), Row(healthy, shared.logits, len(ids), 8,
-                                                                          eos_ids(model))]
+    rows = [
+        Row(broken, shared.logits, len(ids), 8, eos_ids(model)),
+        Row(healthy, shared.logits, len(ids), 8, eos_ids(model)),
+    ]
     run_rows(model, rows)
     assert rows[0].error == "RuntimeError: fake fault at decode" and rows[0].done
     assert rows[1].error is None and len(rows[1].tokens) == 8
 
 
 def test_a_method_that_cannot_build_its_cache_is_an_outcome_with_its_error(model, ids, split):
-    results, _ = engine.run(model, [Prompt("t/0", ids, split, 4)], {"full": SPECS["full"], "broken": {
-        "kind": "kivi", "bits": 2, "group_size": 7, "residual": 14}}, protocols=(QUERY_AWARE, CONTEXT_ONLY), seed=5,
-        reference="full", log=lambda _: None)
+    results, _ = engine.run(
+        model,
+        [Prompt("t/0", ids, split, 4)],
+        {"full": SPECS["full"], "broken": {"kind": "kivi", "bits": 2, "group_size": 7, "residual": 14}},
+        protocols=(QUERY_AWARE, CONTEXT_ONLY),
+        seed=5,
+        reference="full",
+        log=lambda _: None,
+    )
     for protocol in (QUERY_AWARE, CONTEXT_ONLY):
         assert results[("broken", protocol, "t/0")].error == "ValueError: kivi: group_size 7 must divide head_dim 64"
         assert results[("full", protocol, "t/0")].error is None

@@ -39,7 +39,12 @@ def test_top_k_reference_against_a_hand_computed_kl():
     ref = reference_from_logits([0, 0], full_p.log(), [], top_k=3)
     assert ref.indices is not None and ref.indices[1].tolist() == [0, 1, 2]
     scores = compare(ref, method_p.log())
-    kl = 0.5 * math.log(0.5 / 0.2) + 0.3 * math.log(0.3 / 0.2) + 0.15 * math.log(0.15 / 0.2) + 0.05 * math.log(0.05 / 0.4)
+    kl = (
+        0.5 * math.log(0.5 / 0.2)
+        + 0.3 * math.log(0.3 / 0.2)
+        + 0.15 * math.log(0.15 / 0.2)
+        + 0.05 * math.log(0.05 / 0.4)
+    )
     assert scores["kl_mean"] == pytest.approx(kl, abs=1e-5)
     # with two tokens in the rest, the bound is strictly below the exact KL
     exact = compare(reference_from_logits([0, 0], full_p.log(), [], None), method_p.log())["kl_mean"]

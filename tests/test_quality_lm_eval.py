@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from quality_corpus import tiny_corpus
 
 from kvbench.models import load_model
 from kvbench.prompts import chat_ids
 from kvbench.quality.engine import CONTEXT_ONLY, QUERY_AWARE
 from kvbench.quality.run import evaluate
 from kvbench.quality.taskfiles import build_tasks, load_sources, write_tasks
-from quality_corpus import tiny_corpus
 
 CFG = {"max_gen_cap": 6, "max_prompt_tokens": None, "lm_eval_tasks": []}
 FULL16 = {"kind": "full", "storage": "fp16"}
@@ -33,8 +33,16 @@ def tasks_dir(tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full(model, tokenizer, tasks_dir):
-    return evaluate(model, tokenizer, {"full": FULL16, "kivi2": KIVI2}, tasks_dir, CFG, seed=3,
-                    protocols=(QUERY_AWARE, CONTEXT_ONLY), reference="full")
+    return evaluate(
+        model,
+        tokenizer,
+        {"full": FULL16, "kivi2": KIVI2},
+        tasks_dir,
+        CFG,
+        seed=3,
+        protocols=(QUERY_AWARE, CONTEXT_ONLY),
+        reference="full",
+    )
 
 
 def test_simple_evaluate_scores_every_sample_method_and_protocol_through_the_adapter(full):
@@ -57,8 +65,9 @@ def test_simple_evaluate_scores_every_sample_method_and_protocol_through_the_ada
     assert few_shot.context_tokens == few_shot.prompt_tokens
     qa = table[table.task == "kvbench_single_doc_qa"].iloc[0]
     assert qa.context_tokens == qa.prompt_tokens + len(chat_ids(lm.tokenizer, ""))  # exactly the template's tokens
-    assert set(lm.new_references) == {f"{p}/{t}/{s}" for p in (QUERY_AWARE, CONTEXT_ONLY)
-                                      for t, s in zip(table.task, table.sample_id)}
+    assert set(lm.new_references) == {
+        f"{p}/{t}/{s}" for p in (QUERY_AWARE, CONTEXT_ONLY) for t, s in zip(table.task, table.sample_id)
+    }
 
 
 def test_lm_eval_scores_the_first_method_as_the_table_does(full):
@@ -66,7 +75,9 @@ def test_lm_eval_scores_the_first_method_as_the_table_does(full):
     # own process_results to every answer: for those, the two agree.
     table, lm = full
     first = table[(table.method == "full") & (table.protocol == QUERY_AWARE)]
-    assert (first.prediction == [lm.answer("full", QUERY_AWARE, f"{t}/{s}") for t, s in zip(first.task, first.sample_id)]).all()
+    assert (
+        first.prediction == [lm.answer("full", QUERY_AWARE, f"{t}/{s}") for t, s in zip(first.task, first.sample_id)]
+    ).all()
 
 
 def test_a_method_is_compared_with_the_references(full):
@@ -86,8 +97,9 @@ def test_a_sample_the_reference_failed_on_keeps_its_score_without_fidelity(model
     missing, *kept = full[1].new_references
     partial = {key: full[1].new_references[key] for key in kept}
     protocol = missing.split("/", 1)[0]
-    table, lm = evaluate(model, tokenizer, {"full": {"kind": "full"}}, tasks_dir, CFG, seed=3, protocols=(protocol,),
-                         references=partial)
+    table, lm = evaluate(
+        model, tokenizer, {"full": {"kind": "full"}}, tasks_dir, CFG, seed=3, protocols=(protocol,), references=partial
+    )
     assert table.error.isna().all() and table.score.notna().all() and len(table) == 2
     gap = table[[f"{protocol}/{t}/{s}" == missing for t, s in zip(table.task, table.sample_id)]].iloc[0]
     assert pd.isna(gap.kl_mean) and gap.fidelity_note.startswith("fidelity: no full-cache reference")
@@ -96,8 +108,14 @@ def test_a_sample_the_reference_failed_on_keeps_its_score_without_fidelity(model
 
 
 def test_a_failing_method_becomes_rows_with_its_error(model, tokenizer, tasks_dir):
-    table, _ = evaluate(model, tokenizer, {"broken": {"kind": "kivi", "bits": 2, "group_size": 7, "residual": 14}},
-                        tasks_dir, CFG, seed=3)
+    table, _ = evaluate(
+        model,
+        tokenizer,
+        {"broken": {"kind": "kivi", "bits": 2, "group_size": 7, "residual": 14}},
+        tasks_dir,
+        CFG,
+        seed=3,
+    )
     assert len(table) == 2 and table.score.isna().all()
     assert set(table.error) == {"ValueError: kivi: group_size 7 must divide head_dim 64"}
 
@@ -130,9 +148,14 @@ def test_simple_evaluate_runs_kvbench_by_name_as_the_pipeline_does(model, tokeni
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"seed": 3, "methods": {"kivi4": spec}, "quality": {"max_gen_cap": 6}}))
     tasks = ["kvbench_few_shot", "kvbench_single_doc_qa"]
-    results = simple_evaluate(model="kvbench", model_args=f"model={model_dir},method=kivi4,config={config}",
-                              tasks=tasks, log_samples=True, bootstrap_iters=0,
-                              task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False))
+    results = simple_evaluate(
+        model="kvbench",
+        model_args=f"model={model_dir},method=kivi4,config={config}",
+        tasks=tasks,
+        log_samples=True,
+        bootstrap_iters=0,
+        task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
+    )
     by_name = {t: [s["filtered_resps"][0] for s in results["samples"][t]] for t in tasks}
     assert all(0 <= results["results"][t]["score,none"] <= 100 for t in tasks)  # scored (NaN fails)
     # The pipeline's path on the same tasks: the same answers, so the same spec, cap, seed and chat rule
@@ -151,6 +174,12 @@ def test_by_name_specs_come_from_the_config_or_inline_and_bad_ones_name_the_prob
         method_spec("kivi2", config, {})
     with pytest.raises(ValueError, match=r"bits"):
         method_spec("kivi4", config, {"bits": 3})
-    names = ("kvbench_few_shot", "kvbench_single_doc_qa", "longbench_trec", "longbench_hotpotqa_e",
-             "kvbench_longbench_samsum", "kvbench_longbench_qasper")
+    names = (
+        "kvbench_few_shot",
+        "kvbench_single_doc_qa",
+        "longbench_trec",
+        "longbench_hotpotqa_e",
+        "kvbench_longbench_samsum",
+        "kvbench_longbench_qasper",
+    )
     assert [uses_chat(t) for t in names] == [False, True, False, True, False, True]

@@ -9,27 +9,65 @@ import pytest
 from kvbench.quality.summary import summarize
 
 
-def row(method, category, sample, score, kl=None, positions=None, divergence=None, error=None, ttft=1.0,
-        protocol="query-aware"):
-    return {"method": method, "kind": method, "params": "[]", "protocol": protocol, "task": f"kvbench_{category}",
-            "category": category, "sample_id": sample, "question_tokens": 20, "kl_first": None if kl is None else 0.0,
-            "bucket": "0-4k", "context_tokens": 100, "new_tokens": 4, "score": score, "error": error,
-            "kl_mean": kl, "kl_max": kl, "fidelity_reference": None if kl is None else "whole vocabulary", "top1_agreement": None if kl is None else 1 - kl, "fidelity_positions": positions,
-            "first_divergence": divergence, "same_output_as_reference": None if kl is None else divergence is None, "ratio_end": 1.0 if method == "full" else 4.0, "kv_bytes_end": 100,
-            "ttft_s": ttft, "tpot_s": 0.1, "forward_s": 2.0, "job_wall_s": 10.0 if method == "full" else 20.0,
-            "job_forward_s": 8.0 if method == "full" else 17.0, "job_methods": method}
+def row(
+    method,
+    category,
+    sample,
+    score,
+    kl=None,
+    positions=None,
+    divergence=None,
+    error=None,
+    ttft=1.0,
+    protocol="query-aware",
+):
+    return {
+        "method": method,
+        "kind": method,
+        "params": "[]",
+        "protocol": protocol,
+        "task": f"kvbench_{category}",
+        "category": category,
+        "sample_id": sample,
+        "question_tokens": 20,
+        "kl_first": None if kl is None else 0.0,
+        "bucket": "0-4k",
+        "context_tokens": 100,
+        "new_tokens": 4,
+        "score": score,
+        "error": error,
+        "kl_mean": kl,
+        "kl_max": kl,
+        "fidelity_reference": None if kl is None else "whole vocabulary",
+        "top1_agreement": None if kl is None else 1 - kl,
+        "fidelity_positions": positions,
+        "first_divergence": divergence,
+        "same_output_as_reference": None if kl is None else divergence is None,
+        "ratio_end": 1.0 if method == "full" else 4.0,
+        "kv_bytes_end": 100,
+        "ttft_s": ttft,
+        "tpot_s": 0.1,
+        "forward_s": 2.0,
+        "job_wall_s": 10.0 if method == "full" else 20.0,
+        "job_forward_s": 8.0 if method == "full" else 17.0,
+        "job_methods": method,
+    }
 
 
 @pytest.fixture
 def tables():
-    table = pd.DataFrame([
-        row("full", "qa", "s1", 0.5), row("full", "qa", "s2", 1.0), row("full", "summary", "s3", 0.2),
-        row("full", "summary", "s4", None, error="RuntimeError: out of memory"),  # the reference failed on s4
-        row("kivi2", "qa", "s1", 0.5, kl=0.1, positions=10, divergence=3, ttft=1.0),
-        row("kivi2", "qa", "s2", None, error="RuntimeError: out of memory"),  # the method failed on s2
-        row("kivi2", "summary", "s3", 0.1, kl=0.4, positions=30, divergence=None, ttft=2.0),
-        row("kivi2", "summary", "s4", 0.0, error="empty output", ttft=6.0),  # scored, but no reference
-    ])
+    table = pd.DataFrame(
+        [
+            row("full", "qa", "s1", 0.5),
+            row("full", "qa", "s2", 1.0),
+            row("full", "summary", "s3", 0.2),
+            row("full", "summary", "s4", None, error="RuntimeError: out of memory"),  # the reference failed on s4
+            row("kivi2", "qa", "s1", 0.5, kl=0.1, positions=10, divergence=3, ttft=1.0),
+            row("kivi2", "qa", "s2", None, error="RuntimeError: out of memory"),  # the method failed on s2
+            row("kivi2", "summary", "s3", 0.1, kl=0.4, positions=30, divergence=None, ttft=2.0),
+            row("kivi2", "summary", "s4", 0.0, error="empty output", ttft=6.0),  # scored, but no reference
+        ]
+    )
     return summarize(table, "full")
 
 
@@ -87,9 +125,12 @@ def test_figures_are_written(tables, tmp_path):
 
 
 def test_each_protocol_is_compared_with_the_reference_under_the_same_protocol():
-    rows = [row("full", "qa", "s1", 1.0), row("full", "qa", "s1", 0.0, protocol="context-only"),
-            row("kivi2", "qa", "s1", 0.5, kl=0.1, positions=4), row("kivi2", "qa", "s1", 0.5, kl=0.3, positions=4,
-                                                                     protocol="context-only")]
+    rows = [
+        row("full", "qa", "s1", 1.0),
+        row("full", "qa", "s1", 0.0, protocol="context-only"),
+        row("kivi2", "qa", "s1", 0.5, kl=0.1, positions=4),
+        row("kivi2", "qa", "s1", 0.5, kl=0.3, positions=4, protocol="context-only"),
+    ]
     summary = summarize(pd.DataFrame(rows), "full")["summary"].set_index(["method", "protocol", "category"])
     assert summary.loc[("kivi2", "query-aware", "qa")].score_delta == pytest.approx(-0.5)
     assert summary.loc[("kivi2", "context-only", "qa")].score_delta == pytest.approx(0.5)

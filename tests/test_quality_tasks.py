@@ -8,15 +8,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from quality_corpus import tiny_corpus
 
 from kvbench.corpus.factsheets import vocabulary
-
 from kvbench.quality.kinds import check_task, quality_problems
 from kvbench.quality.longbench import spec as longbench_spec
 from kvbench.quality.taskfiles import build_tasks, load_sources, read_manifest, write_tasks
 from kvbench.quality.tasks import multi_doc_qa, single_doc_qa
 from kvbench.quality.tasks.base import contains, listed_rival, second_answer
-from quality_corpus import tiny_corpus
 
 TASKS = {
     "single_doc_qa": {"samples": 3, "context_tokens": [256]},
@@ -55,10 +54,13 @@ def located_in(context: str, doc: dict, fact: dict) -> bool:
     with the words around it (its unit: "24 years"), or the value as a whole line (a title in
     capitals), appears verbatim (up to case) in the context."""
     label = vocabulary(doc["domain"])["facts"][fact["fact"]]["label"]
-    window = doc["text"][max(0, fact["char_start"] - 12):fact["char_end"] + 12]
+    window = doc["text"][max(0, fact["char_start"] - 12) : fact["char_end"] + 12]
     lines = context.lower().splitlines()
-    return (f"{label}: {fact['value']}".lower() in context.lower() or window.lower() in context.lower()
-            or fact["value"].lower() in lines)
+    return (
+        f"{label}: {fact['value']}".lower() in context.lower()
+        or window.lower() in context.lower()
+        or fact["value"].lower() in lines
+    )
 
 
 def test_answers_are_located_in_their_context(built, sources):
@@ -66,8 +68,11 @@ def test_answers_are_located_in_their_context(built, sources):
     facts = sources.facts.set_index(["doc_id", "fact"], drop=False)
     for name in ("single_doc_qa", "multi_doc_qa"):
         for sample in built[f"kvbench_{name}"].samples:
-            doc_id = next(d for d in sample["doc_ids"] if (d, sample["fact"]) in facts.index
-                          and facts.loc[(d, sample["fact"])].value == sample["answers"][0])
+            doc_id = next(
+                d
+                for d in sample["doc_ids"]
+                if (d, sample["fact"]) in facts.index and facts.loc[(d, sample["fact"])].value == sample["answers"][0]
+            )
             assert located_in(sample["context"], docs.loc[doc_id], facts.loc[(doc_id, sample["fact"])]), sample["_id"]
     for sample in built["kvbench_retrieval"].samples:
         number = int(sample["answers"][0].split()[1])
@@ -106,16 +111,42 @@ def age_document(filler_sentences: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """A discharge summary whose only "24-year-old" sits in the middle, between a header date's
     "24" and a "24 hours" near the top: a middle cut removes the age and keeps the other 24s."""
     filler = " ".join(["The team reviewed the record in detail before the next step was taken."] * filler_sentences)
-    text = ("DISCHARGE SUMMARY\n\nAdmission date: January 24, 2023\n\nHOSPITAL COURSE\nShe received fluids for "
-            f"24 hours. {filler} The patient is a 24-year-old woman. {filler} She went home in good health.")
+    text = (
+        "DISCHARGE SUMMARY\n\nAdmission date: January 24, 2023\n\nHOSPITAL COURSE\nShe received fluids for "
+        f"24 hours. {filler} The patient is a 24-year-old woman. {filler} She went home in good health."
+    )
     at = text.index("24-year-old")
-    docs = pd.DataFrame([{"doc_id": "medical-age-00", "corpus": "realistic", "domain": "medical",
-                          "doc_type": "discharge_summary", "title": "Discharge summary", "text": text,
-                          "sections": json.dumps([["Hospital course", text.index("HOSPITAL"), len(text)]]),
-                          "fact_sheet": json.dumps({"age": "24"})}])
-    facts = pd.DataFrame([{"doc_id": "medical-age-00", "fact": "age", "value": "24", "question": "How old is the patient?",
-                           "char_start": at, "char_end": at + 2, "section": "Hospital course", "source": "generated",
-                           "occurrences": 1, "unambiguous": True, "ambiguity": None}])
+    docs = pd.DataFrame(
+        [
+            {
+                "doc_id": "medical-age-00",
+                "corpus": "realistic",
+                "domain": "medical",
+                "doc_type": "discharge_summary",
+                "title": "Discharge summary",
+                "text": text,
+                "sections": json.dumps([["Hospital course", text.index("HOSPITAL"), len(text)]]),
+                "fact_sheet": json.dumps({"age": "24"}),
+            }
+        ]
+    )
+    facts = pd.DataFrame(
+        [
+            {
+                "doc_id": "medical-age-00",
+                "fact": "age",
+                "value": "24",
+                "question": "How old is the patient?",
+                "char_start": at,
+                "char_end": at + 2,
+                "section": "Hospital course",
+                "source": "generated",
+                "occurrences": 1,
+                "unambiguous": True,
+                "ambiguity": None,
+            }
+        ]
+    )
     return docs, facts
 
 
@@ -142,18 +173,42 @@ def test_a_summary_reference_states_only_facts_whose_span_survives(tokenizer):
     assert long.samples[0]["answers"][0].endswith("The age is 24.")
 
 
-def discharge_summary(body: str, facts: dict[str, str], doc_id: str = "medical-unique-00",
-                      attending: str = "Dr. William Oliver") -> tuple[pd.DataFrame, pd.DataFrame]:
+def discharge_summary(
+    body: str, facts: dict[str, str], doc_id: str = "medical-unique-00", attending: str = "Dr. William Oliver"
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """A hand-made discharge summary whose `facts` are located at their first mention in the text."""
     text = f"DISCHARGE SUMMARY\n\nAttending physician: {attending}\n\nHISTORY\n{body}"
     questions = vocabulary("medical")["facts"]
-    docs = pd.DataFrame([{"doc_id": doc_id, "corpus": "realistic", "domain": "medical", "doc_type": "discharge_summary",
-                          "title": "Discharge summary", "text": text,
-                          "sections": json.dumps([["History", text.index("HISTORY"), len(text)]]),
-                          "fact_sheet": json.dumps({"attending": attending, **facts})}])
-    rows = [{"doc_id": doc_id, "fact": k, "value": v, "question": questions[k]["question"],
-             "char_start": text.index(v), "char_end": text.index(v) + len(v), "section": "History",
-             "source": "generated", "occurrences": 1, "unambiguous": True, "ambiguity": None} for k, v in facts.items()]
+    docs = pd.DataFrame(
+        [
+            {
+                "doc_id": doc_id,
+                "corpus": "realistic",
+                "domain": "medical",
+                "doc_type": "discharge_summary",
+                "title": "Discharge summary",
+                "text": text,
+                "sections": json.dumps([["History", text.index("HISTORY"), len(text)]]),
+                "fact_sheet": json.dumps({"attending": attending, **facts}),
+            }
+        ]
+    )
+    rows = [
+        {
+            "doc_id": doc_id,
+            "fact": k,
+            "value": v,
+            "question": questions[k]["question"],
+            "char_start": text.index(v),
+            "char_end": text.index(v) + len(v),
+            "section": "History",
+            "source": "generated",
+            "occurrences": 1,
+            "unambiguous": True,
+            "ambiguity": None,
+        }
+        for k, v in facts.items()
+    ]
     return docs, pd.DataFrame(rows)
 
 
@@ -175,10 +230,16 @@ def test_a_second_comorbidity_in_the_context_is_not_built_unless_the_cut_removes
 @pytest.mark.parametrize("second, built", [("", True), (" and obesity", False)])
 def test_a_multi_doc_answer_passage_with_a_second_comorbidity_is_not_built(tokenizer, second, built):
     # the distractors' own comorbidities (hyperlipidemia) do not count: the anchor names the passage
-    parts = [discharge_summary(f"She has a history of hypertension{second}. {FILLER_12}",
-                               {"attending": "Dr. William Oliver", "comorbidity": "hypertension"})]
-    parts += [discharge_summary(f"He has hyperlipidemia. {FILLER_12}", {}, f"medical-other-{name}", f"Dr. Ann {name}")
-              for name in ("Lee", "Park")]
+    parts = [
+        discharge_summary(
+            f"She has a history of hypertension{second}. {FILLER_12}",
+            {"attending": "Dr. William Oliver", "comorbidity": "hypertension"},
+        )
+    ]
+    parts += [
+        discharge_summary(f"He has hyperlipidemia. {FILLER_12}", {}, f"medical-other-{name}", f"Dr. Ann {name}")
+        for name in ("Lee", "Park")
+    ]
     docs, facts = (pd.concat(frames) for frames in zip(*parts))
     sources = load_sources(docs, facts, None, tokenizer)
     (task,) = build_tasks({"multi_doc_qa": {"samples": 1, "context_tokens": [1536], "documents": 3}}, sources, seed=5)
@@ -187,8 +248,10 @@ def test_a_multi_doc_answer_passage_with_a_second_comorbidity_is_not_built(token
         assert task.samples[0]["answers"] == ["hypertension"] and "hyperlipidemia" in task.samples[0]["context"]
 
 
-@pytest.mark.parametrize("other, built", [("Dr. Oliver signed the discharge order.", True),
-                                          ("Dr. Emma Taylor, MD, read the chest film.", False)])
+@pytest.mark.parametrize(
+    "other, built",
+    [("Dr. Oliver signed the discharge order.", True), ("Dr. Emma Taylor, MD, read the chest film.", False)],
+)
 def test_another_doctor_in_the_context_makes_the_attending_ambiguous(tokenizer, other, built):
     body = f"She has a history of hypertension. {other} She went home."
     sources = load_sources(*discharge_summary(body, {"attending": "Dr. William Oliver"}), None, tokenizer)
@@ -196,18 +259,33 @@ def test_another_doctor_in_the_context_makes_the_attending_ambiguous(tokenizer, 
     assert len(task.samples) == int(built)
 
 
-@pytest.mark.parametrize("kind, answer, text, rival", [
-    ("judge", "Judge Logan Smith", "Judge Smith wrote for the panel, joined by Justice Sonia Ortiz.",
-     "Justice Sonia Ortiz"),
-    ("judge", "Judge Logan Smith", "JUDGE: Judge Logan Smith. Judge Smith denied the motion.", None),
-    ("attorney", "Kevin Wong, Esq.", "Counsel Kevin Wong, Esq. for the plaintiff; Jane Roe, Esq. for the defendant.",
-     "Jane Roe, Esq"),
-    ("attorney", "Kevin Wong, Esq.", "BY Kevin Wong, Esq.: Please state your name.", None),
-    ("test", "arterial blood gas", "An arterial blood gas was drawn.", None),  # listed twice, for two conditions
-    ("hospital", "Riverside General Hospital", "moved from riverside general hospital to MERCY VALLEY HOSPITAL",
-     "Mercy Valley Hospital"),
-    ("admission_date", "May 1, 2023", "admitted May 1, 2023 and discharged May 9, 2023", None),  # a distinct role
-])
+@pytest.mark.parametrize(
+    "kind, answer, text, rival",
+    [
+        (
+            "judge",
+            "Judge Logan Smith",
+            "Judge Smith wrote for the panel, joined by Justice Sonia Ortiz.",
+            "Justice Sonia Ortiz",
+        ),
+        ("judge", "Judge Logan Smith", "JUDGE: Judge Logan Smith. Judge Smith denied the motion.", None),
+        (
+            "attorney",
+            "Kevin Wong, Esq.",
+            "Counsel Kevin Wong, Esq. for the plaintiff; Jane Roe, Esq. for the defendant.",
+            "Jane Roe, Esq",
+        ),
+        ("attorney", "Kevin Wong, Esq.", "BY Kevin Wong, Esq.: Please state your name.", None),
+        ("test", "arterial blood gas", "An arterial blood gas was drawn.", None),  # listed twice, for two conditions
+        (
+            "hospital",
+            "Riverside General Hospital",
+            "moved from riverside general hospital to MERCY VALLEY HOSPITAL",
+            "Mercy Valley Hospital",
+        ),
+        ("admission_date", "May 1, 2023", "admitted May 1, 2023 and discharged May 9, 2023", None),  # a distinct role
+    ],
+)
 def test_second_answers_of_roles_and_listed_kinds(kind, answer, text, rival):
     domain = "legal" if kind in ("judge", "attorney") else "medical"
     assert second_answer(domain, kind, answer, text) == rival
@@ -218,16 +296,20 @@ def test_a_value_inside_a_longer_listed_value_is_that_value():
     text = "She has chronic kidney disease stage 3."
     assert listed_rival(text, "chronic kidney disease stage 3", values) is None
     assert listed_rival(text, "chronic kidney disease", values) == "chronic kidney disease stage 3"
-    assert listed_rival(text + " Chronic kidney disease runs in her family.", "chronic kidney disease stage 3",
-                        values) == "chronic kidney disease"
+    assert (
+        listed_rival(text + " Chronic kidney disease runs in her family.", "chronic kidney disease stage 3", values)
+        == "chronic kidney disease"
+    )
 
 
 def test_the_uniqueness_check_changes_only_the_samples_it_drops(tokenizer, tmp_path, monkeypatch):
     tiny_docs, tiny_facts = tiny_corpus()
     body = "She has a history of hypertension and obesity. She went home."
     rival_docs, rival_facts = discharge_summary(body, {"comorbidity": "hypertension"})
-    corpora = {"tiny": (tiny_docs, tiny_facts),
-               "mixed": (pd.concat([tiny_docs, rival_docs]), pd.concat([tiny_facts, rival_facts]))}
+    corpora = {
+        "tiny": (tiny_docs, tiny_facts),
+        "mixed": (pd.concat([tiny_docs, rival_docs]), pd.concat([tiny_facts, rival_facts])),
+    }
     settings = {**TASKS, "single_doc_qa": {"samples": len(tiny_docs) + 1, "context_tokens": [256]}}
     built = {}
     for checked in (True, False):
@@ -241,9 +323,13 @@ def test_the_uniqueness_check_changes_only_the_samples_it_drops(tokenizer, tmp_p
             built[name, checked] = {p.name: p.read_bytes() for p in sorted(Path("tasks").iterdir())}
     assert built["tiny", True] == built["tiny", False]  # no tiny-corpus context states a second value
     # with a second comorbidity in one document, only that document's sample goes (ids renumber after it)
-    unchecked, checked = ([{k: v for k, v in json.loads(line).items() if k != "_id"}
-                           for line in built["mixed", c]["kvbench_single_doc_qa.jsonl"].decode().splitlines()]
-                          for c in (False, True))
+    unchecked, checked = (
+        [
+            {k: v for k, v in json.loads(line).items() if k != "_id"}
+            for line in built["mixed", c]["kvbench_single_doc_qa.jsonl"].decode().splitlines()
+        ]
+        for c in (False, True)
+    )
     assert [s["doc_ids"] for s in unchecked if s not in checked] == [["medical-unique-00"]]
     assert len(checked) == len(tiny_docs) == len(unchecked) - 1
 
@@ -286,15 +372,34 @@ def test_verbatim_prompts_equal_lm_evals_longbench_ones(ours, dataset):
 def test_imported_longbench_lines_become_one_task_per_dataset(tokenizer):
     import pandas as pd
 
-    rows = pd.DataFrame([
-        {"doc_id": "h1", "doc_type": "hotpotqa", "text": "Passage 1:\nParis is the capital of France.",
-         "question": "What is the capital of France?", "answers": json.dumps(["Paris"]), "all_classes": None},
-        {"doc_id": "h2", "doc_type": "hotpotqa", "text": "Passage 1:\nRome is in Italy.",
-         "question": "What is the capital of Spain?", "answers": json.dumps(["Madrid"]), "all_classes": None},
-        {"doc_id": "t1", "doc_type": "trec", "text": "Question: Who?\nType: Human being",
-         "question": "Question: Where?\nType:", "answers": json.dumps(["Location"]),
-         "all_classes": json.dumps(["Human being", "Location"])},
-    ])
+    rows = pd.DataFrame(
+        [
+            {
+                "doc_id": "h1",
+                "doc_type": "hotpotqa",
+                "text": "Passage 1:\nParis is the capital of France.",
+                "question": "What is the capital of France?",
+                "answers": json.dumps(["Paris"]),
+                "all_classes": None,
+            },
+            {
+                "doc_id": "h2",
+                "doc_type": "hotpotqa",
+                "text": "Passage 1:\nRome is in Italy.",
+                "question": "What is the capital of Spain?",
+                "answers": json.dumps(["Madrid"]),
+                "all_classes": None,
+            },
+            {
+                "doc_id": "t1",
+                "doc_type": "trec",
+                "text": "Question: Who?\nType: Human being",
+                "question": "Question: Where?\nType:",
+                "answers": json.dumps(["Location"]),
+                "all_classes": json.dumps(["Human being", "Location"]),
+            },
+        ]
+    )
     docs, facts = tiny_corpus()
     sources = load_sources(docs, facts, rows, tokenizer)
     files = {t.name: t for t in build_tasks({"longbench": {"samples": 5, "context_tokens": [4096]}}, sources, seed=1)}
@@ -309,8 +414,12 @@ def test_config_checks_name_the_key():
         check_task("summarisation", {"samples": 1})
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['documents'\] for task 'few_shot'"):
         check_task("few_shot", {"samples": 1, "context_tokens": [512], "documents": 3})
-    config = {"models": {"m": {}}, "methods": {"full": {}}, "corpus": {"imported": {"path": None}},
-              "quality": {"models": ["m"], "methods": ["full", "kivi9"], "reference": "full"}}
+    config = {
+        "models": {"m": {}},
+        "methods": {"full": {}},
+        "corpus": {"imported": {"path": None}},
+        "quality": {"models": ["m"], "methods": ["full", "kivi9"], "reference": "full"},
+    }
     assert quality_problems(config) == ["quality.methods: 'kivi9' is not a key of methods (['full'])"]
     config["quality"] |= {"methods": ["full"], "lm_eval_tasks": ["longbench_hotpotqa", "hellaswag"]}
     [problem] = quality_problems(config)
@@ -322,5 +431,7 @@ def test_the_command_line_names_a_bad_method(capsys):
     from kvbench.tinyrun import REPO
 
     with pytest.raises(SystemExit):
-        main(["--method", "kivi9", "--tasks", "results/quality/tasks", "--config", str(REPO / "config" / "config.yaml")])
+        main(
+            ["--method", "kivi9", "--tasks", "results/quality/tasks", "--config", str(REPO / "config" / "config.yaml")]
+        )
     assert "--method kivi9: not a key of methods" in capsys.readouterr().err

@@ -32,6 +32,7 @@ def rendered(tmp_path, blocks):
         text = render(blocks[name], tmp_path)
         assert "config feedbeef, commit 0123456789ab" in text
         return text
+
     return one
 
 
@@ -50,8 +51,18 @@ def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(re
     # full's steps 1, 2, 10 s. "skew": 3, 2, 10 -> same-step ratios 3, 1, 1: median 1 (the ratio of
     # medians would be 1.5). "slow": 2, 4, 30 -> ratios 2, 2, 3: median 2 (inverted: 0.5).
     seconds = {"full": [1, 2, 10], "skew": [3, 2, 10], "slow": [2, 4, 30]}
-    rows = [{"step": step, "method": m, "seconds": float(s), "cpu_seconds": 2.0 * s, "kv_bytes": 1e6 * (step + 1),
-             "context_tokens": 4096} for m, times in seconds.items() for step, s in enumerate(times)]
+    rows = [
+        {
+            "step": step,
+            "method": m,
+            "seconds": float(s),
+            "cpu_seconds": 2.0 * s,
+            "kv_bytes": 1e6 * (step + 1),
+            "context_tokens": 4096,
+        }
+        for m, times in seconds.items()
+        for step, s in enumerate(times)
+    ]
     text = rendered("decode-overhead", {"bench/decode_overhead.parquet": pd.DataFrame(rows[::-1])})
     header = header_of(text)
     skew, slow = dict(zip(header, row_of(text, "skew"))), dict(zip(header, row_of(text, "slow")))
@@ -65,7 +76,8 @@ def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(re
     assert render(blocks["decode-overhead-budgets"], tmp_path) == "no budgeted method ran"
     budgets.assign(**PROV).to_parquet(tmp_path / "bench/decode_overhead.parquet")
     assert render(blocks["decode-overhead-budgets"], tmp_path) == (
-        "at 4096 tokens, TPOT over `full`'s: kivi2 1× (budget ≤ 1.3×: met)")
+        "at 4096 tokens, TPOT over `full`'s: kivi2 1× (budget ≤ 1.3×: met)"
+    )
 
 
 @pytest.fixture
@@ -80,14 +92,35 @@ def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(rendered, 
     ttft = {"dynamic": [1, 1, 1], "peer-full": [2, 2, 2], "kivi2": [1, 4, 3], "quanto-int2": [2, 2, 3]}
     tpot = {"dynamic": [1, 1, 1], "peer-full": [1, 1, 1], "kivi2": [0.1, 0.1, 0.2], "quanto-int2": [0.2, 0.2, 0.1]}
     rows = []
-    for method in ["dynamic", "full", "snapkv", "snapkv-fp32", "kivi2", "kivi4", "peer-full", "kvpress-snapkv", "quanto-int2",
-                   "quanto-int4"]:
+    for method in [
+        "dynamic",
+        "full",
+        "snapkv",
+        "snapkv-fp32",
+        "kivi2",
+        "kivi4",
+        "peer-full",
+        "kvpress-snapkv",
+        "quanto-int2",
+        "quanto-int4",
+    ]:
         side = "peer" if method in side_by_side.PEERS else "kvbench"
         for round_ in range(3):
-            rows.append({"implementation": side, "method": method, "round": round_, "prompt_id": "p1k",
-                         "context_tokens": 1024, "ttft_s": float(ttft.get(method, [1, 1, 1])[round_]),
-                         "tpot_s": float(tpot.get(method, [1, 1, 1])[round_]), "kv_bytes_prefill": 1,
-                         "new_tokens": 24, "kv_bytes_end": 7_000_000 if method == "kivi2" else 8_000_000, "output_ids": [1]})
+            rows.append(
+                {
+                    "implementation": side,
+                    "method": method,
+                    "round": round_,
+                    "prompt_id": "p1k",
+                    "context_tokens": 1024,
+                    "ttft_s": float(ttft.get(method, [1, 1, 1])[round_]),
+                    "tpot_s": float(tpot.get(method, [1, 1, 1])[round_]),
+                    "kv_bytes_prefill": 1,
+                    "new_tokens": 24,
+                    "kv_bytes_end": 7_000_000 if method == "kivi2" else 8_000_000,
+                    "output_ids": [1],
+                }
+            )
     pairs = side_by_side.pairs(side_by_side.add_overheads(pd.DataFrame(rows)))
     text = rendered("peers", {"bench/side_by_side_pairs.parquet": pairs})
     header = header_of(text)
@@ -110,16 +143,31 @@ def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(rendered
     # Two rounds of two steps. snapkv vs kvpress-snapkv: round 0 (1+3)/(1+1) = 2, round 1 (1+1)/(2+2)
     # = 0.5: median 1.25 (the median of per-step ratios would be 1; of inverted ratios 1.25 too, so
     # kivi2 checks the direction: 1/(2+2) twice -> 0.5, inverted 2).
-    seconds = {("snapkv", 0): [1, 3], ("kvpress-snapkv", 0): [1, 1], ("kvpress-snapkv", 1): [2, 2],
-               ("quanto-int2", 0): [2, 2], ("quanto-int2", 1): [2, 2], ("full", 0): [2, 2], ("peer-full", 0): [4, 4]}
+    seconds = {
+        ("snapkv", 0): [1, 3],
+        ("kvpress-snapkv", 0): [1, 1],
+        ("kvpress-snapkv", 1): [2, 2],
+        ("quanto-int2", 0): [2, 2],
+        ("quanto-int2", 1): [2, 2],
+        ("full", 0): [2, 2],
+        ("peer-full", 0): [4, 4],
+    }
     rows = []
     for method in dict.fromkeys(list(bench.PEER_OF) + list(bench.PEER_OF.values())):
         for round_ in range(2):
             for step in range(2):
-                rows.append({"method": method, "round": round_, "prompt_id": "p4k", "context_tokens": 4096, "step": step,
-                             "kv_bytes": (5_000_000 if method != "quanto-int2" else 4_000_000) + 1_000_000 * step,
-                             "seconds": float(seconds.get((method, round_), [1, 1])[step]),
-                             "next_token": 7 if (method, step) == ("snapkv", 1) else 3})
+                rows.append(
+                    {
+                        "method": method,
+                        "round": round_,
+                        "prompt_id": "p4k",
+                        "context_tokens": 4096,
+                        "step": step,
+                        "kv_bytes": (5_000_000 if method != "quanto-int2" else 4_000_000) + 1_000_000 * step,
+                        "seconds": float(seconds.get((method, round_), [1, 1])[step]),
+                        "next_token": 7 if (method, step) == ("snapkv", 1) else 3,
+                    }
+                )
     text = rendered("peers-decode", {"bench/decode_side_by_side_pairs.parquet": bench.pairs(pd.DataFrame(rows))})
     rows_of = {r[2]: dict(zip(header_of(text), r)) for r in row_of_all(text, "p4k")}
     snapkv, kivi2 = rows_of["snapkv"], rows_of["kivi2"]
@@ -137,16 +185,30 @@ def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(rendered
 
 
 def row_of_all(text: str, first_cell: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
-            if line.startswith(f"| {first_cell} |")]
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith(f"| {first_cell} |")
+    ]
 
 
 def test_snapkv_agreement_is_summarised_per_prompt_over_its_layer_head_pairs(rendered):
     shared = {"a": [1.0, 1.0, 0.5, 1.0], "b": [0.75, 1.0, 1.0, 1.0]}
     gaps = {"a": [0, 0, 0.2, 0], "b": [0.01, 0, 0, 0]}
-    rows = [{"prompt_id": p, "context_tokens": 100 * (i + 1), "layer": j // 2, "head": j % 2, "kept_ours": 4,
-             "kept_kvpress": 4, "shared": shared[p][j], "max_relative_score_gap": gaps[p][j]}
-            for i, p in enumerate(shared) for j in range(4)]
+    rows = [
+        {
+            "prompt_id": p,
+            "context_tokens": 100 * (i + 1),
+            "layer": j // 2,
+            "head": j % 2,
+            "kept_ours": 4,
+            "kept_kvpress": 4,
+            "shared": shared[p][j],
+            "max_relative_score_gap": gaps[p][j],
+        }
+        for i, p in enumerate(shared)
+        for j in range(4)
+    ]
     text = rendered("snapkv-agreement", {"bench/snapkv_agreement.parquet": pd.DataFrame(rows)})
     header = header_of(text)
     a, b = dict(zip(header, row_of(text, "a"))), dict(zip(header, row_of(text, "b")))
@@ -157,20 +219,47 @@ def test_snapkv_agreement_is_summarised_per_prompt_over_its_layer_head_pairs(ren
 
 
 def test_kill_resume_block_lists_each_kill_and_counts_equal_tables(rendered):
-    kills = pd.DataFrame([
-        {"stage": "quality", "killed": True, "interrupted": True, "killed_after_s": 41.0, "processes_after_120s": 0, "unlock_returncode": 0,
-         "incomplete_jobs": ["results/quality/smol/methods/kivi2.parquet", "results/serve/servers/main/requests.parquet"],
-         "note": ""},
-        {"stage": "report", "killed": False, "interrupted": False, "killed_after_s": np.nan, "processes_after_120s": np.nan,
-         "unlock_returncode": np.nan, "incomplete_jobs": [], "note": "snakemake ended (code 0) after report's mark"},
-    ]).assign(reference_run_s=600.4, interrupted_run_s=1234.0)
-    tables = pd.DataFrame({"table": ["results/a.parquet", "results/b.parquet", "results/c.parquet"], "rows": [3, 4, 5],
-                           "equal": [True, False, True], "differing_columns": ["", "score", ""]})
+    kills = pd.DataFrame(
+        [
+            {
+                "stage": "quality",
+                "killed": True,
+                "interrupted": True,
+                "killed_after_s": 41.0,
+                "processes_after_120s": 0,
+                "unlock_returncode": 0,
+                "incomplete_jobs": [
+                    "results/quality/smol/methods/kivi2.parquet",
+                    "results/serve/servers/main/requests.parquet",
+                ],
+                "note": "",
+            },
+            {
+                "stage": "report",
+                "killed": False,
+                "interrupted": False,
+                "killed_after_s": np.nan,
+                "processes_after_120s": np.nan,
+                "unlock_returncode": np.nan,
+                "incomplete_jobs": [],
+                "note": "snakemake ended (code 0) after report's mark",
+            },
+        ]
+    ).assign(reference_run_s=600.4, interrupted_run_s=1234.0)
+    tables = pd.DataFrame(
+        {
+            "table": ["results/a.parquet", "results/b.parquet", "results/c.parquet"],
+            "rows": [3, 4, 5],
+            "equal": [True, False, True],
+            "differing_columns": ["", "score", ""],
+        }
+    )
     text = rendered("kill-resume", {"bench/kill_resume.parquet": kills, "bench/kill_resume_tables.parquet": tables})
     header = header_of(text)
     quality = dict(zip(header, row_of(text, "quality")))
-    assert quality["incomplete outputs"] == ("`results/quality/smol/methods/kivi2.parquet`, "
-                                             "`results/serve/servers/main/requests.parquet`")
+    assert quality["incomplete outputs"] == (
+        "`results/quality/smol/methods/kivi2.parquet`, `results/serve/servers/main/requests.parquet`"
+    )
     assert quality["killed after (s)"] == "41" and quality["processes after 120 s"] == "0"
     assert dict(zip(header, row_of(text, "report")))["killed"] == "False"
     assert "2/3 final tables equal" in text and "`results/b.parquet` (score)" in text
@@ -181,22 +270,53 @@ def test_kill_resume_block_lists_each_kill_and_counts_equal_tables(rendered):
 def test_a_bench_table_not_measured_yet_renders_as_such_naming_its_command(tmp_path, blocks):
     assert render(blocks["peers"], tmp_path) == "\n_Not measured yet: `make bench-peers`, then `make readme`._\n"
     assert render(blocks["decode-overhead-budgets"], tmp_path) == (
-        "not measured yet (`make bench-core`, then `make readme`)")
+        "not measured yet (`make bench-core`, then `make readme`)"
+    )
 
 
 def test_turboquant_scores_block_shows_each_methods_measured_errors(rendered, blocks, tmp_path):
-    table = pd.DataFrame({"method": ["kivi2", "turboquant4"], "score_bias": [0.01, -0.002], "score_error_std": [0.8, 0.91],
-                          "attention_kl": [0.18, 0.22], "attention_top1": [0.9, 0.85], "next_token_kl": [0.15, 0.32],
-                          "top1_agreement": [0.84, 0.59], "runtime_s": [1.0, 2.0]})
+    table = pd.DataFrame(
+        {
+            "method": ["kivi2", "turboquant4"],
+            "score_bias": [0.01, -0.002],
+            "score_error_std": [0.8, 0.91],
+            "attention_kl": [0.18, 0.22],
+            "attention_top1": [0.9, 0.85],
+            "next_token_kl": [0.15, 0.32],
+            "top1_agreement": [0.84, 0.59],
+            "runtime_s": [1.0, 2.0],
+        }
+    )
     text = rendered("turboquant-scores", {"bench/turboquant_scores.parquet": table})
-    assert header_of(text) == ["method", "score_bias", "score_error_std", "attention_kl", "attention_top1",
-                               "next_token_kl", "top1_agreement"]
+    assert header_of(text) == [
+        "method",
+        "score_bias",
+        "score_error_std",
+        "attention_kl",
+        "attention_top1",
+        "next_token_kl",
+        "top1_agreement",
+    ]
     assert row_of(text, "turboquant4") == ["turboquant4", "-0.002", "0.91", "0.22", "0.85", "0.32", "0.59"]
     # Its reading: prod against mse at each width, from the same table.
-    pd.concat([table, pd.DataFrame({"method": ["turboquant4-mse"], "score_bias": [0.04], "score_error_std": [0.4],
-                                    "attention_kl": [0.04], "attention_top1": [0.9], "next_token_kl": [0.13],
-                                    "top1_agreement": [0.94], "runtime_s": [1.0]})]).assign(**PROV).to_parquet(
-        tmp_path / "bench/turboquant_scores.parquet")
+    pd.concat(
+        [
+            table,
+            pd.DataFrame(
+                {
+                    "method": ["turboquant4-mse"],
+                    "score_bias": [0.04],
+                    "score_error_std": [0.4],
+                    "attention_kl": [0.04],
+                    "attention_top1": [0.9],
+                    "next_token_kl": [0.13],
+                    "top1_agreement": [0.94],
+                    "runtime_s": [1.0],
+                }
+            ),
+        ]
+    ).assign(**PROV).to_parquet(tmp_path / "bench/turboquant_scores.parquet")
     assert render(blocks["turboquant-scores-reading"], tmp_path) == (
         "at 4 bits the product variant's score bias is -0.0020 (MSE variant +0.0400) but its error spreads 0.91 "
-        "against 0.4 (2.27×), giving attention KL 0.22 vs 0.04 and next-token KL 0.32 vs 0.13")
+        "against 0.4 (2.27×), giving attention KL 0.22 vs 0.04 and next-token KL 0.32 vs 0.13"
+    )

@@ -8,8 +8,8 @@ import pytest
 
 from kvbench.corpus.factsheets import plan_documents
 from kvbench.corpus.realistic import GenerationSettings, generate_corpus
-from kvbench.vllm_server import vllm_server
 from kvbench.tinyrun import default_config
+from kvbench.vllm_server import vllm_server
 
 pytestmark = pytest.mark.integration
 
@@ -17,8 +17,13 @@ pytestmark = pytest.mark.integration
 def test_same_seed_gives_byte_identical_documents_across_a_server_restart(model_dir, tokenizer, tmp_path):
     vllm = default_config()["vllm"]
     settings = GenerationSettings(
-        target_tokens=120, section_tokens=64, min_section_tokens=16, temperature=0.7, top_p=0.9,
-        repetition_penalty=1.1, concurrency=4,
+        target_tokens=120,
+        section_tokens=64,
+        min_section_tokens=16,
+        temperature=0.7,
+        top_p=0.9,
+        repetition_penalty=1.1,
+        concurrency=4,
     )
 
     def count(text: str) -> int:

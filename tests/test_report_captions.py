@@ -13,8 +13,11 @@ CAPTIONS = sorted((Path(__file__).resolve().parents[1] / "workflow" / "report").
 @pytest.mark.parametrize("caption", CAPTIONS, ids=[c.name for c in CAPTIONS])
 def test_caption_renders_without_warnings(caption):
     messages = io.StringIO()
-    docutils.core.publish_doctree(caption.read_text(), source_path=str(caption),
-                                  settings_overrides={"report_level": 2, "halt_level": 5, "warning_stream": messages})
+    docutils.core.publish_doctree(
+        caption.read_text(),
+        source_path=str(caption),
+        settings_overrides={"report_level": 2, "halt_level": 5, "warning_stream": messages},
+    )
     assert messages.getvalue() == ""
 
 

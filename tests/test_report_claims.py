@@ -10,10 +10,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from report_frames import (
+    METHODS,
+    corpus_stats,
+    fidelity,
+    kv_compressibility,
+    kv_summary,
+    quality,
+    report,
+    serve_offload,
+    system,
+)
 
 from kvbench.report import claims as C
-from report_frames import (METHODS, corpus_stats, fidelity, kv_compressibility, kv_summary, quality, report, serve_offload,
-                           system)
 
 # The seed documents (not shipped in the repository): the seed numbers are checked where they exist.
 SEEDS = Path(os.environ.get("KVBENCH_SEEDS", "/work/shared/seeds"))
@@ -35,8 +44,14 @@ def test_every_claim_has_a_row_and_names_its_source_even_with_no_stage():
 
 
 def test_a_decided_claim_states_its_test_and_no_verdict_holds_the_null():
-    claims = report({"corpus_stats": corpus_stats(), "quality_scores": quality(
-        {m: {"single_doc_qa": v, "summarization": v} for m, v in QUALITY_OK.items()}, samples=6)}).claims
+    claims = report(
+        {
+            "corpus_stats": corpus_stats(),
+            "quality_scores": quality(
+                {m: {"single_doc_qa": v, "summarization": v} for m, v in QUALITY_OK.items()}, samples=6
+            ),
+        }
+    ).claims
     tested = claims[claims.p_value.notna()]
     assert len(tested) >= 2 and (tested.family == len(tested)).all()
     assert tested.compared.str.len().gt(5).all() and tested.statistic.str.len().gt(5).all()
@@ -47,12 +62,15 @@ def test_a_decided_claim_states_its_test_and_no_verdict_holds_the_null():
     assert not holds_null.any(), decided
 
 
-@pytest.mark.parametrize("stats, expected", [
-    (corpus_stats(), C.CONFIRMED),  # the seed's own figures
-    (corpus_stats(realistic_tokens=1000, realistic_diversity={"medical": 5.0}), C.CONTRADICTED),  # 25x
-    (corpus_stats(realistic_tokens=150, realistic_diversity={"medical": 80.0}), C.NOT_MEASURABLE),  # too short
-    (corpus_stats(docs=4), C.INCONCLUSIVE),  # 4 documents per domain: too few for an interval
-])
+@pytest.mark.parametrize(
+    "stats, expected",
+    [
+        (corpus_stats(), C.CONFIRMED),  # the seed's own figures
+        (corpus_stats(realistic_tokens=1000, realistic_diversity={"medical": 5.0}), C.CONTRADICTED),  # 25x
+        (corpus_stats(realistic_tokens=150, realistic_diversity={"medical": 80.0}), C.NOT_MEASURABLE),  # too short
+        (corpus_stats(docs=4), C.INCONCLUSIVE),  # 4 documents per domain: too few for an interval
+    ],
+)
 def test_token_diversity(stats, expected):
     row = verdict({"corpus_stats": stats}, "token-diversity")
     assert row.verdict == expected
@@ -68,18 +86,24 @@ def test_token_diversity_fold_is_at_equal_length():
 def _kv(dummy: float, synthetic: float, docs: int = 5, jitter: float = 0.0) -> pd.DataFrame:
     """Per-document KV rows: realistic with real and dummy weights, synthetic with real weights (the
     dummy and synthetic documents' ratios spread by `jitter`, the real ones the other way)."""
-    return pd.concat([kv_compressibility({"realistic": {"zstd-3": 1.3}}, docs=docs, jitter=-jitter),
-                      kv_compressibility({"realistic": {"zstd-3": 1.3 * dummy}}, docs=docs, weights="dummy",
-                                         jitter=jitter),
-                      kv_compressibility({"synthetic": {"zstd-3": 1.3 * synthetic}}, docs=docs, jitter=jitter)])
+    return pd.concat(
+        [
+            kv_compressibility({"realistic": {"zstd-3": 1.3}}, docs=docs, jitter=-jitter),
+            kv_compressibility({"realistic": {"zstd-3": 1.3 * dummy}}, docs=docs, weights="dummy", jitter=jitter),
+            kv_compressibility({"synthetic": {"zstd-3": 1.3 * synthetic}}, docs=docs, jitter=jitter),
+        ]
+    )
 
 
-@pytest.mark.parametrize("claim_id, dummy, synthetic, expected", [
-    ("dummy-weights-inflate", 32.0, 1.0, C.CONFIRMED),
-    ("dummy-weights-inflate", 1.5, 1.0, C.CONTRADICTED),
-    ("repetitive-input-inflates", 32.0, 1.27, C.CONFIRMED),
-    ("repetitive-input-inflates", 32.0, 1.05, C.CONTRADICTED),
-])
+@pytest.mark.parametrize(
+    "claim_id, dummy, synthetic, expected",
+    [
+        ("dummy-weights-inflate", 32.0, 1.0, C.CONFIRMED),
+        ("dummy-weights-inflate", 1.5, 1.0, C.CONTRADICTED),
+        ("repetitive-input-inflates", 32.0, 1.27, C.CONFIRMED),
+        ("repetitive-input-inflates", 32.0, 1.05, C.CONTRADICTED),
+    ],
+)
 def test_inflation_claims(claim_id, dummy, synthetic, expected):
     row = verdict({"kv_compressibility": _kv(dummy, synthetic)}, claim_id)
     assert row.verdict == expected
@@ -103,13 +127,17 @@ def test_inflation_from_the_summary_alone_has_no_interval():
 CODECS = ["zstd-1", "zstd-3", "lz4", "zstd-3+byteplane"]
 
 
-@pytest.mark.parametrize("synthetic, expected, tau", [
-    ([1.1, 1.2, 1.01, 1.3], C.CONTRADICTED, 1.0),   # same order on both corpora
-    ([3.0, 2.0, 4.0, 1.5], C.CONFIRMED, -1.0),      # reversed
-])
+@pytest.mark.parametrize(
+    "synthetic, expected, tau",
+    [
+        ([1.1, 1.2, 1.01, 1.3], C.CONTRADICTED, 1.0),  # same order on both corpora
+        ([3.0, 2.0, 4.0, 1.5], C.CONFIRMED, -1.0),  # reversed
+    ],
+)
 def test_hi_ranks_wrong_from_the_kv_stage(synthetic, expected, tau):
-    kv = kv_compressibility({"realistic": dict(zip(CODECS, [1.1, 1.2, 1.01, 1.3])),
-                             "synthetic": dict(zip(CODECS, synthetic))})
+    kv = kv_compressibility(
+        {"realistic": dict(zip(CODECS, [1.1, 1.2, 1.01, 1.3])), "synthetic": dict(zip(CODECS, synthetic))}
+    )
     row = verdict({"kv_compressibility": kv}, "hi-ranks-wrong")
     assert row.verdict == expected and row.ours_value == pytest.approx(tau) and row.n == 5  # per corpus
     assert "serve: not run" in row.ours
@@ -124,8 +152,10 @@ def test_hi_ranks_wrong_decides_on_the_kv_stage_and_shows_the_serve_taus():
     # the serve stage's wire ratios swap, but one aggregated row per configuration has nothing to resample
     assert row.verdict == C.CONTRADICTED and "wire ratio (serve): tau -0.333 over 4" in row.ours
     assert "hit TTFT (serve): tau -1 over 4" in row.ours
-    unsupported = serve_offload([("lmcache", "kivi", "realistic", 1.0, 9.0), ("lmcache", "kivi", "synthetic", 9.0, 0.1)],
-                                status="unsupported: degraded mode on CPU")
+    unsupported = serve_offload(
+        [("lmcache", "kivi", "realistic", 1.0, 9.0), ("lmcache", "kivi", "synthetic", 9.0, 0.1)],
+        status="unsupported: degraded mode on CPU",
+    )
     row = verdict({"serve_offload": pd.concat([serve_offload(rows), unsupported])}, "hi-ranks-wrong")
     assert row.verdict == C.NOT_MEASURABLE and "over 4" in row.ours  # unsupported rows left out; no kv stage
 
@@ -136,8 +166,11 @@ def test_hi_ranks_wrong_with_two_codecs_is_not_measurable():
 
 
 def _quality(means, samples=6, spread=0.02):
-    return {"quality_scores": quality({m: {"single_doc_qa": v, "summarization": v} for m, v in means.items()},
-                                      samples=samples, spread=spread)}
+    return {
+        "quality_scores": quality(
+            {m: {"single_doc_qa": v, "summarization": v} for m, v in means.items()}, samples=samples, spread=spread
+        )
+    }
 
 
 def test_kivi4_most_stable():
@@ -148,8 +181,9 @@ def test_kivi4_most_stable():
 
 
 def test_kivi4_within_noise_of_a_rival_is_inconclusive():
-    noisy = quality({m: {"single_doc_qa": v, "summarization": v} for m, v in {**QUALITY_OK, "kivi2": 0.485}.items()},
-                    samples=6)
+    noisy = quality(
+        {m: {"single_doc_qa": v, "summarization": v} for m, v in {**QUALITY_OK, "kivi2": 0.485}.items()}, samples=6
+    )
     rng = np.random.default_rng(0)
     noisy["score"] = (noisy.score + rng.normal(0, 0.1, len(noisy))).clip(0, 1)
     row = verdict({"quality_scores": noisy}, "kivi4-most-stable")
@@ -158,9 +192,16 @@ def test_kivi4_within_noise_of_a_rival_is_inconclusive():
 
 def test_kivi4_falls_back_to_fidelity_when_full_scores_zero():
     zero = {m: 0.0 for m in QUALITY_OK}
-    frames = {**_quality(zero, spread=0.0), "quality_fidelity": fidelity(
-        {m: {"single_doc_qa": a, "summarization": a} for m, a in
-         {"kivi2": 0.8, "kivi4": 0.97, "turboquant3": 0.85, "snapkv": 0.7, "cam": 0.72}.items()}, samples=6)}
+    frames = {
+        **_quality(zero, spread=0.0),
+        "quality_fidelity": fidelity(
+            {
+                m: {"single_doc_qa": a, "summarization": a}
+                for m, a in {"kivi2": 0.8, "kivi4": 0.97, "turboquant3": 0.85, "snapkv": 0.7, "cam": 0.72}.items()
+            },
+            samples=6,
+        ),
+    }
     row = verdict(frames, "kivi4-most-stable")
     assert row.verdict == C.CONFIRMED and "top1_agreement" in row.ours
     assert verdict(_quality(zero, spread=0.0), "kivi4-most-stable").verdict == C.NOT_MEASURABLE
@@ -174,38 +215,65 @@ def test_kivi4_claim_needs_the_quality_stage_and_a_kivi4_method():
 
 def test_quality_claims_are_checked_per_protocol():
     qa = quality({m: {"single_doc_qa": v, "summarization": v} for m, v in QUALITY_OK.items()}, samples=6)
-    co = quality({m: {"single_doc_qa": v, "summarization": v} for m, v in {**QUALITY_OK, "snapkv": 0.5}.items()},
-                 samples=6)
+    co = quality(
+        {m: {"single_doc_qa": v, "summarization": v} for m, v in {**QUALITY_OK, "snapkv": 0.5}.items()}, samples=6
+    )
     frames = {"quality_scores": pd.concat([qa.assign(protocol="query-aware"), co.assign(protocol="context-only")])}
     rows = report(frames).claims.query("claim_id == 'kivi4-most-stable'").set_index("protocol").verdict
     assert rows.to_dict() == {"context-only": C.CONTRADICTED, "query-aware": C.CONFIRMED}
 
 
 def _speeds(snapkv, kivi, target, noise=0.0):
-    return {"system": system({"full": {"decode_tok_s": 8}, "kivi4": {"decode_tok_s": kivi},
-                              "snapkv": {"decode_tok_s": snapkv}, "cam": {"decode_tok_s": 9}}, target=target,
-                             prompts=6, noise=noise)}
+    return {
+        "system": system(
+            {
+                "full": {"decode_tok_s": 8},
+                "kivi4": {"decode_tok_s": kivi},
+                "snapkv": {"decode_tok_s": snapkv},
+                "cam": {"decode_tok_s": 9},
+            },
+            target=target,
+            prompts=6,
+            noise=noise,
+        )
+    }
 
 
-@pytest.mark.parametrize("snapkv, kivi, target, noise, expected", [
-    (12, 7, 8192, 0.0, C.CONFIRMED),
-    (9.5, 11, 8192, 0.0, C.CONTRADICTED),
-    (12, 7, 1024, 0.0, C.NOT_MEASURABLE),  # below the paper's long-context regime
-    (9.2, 9.0, 8192, 0.1, C.INCONCLUSIVE),  # 2 % apart, 10 % noise per run
-])
+@pytest.mark.parametrize(
+    "snapkv, kivi, target, noise, expected",
+    [
+        (12, 7, 8192, 0.0, C.CONFIRMED),
+        (9.5, 11, 8192, 0.0, C.CONTRADICTED),
+        (12, 7, 1024, 0.0, C.NOT_MEASURABLE),  # below the paper's long-context regime
+        (9.2, 9.0, 8192, 0.1, C.INCONCLUSIVE),  # 2 % apart, 10 % noise per run
+    ],
+)
 def test_snapkv_long_context_throughput(snapkv, kivi, target, noise, expected):
     row = verdict(_speeds(snapkv, kivi, target, noise), "snapkv-long-context-throughput")
     assert row.verdict == expected and f"at {target} tokens" in row.ours
 
 
-@pytest.mark.parametrize("tq, snapkv, expected", [
-    (1.30, 1.02, C.CONFIRMED),
-    (1.05, 1.40, C.CONTRADICTED),
-    (1.03, 1.01, C.INCONCLUSIVE),  # 2 % apart, 10 % noise per run
-])
+@pytest.mark.parametrize(
+    "tq, snapkv, expected",
+    [
+        (1.30, 1.02, C.CONFIRMED),
+        (1.05, 1.40, C.CONTRADICTED),
+        (1.03, 1.01, C.INCONCLUSIVE),  # 2 % apart, 10 % noise per run
+    ],
+)
 def test_turboquant_ttft_overhead(tq, snapkv, expected):
-    frames = {"system": system({"full": {"ttft_s": 1.0}, "kivi4": {"ttft_s": 1.0}, "turboquant3": {"ttft_s": tq},
-                                "snapkv": {"ttft_s": snapkv}}, prompts=8, noise=0.1)}
+    frames = {
+        "system": system(
+            {
+                "full": {"ttft_s": 1.0},
+                "kivi4": {"ttft_s": 1.0},
+                "turboquant3": {"ttft_s": tq},
+                "snapkv": {"ttft_s": snapkv},
+            },
+            prompts=8,
+            noise=0.1,
+        )
+    }
     row = verdict(frames, "turboquant-ttft-overhead")
     assert row.verdict == expected and row.unit == "prompts"
     assert row.ours_value == pytest.approx(tq - 1, abs=0.12)  # 8 prompts, 10 % noise per run
@@ -218,10 +286,24 @@ def _runs(overheads: dict[str, float], drift: float, prompts: int = 6, repeats: 
     for p in range(prompts):
         for r in range(repeats):
             shared = rng.lognormal(0, drift)
-            rows += [{"model": "m", "method": m, "prompt_id": f"doc{p}@1024", "corpus": "realistic", "repeat": r,
-                      "ttft_s": 1.0 * o * shared * rng.lognormal(0, 0.01), "tpot_s": 0.1, "decode_tok_s": 10.0,
-                      "kv_bytes_end": 1e6, "ratio_end": 1.0, "error": None, "bucket": "0-4k", "target_context": 1024}
-                     for m, o in overheads.items()]
+            rows += [
+                {
+                    "model": "m",
+                    "method": m,
+                    "prompt_id": f"doc{p}@1024",
+                    "corpus": "realistic",
+                    "repeat": r,
+                    "ttft_s": 1.0 * o * shared * rng.lognormal(0, 0.01),
+                    "tpot_s": 0.1,
+                    "decode_tok_s": 10.0,
+                    "kv_bytes_end": 1e6,
+                    "ratio_end": 1.0,
+                    "error": None,
+                    "bucket": "0-4k",
+                    "target_context": 1024,
+                }
+                for m, o in overheads.items()
+            ]
     return pd.DataFrame(rows)
 
 
@@ -276,11 +358,18 @@ def test_cam_ratio_without_stage_or_rows():
 @pytest.mark.skipif(not SEEDS.is_dir(), reason="seed documents not present (set KVBENCH_SEEDS)")
 def test_every_seed_number_quotes_the_seeds():
     seeds = {p.name.split("-")[0]: p.read_text() for p in SEEDS.glob("*.ja.txt")}
-    quoted = {"token-diversity": ["0.02%", "14.2%", "9.4%", "数百倍"], "dummy-weights-inflate": ["非常に良好", "一変"],
-              "snapkv-long-context-throughput": ["SnapKVがチャンピオン"], "turboquant-ttft-overhead": ["長く待たせる"],
-              "cam-ratio-varies": ["節約が全くできない"], "summarization-most-fragile": ["ゴミ"],
-              "kivi4-most-stable": ["間違いをめったに犯しません"], "ratio-predicts-poorly": ["必ずしもパフォーマンスの向上"],
-              "hi-ranks-wrong": ["誰も使わないワークロード"], "repetitive-input-inflates": ["実態以上によく見せて"]}
+    quoted = {
+        "token-diversity": ["0.02%", "14.2%", "9.4%", "数百倍"],
+        "dummy-weights-inflate": ["非常に良好", "一変"],
+        "snapkv-long-context-throughput": ["SnapKVがチャンピオン"],
+        "turboquant-ttft-overhead": ["長く待たせる"],
+        "cam-ratio-varies": ["節約が全くできない"],
+        "summarization-most-fragile": ["ゴミ"],
+        "kivi4-most-stable": ["間違いをめったに犯しません"],
+        "ratio-predicts-poorly": ["必ずしもパフォーマンスの向上"],
+        "hi-ranks-wrong": ["誰も使わないワークロード"],
+        "repetitive-input-inflates": ["実態以上によく見せて"],
+    }
     assert set(quoted) == set(C.CLAIMS)
     for claim_id, phrases in quoted.items():
         text = seeds[C.CLAIMS[claim_id].seed]
@@ -290,9 +379,14 @@ def test_every_seed_number_quotes_the_seeds():
 
 
 def _fragility(summ_loss, fewshot_loss, spread=0.02, noise=0.0):
-    means = {m: {"single_doc_qa": 0.5 * (1 - (m != "full") * 0.05),
-                 "summarization": 0.3 * (1 - (m != "full") * summ_loss),
-                 "few_shot": 0.4 * (1 - (m != "full") * fewshot_loss)} for m in QUALITY_OK}
+    means = {
+        m: {
+            "single_doc_qa": 0.5 * (1 - (m != "full") * 0.05),
+            "summarization": 0.3 * (1 - (m != "full") * summ_loss),
+            "few_shot": 0.4 * (1 - (m != "full") * fewshot_loss),
+        }
+        for m in QUALITY_OK
+    }
     scores = quality(means, samples=6, spread=spread)
     if noise:
         scores["score"] = (scores.score + np.random.default_rng(2).normal(0, noise, len(scores))).clip(0, 1)
@@ -309,8 +403,14 @@ def test_summarization_most_fragile():
 
 def test_summarization_on_one_sample_per_category_decides_nothing():
     # the issue's case: one sample per category cannot compare categories
-    row = verdict({"quality_scores": quality({m: {"single_doc_qa": 0.5, "summarization": 0.3 if m == "full" else 0.1}
-                                              for m in QUALITY_OK}, samples=1)}, "summarization-most-fragile")
+    row = verdict(
+        {
+            "quality_scores": quality(
+                {m: {"single_doc_qa": 0.5, "summarization": 0.3 if m == "full" else 0.1} for m in QUALITY_OK}, samples=1
+            )
+        },
+        "summarization-most-fragile",
+    )
     assert row.verdict == C.INCONCLUSIVE and row.n == 1 and "no interval" in row.ours
     row = verdict(_fragility(0.2, 0.15, noise=0.15), "summarization-most-fragile")
     assert row.verdict == C.INCONCLUSIVE and not row.p_holm < 0.05
@@ -323,21 +423,37 @@ def _ratio_quality(score_of, samples=8, noise=0.01):
     rows = []
     for i, m in enumerate(methods):
         for s in range(samples):
-            rows.append({"model": "m", "method": m, "task": "qa_task", "category": "qa", "metric": "qa_f1",
-                         "bucket": "0-4k", "context_tokens": 1000, "sample": s, "error": None, "ttft_s": math.nan,
-                         "tpot_s": math.nan, "kv_bytes": math.nan, "ratio": 1.0 + i,
-                         "score": float(np.clip(score_of(i, s) + rng.normal(0, noise), 0, 1))})
+            rows.append(
+                {
+                    "model": "m",
+                    "method": m,
+                    "task": "qa_task",
+                    "category": "qa",
+                    "metric": "qa_f1",
+                    "bucket": "0-4k",
+                    "context_tokens": 1000,
+                    "sample": s,
+                    "error": None,
+                    "ttft_s": math.nan,
+                    "tpot_s": math.nan,
+                    "kv_bytes": math.nan,
+                    "ratio": 1.0 + i,
+                    "score": float(np.clip(score_of(i, s) + rng.normal(0, noise), 0, 1)),
+                }
+            )
     return {"quality_scores": pd.DataFrame(rows)}
 
 
-@pytest.mark.parametrize("name, score_of, expected", [
-    ("more compression, less quality", lambda i, s: 0.8 - 0.1 * i, C.CONTRADICTED),  # the ratio orders it
-    ("methods differ, unordered by ratio", lambda i, s: [0.5, 0.2, 0.7, 0.3, 0.8, 0.4][i], C.CONFIRMED),
-    ("noise: no method differs", lambda i, s: 0.3 + 0.4 * ((s * 7919) % 5) / 5, C.INCONCLUSIVE),
-])
+@pytest.mark.parametrize(
+    "name, score_of, expected",
+    [
+        ("more compression, less quality", lambda i, s: 0.8 - 0.1 * i, C.CONTRADICTED),  # the ratio orders it
+        ("methods differ, unordered by ratio", lambda i, s: [0.5, 0.2, 0.7, 0.3, 0.8, 0.4][i], C.CONFIRMED),
+        ("noise: no method differs", lambda i, s: 0.3 + 0.4 * ((s * 7919) % 5) / 5, C.INCONCLUSIVE),
+    ],
+)
 def test_ratio_predicts_poorly(name, score_of, expected):
-    row = verdict(_ratio_quality(score_of, noise=0.01 if expected != C.INCONCLUSIVE else 0.1),
-                  "ratio-predicts-poorly")
+    row = verdict(_ratio_quality(score_of, noise=0.01 if expected != C.INCONCLUSIVE else 0.1), "ratio-predicts-poorly")
     assert row.verdict == expected, (name, row.ours)
     assert "methods differ p" in row.ours and row.unit == "samples"
 
@@ -363,15 +479,18 @@ def test_model_claims_have_one_row_per_model():
 def test_ties_neither_confirm_nor_contradict():
     even = {m: 0.5 for m in QUALITY_OK}  # every method equals the baseline
     assert verdict(_quality(even), "kivi4-most-stable").verdict == C.INCONCLUSIVE
-    tied = {"quality_scores": quality({m: {"qa": 0.5, "few_shot": 0.4, "summarization": 0.3} for m in QUALITY_OK},
-                                      samples=6)}
+    tied = {
+        "quality_scores": quality(
+            {m: {"qa": 0.5, "few_shot": 0.4, "summarization": 0.3} for m in QUALITY_OK}, samples=6
+        )
+    }
     assert verdict(tied, "summarization-most-fragile").verdict == C.INCONCLUSIVE
     assert verdict(_speeds(12, 12, 8192), "snapkv-long-context-throughput").verdict == C.INCONCLUSIVE
 
 
 def test_holm_over_the_family_can_leave_a_claim_that_alone_would_pass_inconclusive():
-    from kvbench.report.decide import Test, verdicts
     from kvbench.report.bootstrap import Interval
+    from kvbench.report.decide import Test, verdicts
 
     def test(p):
         return Test("a", "b", Interval(1.0, 0.5, 1.5, 20, 0.2, p, 0.95), p, 1, True, "samples", 0.1)
@@ -382,8 +501,9 @@ def test_holm_over_the_family_can_leave_a_claim_that_alone_would_pass_inconclusi
 
 
 def test_an_outcome_every_method_shares_has_no_ranking_to_test():
-    frames = {"system": system({m: {"ratio_end": r} for m, r in (("full", 1.0), ("kivi2", 4.0), ("kivi4", 2.5))},
-                               prompts=6)}  # TPOT 0.1 for every method
+    frames = {
+        "system": system({m: {"ratio_end": r} for m, r in (("full", 1.0), ("kivi2", 4.0), ("kivi4", 2.5))}, prompts=6)
+    }  # TPOT 0.1 for every method
     rows = report(frames).claims.query("claim_id == 'ratio-predicts-poorly'")
     tpot = rows[rows.ours.str.startswith("TPOT")].iloc[0]
     assert tpot.verdict == C.NOT_MEASURABLE and "no ranking" in tpot.ours

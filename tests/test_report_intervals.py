@@ -9,20 +9,26 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from report_frames import METHODS, fidelity, quality, report, system, tables
 
 from kvbench.report import build as rb
 from kvbench.report.differences import quality_differences, system_ratios
 from kvbench.report.joined import method_table
 from kvbench.report.samples import paired_quality, system_units
-from report_frames import METHODS, fidelity, quality, report, system, tables
 
 
 def _scores(protocols=("query-aware",), samples=6, noise=0.0) -> pd.DataFrame:
     rng = np.random.default_rng(0)
     frames = []
     for p in protocols:
-        q = quality({"full": {"qa": 0.6, "summarization": 0.3}, "kivi2": {"qa": 0.5, "summarization": 0.2},
-                     "kivi4": {"qa": 0.6, "summarization": 0.3}}, samples=samples)
+        q = quality(
+            {
+                "full": {"qa": 0.6, "summarization": 0.3},
+                "kivi2": {"qa": 0.5, "summarization": 0.2},
+                "kivi4": {"qa": 0.6, "summarization": 0.3},
+            },
+            samples=samples,
+        )
         q["score"] = q.score + rng.normal(0, noise, len(q))
         q["ratio"] = q.method.map({"full": 1.0, "kivi2": 6.0, "kivi4": 3.5})
         frames.append(q.assign(protocol=p) if p else q)
@@ -54,8 +60,9 @@ def test_differences_pair_each_sample_with_the_reference():
 def test_a_table_without_protocol_is_one_group_and_two_protocols_are_two():
     one = quality_differences(paired_quality(tables(quality_scores=_scores((None,))), "full"), "full", 200, 1, 0.95)
     assert set(one.protocol) == {"query-aware"}
-    two = quality_differences(paired_quality(tables(quality_scores=_scores(("query-aware", "context-only"))), "full"),
-                              "full", 200, 1, 0.95)
+    two = quality_differences(
+        paired_quality(tables(quality_scores=_scores(("query-aware", "context-only"))), "full"), "full", 200, 1, 0.95
+    )
     assert set(two.protocol) == {"query-aware", "context-only"} and len(two) == 2 * len(one)
 
 
@@ -63,8 +70,9 @@ def test_fidelity_differences_are_pooled_over_positions_and_kl_first_kept():
     scores = _scores()
     fid = fidelity({"kivi2": {"qa": 0.8, "summarization": 0.8}}, samples=6).assign(kl_first=0.2)
     fid.loc[fid.index[:3], ["top1_agreement", "positions"]] = [0.5, 48]  # three long, worse continuations
-    diff = quality_differences(paired_quality(tables(quality_scores=scores, quality_fidelity=fid), "full"), "full",
-                               200, 1, 0.95)
+    diff = quality_differences(
+        paired_quality(tables(quality_scores=scores, quality_fidelity=fid), "full"), "full", 200, 1, 0.95
+    )
     top1 = _row(diff, category="qa", quantity="top1_agreement")
     assert top1.value == pytest.approx((3 * 48 * 0.5 + 3 * 16 * 0.8) / (3 * 48 + 3 * 16))
     assert top1.difference == pytest.approx(top1.value - 1) and top1.reference_value == 1
@@ -80,9 +88,22 @@ def _runs(drift: float, overhead: float, prompts: int = 6, repeats: int = 3, see
         for r in range(repeats):
             shared = rng.lognormal(0, drift)
             for m, o in (("full", 1.0), ("kivi2", overhead)):
-                rows.append({"model": "m", "method": m, "prompt_id": f"doc{p}@1024", "corpus": "realistic",
-                             "repeat": r, "ttft_s": o * shared, "tpot_s": 0.1 * shared, "decode_tok_s": 10 / shared,
-                             "e2e_s": 2 * shared, "kv_bytes_end": 1e6, "ratio_end": 1.0, "error": None})
+                rows.append(
+                    {
+                        "model": "m",
+                        "method": m,
+                        "prompt_id": f"doc{p}@1024",
+                        "corpus": "realistic",
+                        "repeat": r,
+                        "ttft_s": o * shared,
+                        "tpot_s": 0.1 * shared,
+                        "decode_tok_s": 10 / shared,
+                        "e2e_s": 2 * shared,
+                        "kv_bytes_end": 1e6,
+                        "ratio_end": 1.0,
+                        "error": None,
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -98,8 +119,11 @@ def test_system_ratios_pair_runs_of_one_round():
     assert ttft.source == "results/system/runs.parquet"
     assert _row(table, bucket="all", metric="tpot_s").ratio == 1
     # unpaired (another prompt's rounds, as separate jobs would be), the same drift swamps 7 %
-    shuffled = runs.assign(prompt_id=np.where(runs.method == "kivi2", runs.prompt_id.map(
-        lambda p: f"doc{(int(p[3]) + 1) % 6}@1024"), runs.prompt_id))
+    shuffled = runs.assign(
+        prompt_id=np.where(
+            runs.method == "kivi2", runs.prompt_id.map(lambda p: f"doc{(int(p[3]) + 1) % 6}@1024"), runs.prompt_id
+        )
+    )
     units, *_ = system_units(tables(system_runs=shuffled, system=metrics), "full")
     loose = _row(system_ratios(units, source, paired, "full", 500, 1, 0.95), bucket="0-4k", metric="ttft_s")
     assert loose.ci_low < 1.0 < loose.ci_high and loose.ratio == pytest.approx(1.07, rel=0.3)
@@ -114,8 +138,10 @@ def test_failed_runs_are_counted_not_paired():
 
 
 def test_the_joined_table_carries_intervals_and_n_for_every_measured_column():
-    frames = {"quality_scores": _scores(noise=0.05), "system": system({"full": {}, "kivi2": {"ttft_s": 1.2}},
-                                                                      prompts=6)}
+    frames = {
+        "quality_scores": _scores(noise=0.05),
+        "system": system({"full": {}, "kivi2": {"ttft_s": 1.2}}, prompts=6),
+    }
     table = method_table(tables(**frames), "full", 500, 1, 0.95)
     row = _row(table, method="kivi2", category="qa")
     assert row.quality_low < row.quality < row.quality_high and row.quality_n == 6
@@ -144,8 +170,13 @@ def test_power_tables_cover_both_stages():
 
 def test_the_first_page_shows_the_recommendation_and_which_claims_are_decided():
     scenarios = {"small": {"limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"max": "quality"}}}
-    built = report({"quality_scores": _scores(("query-aware", "context-only")),
-                    "system": system({"full": {}, "kivi2": {"kv_bytes_end": 0.2e6}}, prompts=6)}, scenarios=scenarios)
+    built = report(
+        {
+            "quality_scores": _scores(("query-aware", "context-only")),
+            "system": system({"full": {}, "kivi2": {"kv_bytes_end": 0.2e6}}, prompts=6),
+        },
+        scenarios=scenarios,
+    )
     page = rb.overview_page(built)
     tables_ = pd.read_html(__import__("io").StringIO(page))
     glance, claims = tables_[0], tables_[1]
@@ -167,8 +198,9 @@ def test_the_frontier_marks_the_pareto_front_joins_sweeps_and_draws_every_interv
     drawn = {}
     monkeypatch.setattr(F, "save", lambda fig, png, svg: drawn.setdefault("fig", fig))
     scores = _scores(noise=0.05)
-    fid = fidelity({"kivi2": {"qa": 0.7, "summarization": 0.7}, "kivi4": {"qa": 0.9, "summarization": 0.9}},
-                   samples=6).assign(task=lambda f: f.category + "_task")
+    fid = fidelity(
+        {"kivi2": {"qa": 0.7, "summarization": 0.7}, "kivi4": {"qa": 0.9, "summarization": 0.9}}, samples=6
+    ).assign(task=lambda f: f.category + "_task")
     built = report({"quality_scores": scores, "quality_fidelity": fid})
     methods = {**METHODS, "kivi2": {"kind": "kivi", "bits": 2}, "kivi4": {"kind": "kivi", "bits": 4}}
     F.frontier_figure(built.differences, methods, tmp_path / "f.png", tmp_path / "f.svg")
@@ -189,8 +221,12 @@ def test_the_tradeoff_figure_draws_every_interval_and_names_methods_in_a_legend_
 
     drawn = {}
     monkeypatch.setattr(F, "save", lambda fig, png, svg: drawn.setdefault("fig", fig))
-    built = report({"quality_scores": _scores(noise=0.05), "system": system({"full": {}, "kivi2": {"ttft_s": 1.2},
-                                                                             "kivi4": {}}, prompts=6, noise=0.05)})
+    built = report(
+        {
+            "quality_scores": _scores(noise=0.05),
+            "system": system({"full": {}, "kivi2": {"ttft_s": 1.2}, "kivi4": {}}, prompts=6, noise=0.05),
+        }
+    )
     F.tradeoff_figure(built.methods, "full", tmp_path / "t.png", tmp_path / "t.svg", METHODS)
     fig = drawn["fig"]
     quality_ax, ttft_ax = fig.axes[0], fig.axes[1]
@@ -208,11 +244,25 @@ def test_a_pooled_cell_of_one_sample_categories_is_not_falsely_narrow():
     rows = []
     for i, d in enumerate(diffs):
         for method, score in (("full", 0.3), ("fp8", 0.3 + d)):
-            rows.append({"model": "m", "method": method, "task": f"t{i}", "category": f"c{i}", "metric": "qa_f1",
-                         "bucket": "0-4k", "context_tokens": 1000, "sample": 0, "score": score, "error": None,
-                         "ttft_s": math.nan, "tpot_s": math.nan, "kv_bytes": math.nan, "ratio": math.nan})
-    diff = quality_differences(paired_quality(tables(quality_scores=pd.DataFrame(rows)), "full"), "full", 2000, 1,
-                               0.95)
+            rows.append(
+                {
+                    "model": "m",
+                    "method": method,
+                    "task": f"t{i}",
+                    "category": f"c{i}",
+                    "metric": "qa_f1",
+                    "bucket": "0-4k",
+                    "context_tokens": 1000,
+                    "sample": 0,
+                    "score": score,
+                    "error": None,
+                    "ttft_s": math.nan,
+                    "tpot_s": math.nan,
+                    "kv_bytes": math.nan,
+                    "ratio": math.nan,
+                }
+            )
+    diff = quality_differences(paired_quality(tables(quality_scores=pd.DataFrame(rows)), "full"), "full", 2000, 1, 0.95)
     pooled = _row(diff, category="all", bucket="all", quantity="score")
     # resampled within each one-sample category it would be [0.24, 0.24]; the samples vary by 0.46 (sd)
     assert pooled.n == 7 and pooled.ci_low < 0.0 and pooled.ci_high > 0.5
@@ -221,8 +271,9 @@ def test_a_pooled_cell_of_one_sample_categories_is_not_falsely_narrow():
 def test_large_categories_are_resampled_within_each():
     from kvbench.report.cells import STRATUM_MIN, quality_panel
 
-    scores = quality({"full": {"qa": 0.5, "summarization": 0.3}, "kivi2": {"qa": 0.4, "summarization": 0.3}},
-                     samples=STRATUM_MIN)
+    scores = quality(
+        {"full": {"qa": 0.5, "summarization": 0.3}, "kivi2": {"qa": 0.4, "summarization": 0.3}}, samples=STRATUM_MIN
+    )
     cell = next(quality_panel(paired_quality(tables(quality_scores=scores), "full"), 100, 1).cells(("all",)))
     qa = (cell.units.category == "qa").to_numpy()
     assert (cell.resample.counts[:, qa].sum(axis=1) == STRATUM_MIN).all()  # every draw: 20 qa samples

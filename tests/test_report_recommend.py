@@ -7,27 +7,38 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from report_frames import quality, report, system
 
 from kvbench.report.joined import MEASURED
 from kvbench.report.recommend import NONE, Scenario
-from report_frames import quality, report, system
 from kvbench.tinyrun import REPO
 
 # kv_bytes: full 1e6; quality per method in one category. Made-up numbers.
-SYSTEM = system({
-    "full": {"kv_bytes_end": 1.0e6, "ttft_s": 1.00, "tpot_s": 0.10, "ratio_end": 1.0},
-    "kivi2": {"kv_bytes_end": 0.25e6, "ttft_s": 1.02, "tpot_s": 0.14, "ratio_end": 4.0},
-    "kivi4": {"kv_bytes_end": 0.40e6, "ttft_s": 1.01, "tpot_s": 0.11, "ratio_end": 2.5},
-    "snapkv": {"kv_bytes_end": 0.26e6, "ttft_s": 1.03, "tpot_s": 0.09, "ratio_end": 3.9},
-    "turboquant3": {"kv_bytes_end": 0.20e6, "ttft_s": 1.20, "tpot_s": 0.40, "ratio_end": 5.0},
-}, prompts=6)
-QUALITY = quality({m: {"single_doc_qa": q} for m, q in
-                   {"full": 0.50, "kivi2": 0.49, "kivi4": 0.50, "snapkv": 0.40, "turboquant3": 0.485}.items()},
-                  samples=6)
-MEMORY = {"limits": {"kv_bytes": {"max": 0.30, "relative": True}, "quality": {"min": 0.95, "relative": True}},
-          "prefer": {"max": "quality"}}
-LATENCY = {"limits": {"ttft_s": {"max": 1.05, "relative": True}, "tpot_s": {"max": 1.20, "relative": True}},
-           "prefer": {"max": "ratio"}}
+SYSTEM = system(
+    {
+        "full": {"kv_bytes_end": 1.0e6, "ttft_s": 1.00, "tpot_s": 0.10, "ratio_end": 1.0},
+        "kivi2": {"kv_bytes_end": 0.25e6, "ttft_s": 1.02, "tpot_s": 0.14, "ratio_end": 4.0},
+        "kivi4": {"kv_bytes_end": 0.40e6, "ttft_s": 1.01, "tpot_s": 0.11, "ratio_end": 2.5},
+        "snapkv": {"kv_bytes_end": 0.26e6, "ttft_s": 1.03, "tpot_s": 0.09, "ratio_end": 3.9},
+        "turboquant3": {"kv_bytes_end": 0.20e6, "ttft_s": 1.20, "tpot_s": 0.40, "ratio_end": 5.0},
+    },
+    prompts=6,
+)
+QUALITY = quality(
+    {
+        m: {"single_doc_qa": q}
+        for m, q in {"full": 0.50, "kivi2": 0.49, "kivi4": 0.50, "snapkv": 0.40, "turboquant3": 0.485}.items()
+    },
+    samples=6,
+)
+MEMORY = {
+    "limits": {"kv_bytes": {"max": 0.30, "relative": True}, "quality": {"min": 0.95, "relative": True}},
+    "prefer": {"max": "quality"},
+}
+LATENCY = {
+    "limits": {"ttft_s": {"max": 1.05, "relative": True}, "tpot_s": {"max": 1.20, "relative": True}},
+    "prefer": {"max": "ratio"},
+}
 
 
 def recs(scenarios, frames=None):
@@ -68,8 +79,11 @@ def test_an_unmeasured_column_cannot_be_met():
 
 
 def test_a_method_that_failed_on_a_sample_does_not_qualify():
-    failing = system({"full": {"kv_bytes_end": 1e6}, "kivi2": {"kv_bytes_end": 0.25e6},
-                      "snapkv": {"kv_bytes_end": 0.26e6}}, errors={"kivi2": 1}, prompts=6)
+    failing = system(
+        {"full": {"kv_bytes_end": 1e6}, "kivi2": {"kv_bytes_end": 0.25e6}, "snapkv": {"kv_bytes_end": 0.26e6}},
+        errors={"kivi2": 1},
+        prompts=6,
+    )
     cheap = {"limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"min": "kv_bytes"}}
     (row,) = recs({"cheap": cheap}, frames={"system": failing}).to_dict("records")
     assert row["best"] == "snapkv"
@@ -113,37 +127,49 @@ def test_an_unknown_baseline_is_refused_with_the_key_named():
 
 
 def test_a_method_only_the_system_stage_ran_can_be_named_and_is_said_to_lack_quality():
-    sys_rows = system({"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.4e6},
-                       "cam": {"kv_bytes_end": 0.25e6}}, prompts=6)
+    sys_rows = system(
+        {"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.4e6}, "cam": {"kv_bytes_end": 0.25e6}}, prompts=6
+    )
     scores = quality({"full": {"qa": 0.5}, "kivi4": {"qa": 0.5}}, samples=6)
     frames = {"system": sys_rows, "quality_scores": scores}
     small = {"limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"min": "kv_bytes"}}
     (row,) = recs({"small": small}, frames=frames).to_dict("records")
     assert (row["best"], row["runner_up"]) == ("cam", "kivi4")
-    (row,) = recs({"memory-bound": dict(MEMORY, limits={**MEMORY["limits"], "kv_bytes": {"max": 0.5, "relative": True}})},
-                  frames=frames).to_dict("records")
+    (row,) = recs(
+        {"memory-bound": dict(MEMORY, limits={**MEMORY["limits"], "kv_bytes": {"max": 0.5, "relative": True}})},
+        frames=frames,
+    ).to_dict("records")
     assert row["best"] == "kivi4" and "quality not measured for cam" in row["why"]
 
 
 def test_a_method_whose_preferred_column_was_not_measured_is_never_named():
     # decode_tok_s comes from the system stage only: snapkv50 (quality only) has none
-    frames = {"system": SYSTEM, "quality_scores": pd.concat([QUALITY, quality({"snapkv50": {"single_doc_qa": 0.5}},
-                                                                                samples=6)])}
+    frames = {
+        "system": SYSTEM,
+        "quality_scores": pd.concat([QUALITY, quality({"snapkv50": {"single_doc_qa": 0.5}}, samples=6)]),
+    }
     fast = {"limits": {"quality": {"min": 0.99, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
     (row,) = recs({"fast": fast}, frames=frames).to_dict("records")
     assert "snapkv50" not in (row["best"], row["runner_up"]) and row["best"] in ("full", "kivi4")
     # snapkv50 alone meets the limit: without a decode_tok_s it is still not named
     only = {"limits": {"quality": {"min": 1.1, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
-    frames = {"system": system({"full": {}}, prompts=6),
-              "quality_scores": quality({"full": {"q": 0.5}, "snapkv50": {"q": 0.6}}, samples=6)}
+    frames = {
+        "system": system({"full": {}}, prompts=6),
+        "quality_scores": quality({"full": {"q": 0.5}, "snapkv50": {"q": 0.6}}, samples=6),
+    }
     (row,) = recs({"only": only}, frames=frames).to_dict("records")
     assert row["best"] == NONE and row["qualifying"] == 0
 
 
 def test_ties_are_broken_by_a_second_measured_column_or_reported():
-    tied = system({"full": {"kv_bytes_end": 1e6, "decode_tok_s": 10.0},
-                   "kivi4": {"kv_bytes_end": 0.4e6, "decode_tok_s": 10.0},
-                   "snapkv": {"kv_bytes_end": 0.4e6, "decode_tok_s": 10.0}}, prompts=6)
+    tied = system(
+        {
+            "full": {"kv_bytes_end": 1e6, "decode_tok_s": 10.0},
+            "kivi4": {"kv_bytes_end": 0.4e6, "decode_tok_s": 10.0},
+            "snapkv": {"kv_bytes_end": 0.4e6, "decode_tok_s": 10.0},
+        },
+        prompts=6,
+    )
     fast = {"limits": {"ttft_s": {"max": 2.0, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
     (row,) = recs({"fast": fast}, frames={"system": tied}).to_dict("records")
     assert row["best"] == "tie: kivi4 = snapkv" and row["runner_up"] == "full"
@@ -159,8 +185,9 @@ def test_a_limit_is_met_only_by_the_intervals_unfavourable_end():
     rng = np.random.default_rng(0)
     scores = quality({m: {"qa": q} for m, q in {"full": 0.5, "kivi4": 0.48, "kivi2": 0.3}.items()}, samples=8)
     scores.loc[scores.method == "kivi4", "score"] += rng.normal(0, 0.15, 8)
-    sys_rows = system({"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.25e6},
-                       "kivi2": {"kv_bytes_end": 0.15e6}}, prompts=6)
+    sys_rows = system(
+        {"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.25e6}, "kivi2": {"kv_bytes_end": 0.15e6}}, prompts=6
+    )
     (row,) = recs({"memory-bound": MEMORY}, frames={"system": sys_rows, "quality_scores": scores}).to_dict("records")
     assert row["best"] == "undecided at n = 8 samples" and row["undecided"] == "kivi4" and row["qualifying"] == 0
     assert "quality >= 0.95x full" in row["why"] and "n = 8 samples" in row["why"]
@@ -174,24 +201,31 @@ def test_a_better_method_still_undecided_is_named_next_to_the_pick():
     rng = np.random.default_rng(1)
     scores = quality({m: {"qa": q} for m, q in {"full": 0.5, "kivi4": 0.49, "kivi2": 0.499}.items()}, samples=8)
     scores.loc[scores.method == "kivi2", "score"] += rng.normal(0, 0.15, 8)
-    sys_rows = system({"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.25e6},
-                       "kivi2": {"kv_bytes_end": 0.15e6}}, prompts=6)
+    sys_rows = system(
+        {"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.25e6}, "kivi2": {"kv_bytes_end": 0.15e6}}, prompts=6
+    )
     small = {"limits": {"quality": {"min": 0.95, "relative": True}}, "prefer": {"min": "kv_bytes"}}
     (row,) = recs({"small": small}, frames={"system": sys_rows, "quality_scores": scores}).to_dict("records")
     assert row["best"] == "kivi4" and "kivi2 might do better but is undecided at n = 8 samples" in row["why"]
 
 
 def test_too_few_units_leave_every_answer_undecided():
-    (row,) = recs({"memory-bound": MEMORY}, frames={"system": system({"full": {"kv_bytes_end": 1e6}, "kivi2": {
-        "kv_bytes_end": 0.25e6}}, prompts=3), "quality_scores": quality({"full": {"qa": 0.5}, "kivi2": {"qa": 0.5}},
-                                                                         samples=3)}).to_dict("records")
+    (row,) = recs(
+        {"memory-bound": MEMORY},
+        frames={
+            "system": system({"full": {"kv_bytes_end": 1e6}, "kivi2": {"kv_bytes_end": 0.25e6}}, prompts=3),
+            "quality_scores": quality({"full": {"qa": 0.5}, "kivi2": {"qa": 0.5}}, samples=3),
+        },
+    ).to_dict("records")
     assert row["best"].startswith("undecided at n = 3") and "no interval" in row["why"]
 
 
 def test_each_protocol_gets_its_own_answer_and_says_which_it_read():
     qa = quality({m: {"qa": q} for m, q in {"full": 0.5, "kivi2": 0.49, "turboquant3": 0.40}.items()}, samples=6)
     co = quality({m: {"qa": q} for m, q in {"full": 0.5, "kivi2": 0.30, "turboquant3": 0.49}.items()}, samples=6)
-    frames = {"system": SYSTEM, "quality_scores": pd.concat([qa.assign(protocol="query-aware"),
-                                                             co.assign(protocol="context-only")])}
+    frames = {
+        "system": SYSTEM,
+        "quality_scores": pd.concat([qa.assign(protocol="query-aware"), co.assign(protocol="context-only")]),
+    }
     rows = recs({"memory-bound": MEMORY}, frames=frames).set_index("protocol").best
     assert rows.to_dict() == {"context-only": "turboquant3", "query-aware": "kivi2"}

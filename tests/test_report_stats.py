@@ -9,15 +9,24 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from report_frames import tables
 from scipy import stats
 
 from kvbench.report import claims as C
-from kvbench.report.bootstrap import (MIN_UNITS, Estimate, Resample, equal_means_test, expanded_alpha, holm,
-                                      interval, resample_counts, rng_for)
+from kvbench.report.bootstrap import (
+    MIN_UNITS,
+    Estimate,
+    Resample,
+    equal_means_test,
+    expanded_alpha,
+    holm,
+    interval,
+    resample_counts,
+    rng_for,
+)
 from kvbench.report.power import mde, n_needed, power_table, spread
 from kvbench.report.samples import paired_quality, system_units
 from kvbench.report.stats import kendall_tau_rows
-from report_frames import tables
 
 SIMS = 400
 
@@ -35,12 +44,15 @@ def _coverage(draw, true: float, n: int, weights=None, sims: int = SIMS) -> tupl
     return hits / sims, float(np.mean(estimates)), float(np.std(estimates) / math.sqrt(sims))
 
 
-@pytest.mark.parametrize("name, draw, true, n, low", [
-    # 1000 data sets (coverage +-0.008): the plain percentile interval covers 0.87 on the first, the
-    # expanded one 0.926; on the skewed second 0.917
-    ("normal, n = 8", lambda r, n: r.normal(1.0, 1.0, n), 1.0, 8, 0.91),
-    ("exponential, n = 20", lambda r, n: r.exponential(1.0, n), 1.0, 20, 0.90),
-])
+@pytest.mark.parametrize(
+    "name, draw, true, n, low",
+    [
+        # 1000 data sets (coverage +-0.008): the plain percentile interval covers 0.87 on the first, the
+        # expanded one 0.926; on the skewed second 0.917
+        ("normal, n = 8", lambda r, n: r.normal(1.0, 1.0, n), 1.0, 8, 0.91),
+        ("exponential, n = 20", lambda r, n: r.exponential(1.0, n), 1.0, 20, 0.90),
+    ],
+)
 def test_intervals_cover_the_true_mean_at_their_level(name, draw, true, n, low):
     coverage, mean, se = _coverage(draw, true, n, sims=1000)
     assert low <= coverage <= 0.985, (name, coverage)
@@ -49,8 +61,9 @@ def test_intervals_cover_the_true_mean_at_their_level(name, draw, true, n, low):
 
 def test_the_position_weighted_mean_covers_and_is_unbiased():
     # KL per sample (gamma, mean 0.3) pooled over each sample's teacher-forced positions (5-59)
-    coverage, mean, se = _coverage(lambda r, n: r.gamma(2.0, 0.15, n), 0.3, 30,
-                                   weights=lambda r, n: r.integers(5, 60, n).astype(float))
+    coverage, mean, se = _coverage(
+        lambda r, n: r.gamma(2.0, 0.15, n), 0.3, 30, weights=lambda r, n: r.integers(5, 60, n).astype(float)
+    )
     assert 0.92 <= coverage <= 0.98 and abs(mean - 0.3) < 3 * se
 
 
@@ -160,8 +173,18 @@ def test_the_spread_of_a_weighted_mean_is_the_delta_method():
 def test_power_table_on_pilot_data():
     rows = []
     for s in range(10):
-        rows += [{"model": "m", "protocol": "p", "method": "kivi", "category": c, "d_score": v, "d_kl_mean": 0.1,
-                  "w_kl_mean": 1.0} for c, v in (("qa", 0.1 * (s % 2)), ("sum", -0.1 * (s % 2)))]
+        rows += [
+            {
+                "model": "m",
+                "protocol": "p",
+                "method": "kivi",
+                "category": c,
+                "d_score": v,
+                "d_kl_mean": 0.1,
+                "w_kl_mean": 1.0,
+            }
+            for c, v in (("qa", 0.1 * (s % 2)), ("sum", -0.1 * (s % 2)))
+        ]
     table = power_table(pd.DataFrame(rows), {"score": 0.05}, 0.95).set_index(["category", "quantity"])
     qa = table.loc[("qa", "score")]
     assert qa.n == 10 and qa.sd == pytest.approx(np.std([0.0, 0.1] * 5, ddof=1))
@@ -207,12 +230,26 @@ def test_interval_and_estimate_arithmetic():
 
 # --- claims on pure noise: inconclusive in at least 1 - alpha of simulations ------------------
 
-FAMILIES = {"full": {"kind": "full"}, "kivi2": {"kind": "kivi", "bits": 2}, "kivi4": {"kind": "kivi", "bits": 4},
-            "turboquant3": {"kind": "turboquant", "bits": 3}, "turboquant4": {"kind": "turboquant", "bits": 4},
-            "snapkv": {"kind": "snapkv", "keep_ratio": 0.25}, "snapkv50": {"kind": "snapkv", "keep_ratio": 0.5},
-            "cam": {"kind": "cam", "keep_ratio": 0.25}}
-RATIOS = {"full": 1.0, "kivi2": 7.0, "kivi4": 3.8, "turboquant3": 4.9, "turboquant4": 3.9, "snapkv": 4.0,
-          "snapkv50": 2.0, "cam": 4.0}
+FAMILIES = {
+    "full": {"kind": "full"},
+    "kivi2": {"kind": "kivi", "bits": 2},
+    "kivi4": {"kind": "kivi", "bits": 4},
+    "turboquant3": {"kind": "turboquant", "bits": 3},
+    "turboquant4": {"kind": "turboquant", "bits": 4},
+    "snapkv": {"kind": "snapkv", "keep_ratio": 0.25},
+    "snapkv50": {"kind": "snapkv", "keep_ratio": 0.5},
+    "cam": {"kind": "cam", "keep_ratio": 0.25},
+}
+RATIOS = {
+    "full": 1.0,
+    "kivi2": 7.0,
+    "kivi4": 3.8,
+    "turboquant3": 4.9,
+    "turboquant4": 3.9,
+    "snapkv": 4.0,
+    "snapkv50": 2.0,
+    "cam": 4.0,
+}
 CATEGORIES = ("single_doc_qa", "multi_doc_qa", "few_shot", "summarization", "retrieval")
 
 
@@ -220,8 +257,20 @@ def _evidence(frames: dict, **kw) -> C.Evidence:
     found = tables(**frames)
     paired = paired_quality(found, "full")
     units = system_units(found, "full")[0]
-    return C.Evidence(found, FAMILIES, "full", "bf16", "zstd-3", pd.DataFrame(), pd.DataFrame(), paired, units,
-                      n_boot=400, seed=kw.get("seed", 0), level=0.95)
+    return C.Evidence(
+        found,
+        FAMILIES,
+        "full",
+        "bf16",
+        "zstd-3",
+        pd.DataFrame(),
+        pd.DataFrame(),
+        paired,
+        units,
+        n_boot=400,
+        seed=kw.get("seed", 0),
+        level=0.95,
+    )
 
 
 def _noise_scores(rng: np.random.Generator, samples: int = 8) -> pd.DataFrame:
@@ -231,11 +280,25 @@ def _noise_scores(rng: np.random.Generator, samples: int = 8) -> pd.DataFrame:
         difficulty = rng.uniform(0.2, 0.8, samples)
         for m in FAMILIES:
             noise = rng.normal(0, 0.1, samples)
-            rows += [{"model": "m", "method": m, "task": f"{c}_task", "category": c, "metric": "qa_f1",
-                      "bucket": "0-4k", "context_tokens": 1000, "sample": s,
-                      "score": float(np.clip(difficulty[s] + noise[s], 0, 1)),
-                      "error": None, "ttft_s": math.nan, "tpot_s": math.nan, "kv_bytes": math.nan,
-                      "ratio": RATIOS[m] * (1 + rng.normal(0, 0.01))} for s in range(samples)]
+            rows += [
+                {
+                    "model": "m",
+                    "method": m,
+                    "task": f"{c}_task",
+                    "category": c,
+                    "metric": "qa_f1",
+                    "bucket": "0-4k",
+                    "context_tokens": 1000,
+                    "sample": s,
+                    "score": float(np.clip(difficulty[s] + noise[s], 0, 1)),
+                    "error": None,
+                    "ttft_s": math.nan,
+                    "tpot_s": math.nan,
+                    "kv_bytes": math.nan,
+                    "ratio": RATIOS[m] * (1 + rng.normal(0, 0.01)),
+                }
+                for s in range(samples)
+            ]
     return pd.DataFrame(rows)
 
 
@@ -246,20 +309,35 @@ def _noise_runs(rng: np.random.Generator, prompts: int = 8, repeats: int = 3) ->
         for r in range(repeats):
             drift = rng.lognormal(0, 0.3)
             for m in FAMILIES:
-                rows.append({"model": "m", "method": m, "prompt_id": f"doc{p}@1024", "corpus": "realistic",
-                             "repeat": r, "ttft_s": 2.0 * drift * rng.lognormal(0, 0.05),
-                             "tpot_s": 0.1 * drift * rng.lognormal(0, 0.05), "decode_tok_s": 10 / drift,
-                             "kv_bytes_end": 1e6 / RATIOS[m], "ratio_end": RATIOS[m], "error": None,
-                             "bucket": "0-4k", "target_context": 1024})
+                rows.append(
+                    {
+                        "model": "m",
+                        "method": m,
+                        "prompt_id": f"doc{p}@1024",
+                        "corpus": "realistic",
+                        "repeat": r,
+                        "ttft_s": 2.0 * drift * rng.lognormal(0, 0.05),
+                        "tpot_s": 0.1 * drift * rng.lognormal(0, 0.05),
+                        "decode_tok_s": 10 / drift,
+                        "kv_bytes_end": 1e6 / RATIOS[m],
+                        "ratio_end": RATIOS[m],
+                        "error": None,
+                        "bucket": "0-4k",
+                        "target_context": 1024,
+                    }
+                )
     return pd.DataFrame(rows)
 
 
-@pytest.mark.parametrize("claim_id, frames", [
-    ("ratio-predicts-poorly", lambda rng: {"quality_scores": _noise_scores(rng)}),
-    ("summarization-most-fragile", lambda rng: {"quality_scores": _noise_scores(rng)}),
-    ("kivi4-most-stable", lambda rng: {"quality_scores": _noise_scores(rng)}),
-    ("turboquant-ttft-overhead", lambda rng: {"system_runs": _noise_runs(rng)}),
-])
+@pytest.mark.parametrize(
+    "claim_id, frames",
+    [
+        ("ratio-predicts-poorly", lambda rng: {"quality_scores": _noise_scores(rng)}),
+        ("summarization-most-fragile", lambda rng: {"quality_scores": _noise_scores(rng)}),
+        ("kivi4-most-stable", lambda rng: {"quality_scores": _noise_scores(rng)}),
+        ("turboquant-ttft-overhead", lambda rng: {"system_runs": _noise_runs(rng)}),
+    ],
+)
 def test_a_claim_on_pure_noise_is_inconclusive(claim_id, frames):
     sims, decided = 60, 0
     for s in range(sims):

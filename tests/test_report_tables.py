@@ -10,32 +10,51 @@ import numpy as np
 import pandas as pd
 import pytest
 from docutils.core import publish_parts
+from report_frames import quality, report, system, tables
 
 from kvbench.report import readme
 from kvbench.report.contracts import CONTRACTS, ContractError, load_tables, read_table
-from kvbench.report.costs import pipeline_cost, read_benchmarks, rule_of
 from kvbench.report.correlations import correlation_table
+from kvbench.report.costs import pipeline_cost, read_benchmarks, rule_of
 from kvbench.report.joined import method_table
 from kvbench.report.render import html_page, markdown_table
 from kvbench.report.stats import bootstrap_spearman, kendall_tau
-from report_frames import quality, report, system, tables
 from kvbench.tinyrun import REPO
-
 
 # --- contracts ---------------------------------------------------------------------------------
 
+
 def test_a_table_is_read_under_the_report_names_with_optional_columns_filled(tmp_path):
-    own = {"model": ["m"], "method": ["full"], "task": ["t"], "category": ["c"], "metric": ["qa_f1"],
-           "bucket": ["0-4k"], "context_tokens": [10], "score": [0.5], "error": [None], "sample_id": [3],
-           "config_hash": ["abc"]}
+    own = {
+        "model": ["m"],
+        "method": ["full"],
+        "task": ["t"],
+        "category": ["c"],
+        "metric": ["qa_f1"],
+        "bucket": ["0-4k"],
+        "context_tokens": [10],
+        "score": [0.5],
+        "error": [None],
+        "sample_id": [3],
+        "config_hash": ["abc"],
+    }
     pd.DataFrame(own).to_parquet(tmp_path / "scores.parquet")
     table = read_table("quality_scores", tmp_path / "scores.parquet")
     assert table.loc[0, "sample"] == 3 and math.isnan(table.loc[0, "ttft_s"]) and table.loc[0, "config_hash"] == "abc"
 
 
 def test_per_model_tables_are_read_together_and_named_by_their_path(tmp_path):
-    own = {"method": ["full"], "task": ["t"], "category": ["c"], "metric": ["qa_f1"], "bucket": ["0-4k"],
-           "context_tokens": [10], "score": [0.5], "error": [None], "sample_id": [0]}
+    own = {
+        "method": ["full"],
+        "task": ["t"],
+        "category": ["c"],
+        "metric": ["qa_f1"],
+        "bucket": ["0-4k"],
+        "context_tokens": [10],
+        "score": [0.5],
+        "error": [None],
+        "sample_id": [0],
+    }
     paths = []
     for model in ("small", "large"):
         path = tmp_path / f"results/quality/{model}/scores.parquet"
@@ -57,6 +76,7 @@ def test_a_missing_table_is_a_stage_not_run_and_a_missing_column_a_clear_error(t
 
 
 # --- statistics ----------------------------------------------------------------------------------
+
 
 def _frame(values):
     return pd.DataFrame(values, columns=[f"m{i}" for i in range(len(values[0]))])
@@ -102,12 +122,18 @@ def test_correlations_take_latency_from_the_system_stage_even_where_the_quality_
     methods = ["full", "kivi2", "kivi4", "snapkv"]
     scores = quality({m: {"qa": 0.5 - 0.05 * i} for i, m in enumerate(methods)}, samples=6)
     sys_rows = system({m: {"ratio_end": 1.0 + i, "ttft_s": 1.0 + i} for i, m in enumerate(methods)})
-    timed = scores.assign(ttft_s=scores.method.map({m: 5.0 - i for i, m in enumerate(methods)}),
-                          tpot_s=0.1, ratio=scores.method.map({m: 1.0 + i for i, m in enumerate(methods)}))
+    timed = scores.assign(
+        ttft_s=scores.method.map({m: 5.0 - i for i, m in enumerate(methods)}),
+        tpot_s=0.1,
+        ratio=scores.method.map({m: 1.0 + i for i, m in enumerate(methods)}),
+    )
     for quality_scores in (scores, timed):
         corr = correlation_table(tables(system=sys_rows, quality_scores=quality_scores), n_boot=200, seed=1)
-        assert set(zip(corr.category, corr.outcome)) == {("qa", "quality"), ("system prompts", "ttft_s"),
-                                                         ("system prompts", "tpot_s")}
+        assert set(zip(corr.category, corr.outcome)) == {
+            ("qa", "quality"),
+            ("system prompts", "ttft_s"),
+            ("system prompts", "tpot_s"),
+        }
         corr = corr.set_index("outcome")
         assert corr.loc["quality", "rho"] == pytest.approx(-1.0)  # more compression, less quality
         assert corr.loc["ttft_s", "rho"] == pytest.approx(1.0)  # the system stage's, not the quality pass's -1
@@ -115,6 +141,7 @@ def test_correlations_take_latency_from_the_system_stage_even_where_the_quality_
 
 
 # --- joined tables -------------------------------------------------------------------------------
+
 
 def test_method_table_joins_quality_and_system_per_bucket_and_divides_by_the_baseline():
     sys_rows = system({"full": {"ttft_s": 2.0, "kv_bytes_end": 4e6}, "kivi4": {"ttft_s": 3.0, "kv_bytes_end": 1e6}})
@@ -131,9 +158,14 @@ def test_method_table_joins_quality_and_system_per_bucket_and_divides_by_the_bas
 def test_identical_outputs_count_as_diverging_after_the_whole_continuation():
     from report_frames import fidelity
 
-    table = method_table(tables(system=system({"full": {}, "kivi4": {}, "snapkv": {}}),
-                                quality_scores=quality({m: {"qa": 0.5} for m in ("full", "kivi4", "snapkv")}),
-                                quality_fidelity=fidelity({"kivi4": {"qa": 1.0}, "snapkv": {"qa": 0.8}})), "full")
+    table = method_table(
+        tables(
+            system=system({"full": {}, "kivi4": {}, "snapkv": {}}),
+            quality_scores=quality({m: {"qa": 0.5} for m in ("full", "kivi4", "snapkv")}),
+            quality_fidelity=fidelity({"kivi4": {"qa": 1.0}, "snapkv": {"qa": 0.8}}),
+        ),
+        "full",
+    )
     first = table.set_index("method").first_divergence
     assert first["kivi4"] == 16 and first["snapkv"] == 5  # 16: the continuation's length
 
@@ -145,8 +177,11 @@ def test_failed_rows_are_counted_not_dropped():
 
 # --- pipeline cost -------------------------------------------------------------------------------
 
-PATTERNS = {"kv_capture": "benchmarks/kv/{corpus}.{weights}.tsv", "kv_summary": "benchmarks/kv/summary.tsv",
-            "system_method": "benchmarks/system/{method}.tsv"}
+PATTERNS = {
+    "kv_capture": "benchmarks/kv/{corpus}.{weights}.tsv",
+    "kv_summary": "benchmarks/kv/summary.tsv",
+    "system_method": "benchmarks/system/{method}.tsv",
+}
 TSV = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n{s}\t0:00:01\t{rss}\t1\t1\t1\t0\t0\t50\t{cpu}\n"
 
 
@@ -157,9 +192,13 @@ def test_rule_of_prefers_fixed_names():
 
 
 def test_cost_table_sums_job_seconds_per_rule_and_stage(tmp_path):
-    for rel, s, rss in [("kv/realistic.real.tsv", 10, 900), ("kv/synthetic.real.tsv", 30, 1200),
-                        ("kv/summary.tsv", 5, 300), ("system/full.tsv", 55, 2000),
-                        ("other/stale.tsv", 999, 1)]:  # no rule writes it: skipped
+    for rel, s, rss in [
+        ("kv/realistic.real.tsv", 10, 900),
+        ("kv/synthetic.real.tsv", 30, 1200),
+        ("kv/summary.tsv", 5, 300),
+        ("system/full.tsv", 55, 2000),
+        ("other/stale.tsv", 999, 1),
+    ]:  # no rule writes it: skipped
         path = tmp_path / "benchmarks" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(TSV.format(s=s, rss=rss, cpu=s / 2))
@@ -178,15 +217,22 @@ def test_cost_table_sums_job_seconds_per_rule_and_stage(tmp_path):
 
 # --- pages, docs blocks, captions --------------------------------------------------------------
 
+
 def test_every_report_table_takes_the_provenance_columns(tmp_path):
-    from kvbench.provenance import PROVENANCE_COLUMNS, write_table
-    from kvbench.report.build import TABLES, table_provenance
     from report_frames import corpus_stats, kv_summary
 
-    built = report({"system": system({"full": {}, "kivi4": {}, "cam": {}}, prompts=6), "corpus_stats": corpus_stats(),
-                    "kv_summary": kv_summary(30, 1.2),
-                    "quality_scores": quality({m: {"qa": 0.5} for m in ("full", "kivi4")}, samples=6)},
-                   scenarios={"s": {"limits": {"ttft_s": {"max": 2, "relative": True}}, "prefer": {"max": "ratio"}}})
+    from kvbench.provenance import PROVENANCE_COLUMNS, write_table
+    from kvbench.report.build import TABLES, table_provenance
+
+    built = report(
+        {
+            "system": system({"full": {}, "kivi4": {}, "cam": {}}, prompts=6),
+            "corpus_stats": corpus_stats(),
+            "kv_summary": kv_summary(30, 1.2),
+            "quality_scores": quality({m: {"qa": 0.5} for m in ("full", "kivi4")}, samples=6),
+        },
+        scenarios={"s": {"limits": {"ttft_s": {"max": 2, "relative": True}}, "prefer": {"max": "ratio"}}},
+    )
     prov = {col: "x" for col in PROVENANCE_COLUMNS} | {"seed": 1234}
     for name in TABLES:
         table = getattr(built, name)
@@ -205,20 +251,39 @@ def test_pages_are_self_contained_and_escape_text():
 def test_the_report_tables_blocks_are_rendered_from_the_snapshot_and_checked(tmp_path):
     from kvbench.report.blocks import STAGE_BLOCKS
 
-    built = report({"system": system({"full": {}, "cam": {}})},
-                   scenarios={"s": {"limits": {"ttft_s": {"max": 2, "relative": True}}, "prefer": {"max": "ratio"}}})
+    built = report(
+        {"system": system({"full": {}, "cam": {}})},
+        scenarios={"s": {"limits": {"ttft_s": {"max": 2, "relative": True}}, "prefer": {"max": "ratio"}}},
+    )
     prov = {"config_hash": "feedbeef", "git_commit": "0123456789abcdef"}
     (tmp_path / "results" / "report").mkdir(parents=True)
     built.claims.assign(**prov).to_parquet(tmp_path / "results/report/claims.parquet")
     built.recommendations.assign(**prov).to_parquet(tmp_path / "results/report/recommendations.parquet")
-    pipeline_cost(pd.DataFrame([{"stage": "kv", "rule": "r", "job": "j", "wall_s": 1.0, "max_rss_mb": 1.0,
-                                 "cpu_s": 1.0, "mean_load": 1.0, "start": 0.0, "end": 1.0}])
-                  ).assign(**prov).to_parquet(tmp_path / "results/report/pipeline_cost.parquet")
+    pipeline_cost(
+        pd.DataFrame(
+            [
+                {
+                    "stage": "kv",
+                    "rule": "r",
+                    "job": "j",
+                    "wall_s": 1.0,
+                    "max_rss_mb": 1.0,
+                    "cpu_s": 1.0,
+                    "mean_load": 1.0,
+                    "start": 0.0,
+                    "end": 1.0,
+                }
+            ]
+        )
+    ).assign(**prov).to_parquet(tmp_path / "results/report/pipeline_cost.parquet")
     names = ["claims", "recommendations", "pipeline-cost"]  # the blocks of the report stage's tables
-    (tmp_path / "README.md").write_text("intro\n" + "".join(f"<!-- generated:{n} -->\nold\n<!-- end generated:{n} -->\n"
-                                                            for n in names))
+    (tmp_path / "README.md").write_text(
+        "intro\n" + "".join(f"<!-- generated:{n} -->\nold\n<!-- end generated:{n} -->\n" for n in names)
+    )
     blocks = {n: STAGE_BLOCKS[n] for n in names}
-    assert readme.check(tmp_path, blocks) == [f"README.md: stale generated region(s) {', '.join(names)} (run `make readme`)"]
+    assert readme.check(tmp_path, blocks) == [
+        f"README.md: stale generated region(s) {', '.join(names)} (run `make readme`)"
+    ]
     readme.take_snapshot(tmp_path / "results", tmp_path / readme.SNAPSHOT, {p for n in names for p in blocks[n].tables})
     text, changed = readme.rendered((tmp_path / "README.md").read_text(), blocks, tmp_path / readme.SNAPSHOT)
     (tmp_path / "README.md").write_text(text)
@@ -229,12 +294,12 @@ def test_the_report_tables_blocks_are_rendered_from_the_snapshot_and_checked(tmp
 
 @pytest.mark.parametrize("caption", sorted((REPO / "workflow/report").glob("*.rst")), ids=lambda p: p.name)
 def test_captions_are_valid_restructured_text(caption):
-    parts = publish_parts(caption.read_text(), writer="html",
-                          settings_overrides={"halt_level": 2, "report_level": 2})
+    parts = publish_parts(caption.read_text(), writer="html", settings_overrides={"halt_level": 2, "report_level": 2})
     assert parts["body"].strip()
 
 
 # --- review fixes: empty outputs, outer join, per-category timings, serve without valkey ---------
+
 
 def test_empty_outputs_keep_their_score_and_only_unscored_samples_are_errors():
     scores = quality({"full": {"qa": 1.0}, "kivi4": {"qa": 1.0}}, spread=0.0)
@@ -257,8 +322,13 @@ def test_methods_only_the_system_stage_ran_are_kept_in_every_quality_category():
 
 
 def test_quality_pass_timings_and_bytes_are_used_per_category_with_their_source():
-    sys_rows = system({"full": {"kv_bytes_end": 4e6, "ttft_s": 1.0}, "kivi2": {"kv_bytes_end": 1e6, "ttft_s": 1.0},
-                       "cam": {"kv_bytes_end": 1e6}})
+    sys_rows = system(
+        {
+            "full": {"kv_bytes_end": 4e6, "ttft_s": 1.0},
+            "kivi2": {"kv_bytes_end": 1e6, "ttft_s": 1.0},
+            "cam": {"kv_bytes_end": 1e6},
+        }
+    )
     scores = quality({m: {"qa": 0.5, "retrieval": 0.5} for m in ("full", "kivi2")})
     own = {("full", "qa"): 2e6, ("kivi2", "qa"): 0.6e6, ("full", "retrieval"): 1e6, ("kivi2", "retrieval"): 0.4e6}
     scores["kv_bytes"] = [own[(m, c)] for m, c in zip(scores.method, scores.category)]
@@ -275,8 +345,13 @@ def test_quality_pass_timings_and_bytes_are_used_per_category_with_their_source(
 def test_the_baseline_agrees_with_itself_in_the_fidelity_columns():
     from report_frames import fidelity
 
-    table = method_table(tables(quality_scores=quality({m: {"qa": 0.5} for m in ("full", "kivi4")}),
-                                quality_fidelity=fidelity({"kivi4": {"qa": 0.9}})), "full").set_index("method")
+    table = method_table(
+        tables(
+            quality_scores=quality({m: {"qa": 0.5} for m in ("full", "kivi4")}),
+            quality_fidelity=fidelity({"kivi4": {"qa": 0.9}}),
+        ),
+        "full",
+    ).set_index("method")
     assert (table.loc["full", "top1_agreement"], table.loc["full", "kl_mean"]) == (1.0, 0.0)
     assert table.loc["full", "first_divergence"] == 16 and table.loc["kivi4", "top1_agreement_rel"] == 0.9
 
@@ -285,19 +360,22 @@ def test_fidelity_is_pooled_over_positions():
     from report_frames import fidelity
 
     rows = fidelity({"kivi4": {"qa": 1.0}}, samples=2).assign(top1_agreement=[1.0, 0.5], positions=[30, 10])
-    table = method_table(tables(quality_scores=quality({m: {"qa": 0.5} for m in ("full", "kivi4")}),
-                                quality_fidelity=rows), "full").set_index("method")
+    table = method_table(
+        tables(quality_scores=quality({m: {"qa": 0.5} for m in ("full", "kivi4")}), quality_fidelity=rows), "full"
+    ).set_index("method")
     assert table.loc["kivi4", "top1_agreement"] == pytest.approx((30 + 5) / 40)
 
 
 @pytest.mark.parametrize("backends", [["recompute", "lmcache"], ["lmcache"]], ids=["no-valkey", "all-unsupported"])
 def test_a_serve_table_without_valkey_columns_is_read_and_reported(tmp_path, backends):
-    from kvbench.serve.summary import compare_outputs, join_transfers, offload_table
     from test_serve_summary import KV, REQUESTS
 
+    from kvbench.serve.summary import compare_outputs, join_transfers, offload_table
+
     requests = REQUESTS[REQUESTS.backend.isin(backends)]
-    written = offload_table(compare_outputs(join_transfers(requests, pd.DataFrame())), pd.DataFrame(),
-                            pd.DataFrame(), KV, "float32")
+    written = offload_table(
+        compare_outputs(join_transfers(requests, pd.DataFrame())), pd.DataFrame(), pd.DataFrame(), KV, "float32"
+    )
     assert not {"ratio", "raw_bytes"} & set(written.columns)  # the real writer's output, as on gpu.yaml
     written.to_parquet(tmp_path / "offload.parquet")
     found = load_tables({"serve_offload": tmp_path / "offload.parquet"})

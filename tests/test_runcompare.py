@@ -12,11 +12,19 @@ from kvbench.runcompare import compare_runs, compare_table
 
 
 def requests(run_id, ttfts, outputs, port=6379):
-    return pd.DataFrame({"run_id": [run_id] * 2, "doc_id": ["a", "b"], "ttft_s": ttfts, "start": [1.0, 2.0],
-                         "output": outputs, "cached_tokens": [0, 128],
-                         "tag": [f"{run_id}.valkey.none.realistic.query.0", f"{run_id}.valkey.none.realistic.query.1"],
-                         "cache_salt": [f"prefix-{run_id}-realistic", None],
-                         "error": [None, f"lookup: ConnectionError: Error 111 connecting to 127.0.0.1:{port}."]})
+    return pd.DataFrame(
+        {
+            "run_id": [run_id] * 2,
+            "doc_id": ["a", "b"],
+            "ttft_s": ttfts,
+            "start": [1.0, 2.0],
+            "output": outputs,
+            "cached_tokens": [0, 128],
+            "tag": [f"{run_id}.valkey.none.realistic.query.0", f"{run_id}.valkey.none.realistic.query.1"],
+            "cache_salt": [f"prefix-{run_id}-realistic", None],
+            "error": [None, f"lookup: ConnectionError: Error 111 connecting to 127.0.0.1:{port}."],
+        }
+    )
 
 
 def test_timings_run_ids_ports_and_row_order_may_differ():
@@ -83,7 +91,8 @@ def test_runs_compare_every_table_of_either_run(tmp_path):
 
 def test_masked_text_may_differ_and_nothing_else_in_the_cell():
     sources = lambda commit, tables: pd.DataFrame(  # noqa: E731
-        {"corpus": ["realistic"], "sources": [json.dumps({"stats": {"git_commit": [commit], "tables": tables}})]})
+        {"corpus": ["realistic"], "sources": [json.dumps({"stats": {"git_commit": [commit], "tables": tables}})]}
+    )
     masks = ((re.compile("aaa111|bbb222"), "COMMIT"),)
     assert not compare_table("results/t.parquet", sources("aaa111", 2), sources("bbb222", 2))["equal"]
     assert compare_table("results/t.parquet", sources("aaa111", 2), sources("bbb222", 2), masks=masks)["equal"]

@@ -10,6 +10,8 @@ import pandas as pd
 import pytest
 import torch
 import valkey
+from test_servers import wait_gone
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvbench.serve.connector import Transfer, ValkeyConnector, ValkeyMetadata
 from kvbench.serve.events import read_events
@@ -17,8 +19,6 @@ from kvbench.serve.keys import chunk_keys
 from kvbench.serve.transfer import gather, store_chunks
 from kvbench.serve.valkey_server import valkey_server
 from kvbench.serve.wire import ChunkSpec, wire_format
-from test_servers import wait_gone
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 BS = 32
 SPEC = ChunkSpec(layers=2, kv_heads=2, block_size=BS, head_size=16, dtype=torch.float32)
@@ -26,28 +26,44 @@ PROMPT = list(range(1000, 1000 + 3 * BS + 5))  # 3 loadable chunks, a 5-token ta
 
 
 def fake_vllm_config(url, events):
-    extra = {"codecs": {"none": None, "zstd-3": None}, "default_codec": "none", "seed": 0, "run": "t", "model": "m",
-             "url": url, "events_dir": str(events)}
+    extra = {
+        "codecs": {"none": None, "zstd-3": None},
+        "default_codec": "none",
+        "seed": 0,
+        "run": "t",
+        "model": "m",
+        "url": url,
+        "events_dir": str(events),
+    }
     return SimpleNamespace(
         scheduler_config=SimpleNamespace(enable_chunked_prefill=False),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
         cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
-        model_config=SimpleNamespace(dtype=torch.float32))
+        model_config=SimpleNamespace(dtype=torch.float32),
+    )
 
 
 def fake_request(req_id, prompt=PROMPT, load="none", store=("none",)):
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt,
-                           kv_transfer_params={"tag": f"tag-{req_id}", "load": load, "store": list(store)})
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=prompt,
+        kv_transfer_params={"tag": f"tag-{req_id}", "load": load, "store": list(store)},
+    )
 
 
 def fake_output(new=(), scheduled=None, cached=(), resumed=()):
     """new: (req_id, block_ids, prompt, num_computed_tokens); cached: (req_id, new_block_ids)."""
     return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), prompt_token_ids=p, num_computed_tokens=c)
-                            for r, b, p, c in new],
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(b,), prompt_token_ids=p, num_computed_tokens=c) for r, b, p, c in new
+        ],
         num_scheduled_tokens=scheduled or {r: len(p) - c for r, _, p, c in new},
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], resumed_req_ids=set(resumed),
-                                              new_block_ids=[(b,) if b is not None else None for _, b in cached]))
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached],
+            resumed_req_ids=set(resumed),
+            new_block_ids=[(b,) if b is not None else None for _, b in cached],
+        ),
+    )
 
 
 def paged_cache(blocks=8, seed=0):
@@ -155,9 +171,10 @@ def test_chunks_computed_over_a_failed_load_are_not_stored(store, tmp_path):
     cache = paged_cache(seed=3)
     worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(cache)})
     other = chunk_keys(sched.spaces["none"], list(range(3 * BS)), BS, 1)
-    meta = ValkeyMetadata(loads=[Transfer("tag-a", "none", keys, [0, 1, 2])],
-                          stores=[Transfer("tag-a", "none", ["over-a-failed-load"], [3]),
-                                  Transfer("tag-b", "none", other, [4])])
+    meta = ValkeyMetadata(
+        loads=[Transfer("tag-a", "none", keys, [0, 1, 2])],
+        stores=[Transfer("tag-a", "none", ["over-a-failed-load"], [3]), Transfer("tag-b", "none", other, [4])],
+    )
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     worker.wait_for_save()

@@ -8,15 +8,27 @@ from kvbench.serve.documents import serve_documents
 
 
 def docs(texts, corpus):
-    return pd.DataFrame({"doc_id": [f"{corpus}-{i}" for i in range(len(texts))], "corpus": corpus,
-                         "domain": "d", "doc_type": "t", "text": texts})
+    return pd.DataFrame(
+        {
+            "doc_id": [f"{corpus}-{i}" for i in range(len(texts))],
+            "corpus": corpus,
+            "domain": "d",
+            "doc_type": "t",
+            "text": texts,
+        }
+    )
 
 
 def test_documents_have_exactly_the_target_length(tokenizer):
     encode = lambda t: tokenizer(t, add_special_tokens=False).input_ids  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids)  # noqa: E731
-    realistic = docs(["The patient, a 54-year-old woman, was admitted with chest pain. " * 3,
-                      "This agreement is made between Acme Corp. and the Licensee, effective 1 March. " * 20], "realistic")
+    realistic = docs(
+        [
+            "The patient, a 54-year-old woman, was admitted with chest pain. " * 3,
+            "This agreement is made between Acme Corp. and the Licensee, effective 1 March. " * 20,
+        ],
+        "realistic",
+    )
     synthetic = docs(synthetic_corpus(2, 300), "synthetic")
     for table in (realistic, synthetic):
         out = serve_documents(table, 2, 200, encode, decode)

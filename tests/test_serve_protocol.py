@@ -3,7 +3,6 @@ chunk keys; the server's metric deltas."""
 
 import random
 
-import pandas as pd
 import pytest
 
 from kvbench.serve.keys import chunk_keys, namespace
@@ -16,7 +15,10 @@ PROMPTS = {"a": "doc a", "b": "doc b", "c": "doc c"}
 def test_warmup_round_sends_every_document_once_in_order():
     planned = warmup_round(PROMPTS)
     assert [(p.index, p.doc_id, p.prompt, p.miss) for p in planned] == [
-        (0, "a", "doc a", False), (1, "b", "doc b", False), (2, "c", "doc c", False)]
+        (0, "a", "doc a", False),
+        (1, "b", "doc b", False),
+        (2, "c", "doc c", False),
+    ]
 
 
 def test_repeat_modes_match_long_doc_qa():
@@ -66,8 +68,11 @@ def test_chunk_keys_chain_over_the_token_prefix():
     # equal tokens later in the prompt do not make equal keys (the prefix differs)
     assert chunk_keys(space, [0, 0, 0, 0, 0, 0, 0, 0], 4, 2)[0] != chunk_keys(space, [0, 0, 0, 0, 0, 0, 0, 0], 4, 2)[1]
     # the codec, dtype, block size and run are part of the namespace
-    for other in (namespace("run", "m", "float32", 4, "lz4"), namespace("run", "m", "bfloat16", 4, "zstd-3"),
-                  namespace("run2", "m", "float32", 4, "zstd-3")):
+    for other in (
+        namespace("run", "m", "float32", 4, "lz4"),
+        namespace("run", "m", "bfloat16", 4, "zstd-3"),
+        namespace("run2", "m", "float32", 4, "zstd-3"),
+    ):
         assert not set(chunk_keys(other, tokens, 4, 3)) & set(keys)
     with pytest.raises(ValueError, match="need more than 12 tokens"):
         chunk_keys(space, tokens, 4, 4)

@@ -8,51 +8,174 @@ from kvbench.serve.summary import client_vs_server, compare_outputs, join_transf
 
 
 def request(backend, codec, round_, index, miss, output, tag, corpus="realistic", ttft=1.0, cached=0):
-    return {"backend": backend, "codec": codec, "corpus": corpus, "round": round_, "index": index, "doc_id": "d0",
-            "miss": miss, "tag": tag, "ttft_s": ttft, "output": output, "cached_tokens": cached, "error": None}
+    return {
+        "backend": backend,
+        "codec": codec,
+        "corpus": corpus,
+        "round": round_,
+        "index": index,
+        "doc_id": "d0",
+        "miss": miss,
+        "tag": tag,
+        "ttft_s": ttft,
+        "output": output,
+        "cached_tokens": cached,
+        "error": None,
+    }
 
 
-REQUESTS = pd.DataFrame([
-    request("recompute", "-", "query", 0, False, "The answer", "r0", ttft=4.0),
-    request("recompute", "-", "query", 1, True, "Other", "r1", ttft=4.0),
-    request("valkey", "all", "warmup", 0, False, "The answer", "w0", ttft=5.0),
-    request("valkey", "zstd-3", "query", 0, False, "The answer", "z0", ttft=1.0),
-    request("valkey", "zstd-3", "query", 1, True, "Whatever", "z1", ttft=4.5),
-    # k0: lookup failed, k2: load failed half-way (both recomputed); only k1 really loaded
-    request("valkey", "kivi2", "query", 0, False, "A different answer", "k0", ttft=1.2, cached=256),
-    request("valkey", "kivi2", "query", 1, False, "The answer", "k1", ttft=1.1, cached=256),
-    request("valkey", "kivi2", "query", 2, False, "The answer", "k2", ttft=3.9, cached=256),
-    # p1: a planned hit vLLM's prefix cache did not hold
-    request("prefix", "-", "query", 0, False, "The answer", "p0", ttft=0.9, cached=256),
-    request("prefix", "-", "query", 1, False, "The answer", "p1", ttft=4.1, cached=0),
-    {"backend": "lmcache", "codec": "-", "corpus": "realistic", "round": None, "error": "unsupported: on CPU"},
-])
-TRANSFERS = pd.DataFrame([
-    {"event": "lookup", "tag": "z0", "codec": "zstd-3", "seconds": 0.01, "hit_chunks": 2, "error": None, "time": 1},
-    {"event": "load", "tag": "z0", "codec": "zstd-3", "chunks": 2, "loaded_chunks": 2, "failed_chunks": 0,
-     "raw_bytes": 200, "wire_bytes": 160, "get_s": 0.1, "decode_s": 0.05, "copy_s": 0.05, "error": None, "time": 2},
-    {"event": "store", "tag": "w0", "codec": "zstd-3", "chunks": 2, "raw_bytes": 200, "wire_bytes": 160,
-     "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 0},
-    {"event": "store", "tag": "w0", "codec": "kivi2", "chunks": 2, "raw_bytes": 200, "wire_bytes": 20,
-     "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 0},
-    {"event": "store", "tag": "z1", "codec": "zstd-3", "chunks": 2, "raw_bytes": 200, "wire_bytes": 40,
-     "gather_s": 0.01, "encode_s": 0.1, "set_s": 0.1, "error": None, "time": 3},
-    {"event": "lookup", "tag": "k0", "codec": "kivi2", "seconds": 0.01, "hit_chunks": 0,
-     "error": "lookup: ConnectionError: refused", "time": 4},
-    {"event": "load", "tag": "k1", "codec": "kivi2", "chunks": 2, "loaded_chunks": 2, "failed_chunks": 0,
-     "raw_bytes": 200, "wire_bytes": 20, "get_s": 0.1, "decode_s": 0.1, "copy_s": 0.05, "error": None, "time": 5},
-    {"event": "load", "tag": "k2", "codec": "kivi2", "chunks": 2, "loaded_chunks": 1, "failed_chunks": 1,
-     "raw_bytes": 100, "wire_bytes": 10, "get_s": 0.1, "decode_s": 0.05, "copy_s": 0.02,
-     "error": "load: chunk 1 of 2 is gone", "time": 6},
-])
-KV = pd.DataFrame([
-    {"weights": "real", "dtype": "fp32", "corpus": "realistic", "codec": "zstd-3", "doc_id": "a", "part": "K",
-     "raw_bytes": 100, "compressed_bytes": 90, "error": None},
-    {"weights": "real", "dtype": "fp32", "corpus": "realistic", "codec": "zstd-3", "doc_id": "a", "part": "V",
-     "raw_bytes": 100, "compressed_bytes": 70, "error": None},
-    {"weights": "dummy", "dtype": "fp32", "corpus": "realistic", "codec": "zstd-3", "doc_id": "a", "part": "K",
-     "raw_bytes": 100, "compressed_bytes": 1, "error": None},
-])
+REQUESTS = pd.DataFrame(
+    [
+        request("recompute", "-", "query", 0, False, "The answer", "r0", ttft=4.0),
+        request("recompute", "-", "query", 1, True, "Other", "r1", ttft=4.0),
+        request("valkey", "all", "warmup", 0, False, "The answer", "w0", ttft=5.0),
+        request("valkey", "zstd-3", "query", 0, False, "The answer", "z0", ttft=1.0),
+        request("valkey", "zstd-3", "query", 1, True, "Whatever", "z1", ttft=4.5),
+        # k0: lookup failed, k2: load failed half-way (both recomputed); only k1 really loaded
+        request("valkey", "kivi2", "query", 0, False, "A different answer", "k0", ttft=1.2, cached=256),
+        request("valkey", "kivi2", "query", 1, False, "The answer", "k1", ttft=1.1, cached=256),
+        request("valkey", "kivi2", "query", 2, False, "The answer", "k2", ttft=3.9, cached=256),
+        # p1: a planned hit vLLM's prefix cache did not hold
+        request("prefix", "-", "query", 0, False, "The answer", "p0", ttft=0.9, cached=256),
+        request("prefix", "-", "query", 1, False, "The answer", "p1", ttft=4.1, cached=0),
+        {"backend": "lmcache", "codec": "-", "corpus": "realistic", "round": None, "error": "unsupported: on CPU"},
+    ]
+)
+TRANSFERS = pd.DataFrame(
+    [
+        {"event": "lookup", "tag": "z0", "codec": "zstd-3", "seconds": 0.01, "hit_chunks": 2, "error": None, "time": 1},
+        {
+            "event": "load",
+            "tag": "z0",
+            "codec": "zstd-3",
+            "chunks": 2,
+            "loaded_chunks": 2,
+            "failed_chunks": 0,
+            "raw_bytes": 200,
+            "wire_bytes": 160,
+            "get_s": 0.1,
+            "decode_s": 0.05,
+            "copy_s": 0.05,
+            "error": None,
+            "time": 2,
+        },
+        {
+            "event": "store",
+            "tag": "w0",
+            "codec": "zstd-3",
+            "chunks": 2,
+            "raw_bytes": 200,
+            "wire_bytes": 160,
+            "gather_s": 0.01,
+            "encode_s": 0.1,
+            "set_s": 0.1,
+            "error": None,
+            "time": 0,
+        },
+        {
+            "event": "store",
+            "tag": "w0",
+            "codec": "kivi2",
+            "chunks": 2,
+            "raw_bytes": 200,
+            "wire_bytes": 20,
+            "gather_s": 0.01,
+            "encode_s": 0.1,
+            "set_s": 0.1,
+            "error": None,
+            "time": 0,
+        },
+        {
+            "event": "store",
+            "tag": "z1",
+            "codec": "zstd-3",
+            "chunks": 2,
+            "raw_bytes": 200,
+            "wire_bytes": 40,
+            "gather_s": 0.01,
+            "encode_s": 0.1,
+            "set_s": 0.1,
+            "error": None,
+            "time": 3,
+        },
+        {
+            "event": "lookup",
+            "tag": "k0",
+            "codec": "kivi2",
+            "seconds": 0.01,
+            "hit_chunks": 0,
+            "error": "lookup: ConnectionError: refused",
+            "time": 4,
+        },
+        {
+            "event": "load",
+            "tag": "k1",
+            "codec": "kivi2",
+            "chunks": 2,
+            "loaded_chunks": 2,
+            "failed_chunks": 0,
+            "raw_bytes": 200,
+            "wire_bytes": 20,
+            "get_s": 0.1,
+            "decode_s": 0.1,
+            "copy_s": 0.05,
+            "error": None,
+            "time": 5,
+        },
+        {
+            "event": "load",
+            "tag": "k2",
+            "codec": "kivi2",
+            "chunks": 2,
+            "loaded_chunks": 1,
+            "failed_chunks": 1,
+            "raw_bytes": 100,
+            "wire_bytes": 10,
+            "get_s": 0.1,
+            "decode_s": 0.05,
+            "copy_s": 0.02,
+            "error": "load: chunk 1 of 2 is gone",
+            "time": 6,
+        },
+    ]
+)
+KV = pd.DataFrame(
+    [
+        {
+            "weights": "real",
+            "dtype": "fp32",
+            "corpus": "realistic",
+            "codec": "zstd-3",
+            "doc_id": "a",
+            "part": "K",
+            "raw_bytes": 100,
+            "compressed_bytes": 90,
+            "error": None,
+        },
+        {
+            "weights": "real",
+            "dtype": "fp32",
+            "corpus": "realistic",
+            "codec": "zstd-3",
+            "doc_id": "a",
+            "part": "V",
+            "raw_bytes": 100,
+            "compressed_bytes": 70,
+            "error": None,
+        },
+        {
+            "weights": "dummy",
+            "dtype": "fp32",
+            "corpus": "realistic",
+            "codec": "zstd-3",
+            "doc_id": "a",
+            "part": "K",
+            "raw_bytes": 100,
+            "compressed_bytes": 1,
+            "error": None,
+        },
+    ]
+)
 
 
 @pytest.fixture()
@@ -110,6 +233,12 @@ def test_hits_count_only_requests_whose_kv_was_loaded(requests):
 
 
 def test_client_vs_server_is_pooled_over_requests():
-    metrics = pd.DataFrame({"requests": [1, 3], "client_ttft_mean_s": [2.0, 1.0],
-                            "server_ttft_sum_s": [1.9, 2.9], "server_ttft_count": [1, 3]})
+    metrics = pd.DataFrame(
+        {
+            "requests": [1, 3],
+            "client_ttft_mean_s": [2.0, 1.0],
+            "server_ttft_sum_s": [1.9, 2.9],
+            "server_ttft_count": [1, 3],
+        }
+    )
     assert client_vs_server(metrics) == pytest.approx(5.0 / 4.8 - 1)

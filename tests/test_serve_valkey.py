@@ -8,21 +8,23 @@ import signal
 import pytest
 import torch
 import valkey
+from test_servers import wait_gone
 
 from kvbench.serve.keys import chunk_keys, namespace
 from kvbench.serve.transfer import exists_run, gather, load_chunks, store_chunks
 from kvbench.serve.valkey_server import valkey_binary, valkey_server
 from kvbench.serve.wire import ChunkSpec, wire_format
 from kvbench.servers import ServerError
-from test_servers import wait_gone
 
 SPEC = ChunkSpec(layers=4, kv_heads=3, block_size=32, head_size=64, dtype=torch.float32)
 
 
 def paged_cache(blocks=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(blocks, SPEC.kv_heads, SPEC.block_size, 2 * SPEC.head_size, generator=gen)
-            for _ in range(SPEC.layers)]
+    return [
+        torch.randn(blocks, SPEC.kv_heads, SPEC.block_size, 2 * SPEC.head_size, generator=gen)
+        for _ in range(SPEC.layers)
+    ]
 
 
 @pytest.fixture()
@@ -33,8 +35,9 @@ def store(tmp_path):
 
 
 def keys_for(n, codec="zstd-3"):
-    return chunk_keys(namespace("t", "m", "float32", SPEC.block_size, codec), list(range(n * SPEC.block_size + 1)),
-                      SPEC.block_size, n)
+    return chunk_keys(
+        namespace("t", "m", "float32", SPEC.block_size, codec), list(range(n * SPEC.block_size + 1)), SPEC.block_size, n
+    )
 
 
 def test_stored_chunks_load_into_other_blocks_byte_for_byte(store):

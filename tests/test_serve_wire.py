@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from kvbench.kv.codecs import codec_names
-from kvbench.methods.fp8 import to_fp8_bytes
-from kvbench.methods.kivi import QuantizedBlock
 from kvbench.methods.base import ModelShape
 from kvbench.methods.catalog import build_cache
+from kvbench.methods.fp8 import to_fp8_bytes
+from kvbench.methods.kivi import QuantizedBlock
 from kvbench.methods.turboquant import TurboBlock, lloyd_max
 from kvbench.serve import layout
 from kvbench.serve.names import check_codec
@@ -32,13 +32,19 @@ def kernel_chunk(dtype=torch.float32, isa="vec", seed=0):
 
 
 SPEC = ChunkSpec(LAYERS, HEADS, BLOCK, HEAD, torch.float32)
-METHODS = {"kivi2": {"kind": "kivi", "bits": 2, "group_size": 32}, "kivi4": {"kind": "kivi", "bits": 4, "group_size": 32},
-           "turboquant3": {"kind": "turboquant", "bits": 3}, "turboquant4": {"kind": "turboquant", "bits": 4},
-           "fp8": {"kind": "fp8"}, "snapkv": {"kind": "snapkv", "keep_ratio": 0.25}}
+METHODS = {
+    "kivi2": {"kind": "kivi", "bits": 2, "group_size": 32},
+    "kivi4": {"kind": "kivi", "bits": 4, "group_size": 32},
+    "turboquant3": {"kind": "turboquant", "bits": 3},
+    "turboquant4": {"kind": "turboquant", "bits": 4},
+    "fp8": {"kind": "fp8"},
+    "snapkv": {"kind": "snapkv", "keep_ratio": 0.25},
+}
 
 
-@pytest.mark.parametrize("dtype,isa", [(torch.float32, "vec"), (torch.float16, "vec"), (torch.bfloat16, "vec"),
-                                       (torch.float32, "vec16")])
+@pytest.mark.parametrize(
+    "dtype,isa", [(torch.float32, "vec"), (torch.float16, "vec"), (torch.bfloat16, "vec"), (torch.float32, "vec16")]
+)
 def test_layout_unpacks_the_kernels_blocks_to_token_rows(dtype, isa):
     chunk, keys, values = kernel_chunk(dtype, isa)
     k, v = layout.split(chunk)

@@ -16,8 +16,9 @@ def test_port_in_use_is_refused_before_anything_starts(tmp_path):
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is already in use"):
-            with managed_server("fake-server", [sys.executable, "-c", "raise SystemExit(3)"], port,
-                                lambda: True, tmp_path / "s.log"):
+            with managed_server(
+                "fake-server", [sys.executable, "-c", "raise SystemExit(3)"], port, lambda: True, tmp_path / "s.log"
+            ):
                 pass
     assert not (tmp_path / "s.log").exists()
 
@@ -57,8 +58,15 @@ def test_fake_server_that_never_becomes_healthy_is_killed_with_its_children(tmp_
         return False
 
     with pytest.raises(ServerError, match="did not become healthy within 1 s") as err:
-        with managed_server("fake-server", [sys.executable, "-c", code], free_port(), never_healthy,
-                            tmp_path / "s.log", timeout_s=1, poll_s=0.2):
+        with managed_server(
+            "fake-server",
+            [sys.executable, "-c", code],
+            free_port(),
+            never_healthy,
+            tmp_path / "s.log",
+            timeout_s=1,
+            poll_s=0.2,
+        ):
             pass
     assert "child up" in str(err.value)  # the log tail is in the message
     leader, child = map(int, pids.read_text().split())
@@ -68,16 +76,29 @@ def test_fake_server_that_never_becomes_healthy_is_killed_with_its_children(tmp_
 def test_fake_server_that_dies_at_start_reports_its_exit_and_log(tmp_path):
     code = "print('bad flag --foo', flush=True); raise SystemExit(2)"
     with pytest.raises(ServerError, match=r"exited with code 2 before becoming healthy(.|\n)*bad flag --foo"):
-        with managed_server("fake-server", [sys.executable, "-c", code], free_port(), lambda: False,
-                            tmp_path / "s.log", timeout_s=30, poll_s=0.1):
+        with managed_server(
+            "fake-server",
+            [sys.executable, "-c", code],
+            free_port(),
+            lambda: False,
+            tmp_path / "s.log",
+            timeout_s=30,
+            poll_s=0.1,
+        ):
             pass
 
 
 def test_healthy_server_is_stopped_on_exit(tmp_path):
     port = free_port()
     code = f"import http.server as h; h.HTTPServer(('127.0.0.1', {port}), h.SimpleHTTPRequestHandler).serve_forever()"
-    with managed_server("http-server", [sys.executable, "-c", code], port,
-                        http_ok(f"http://127.0.0.1:{port}/"), tmp_path / "s.log", timeout_s=30) as proc:
+    with managed_server(
+        "http-server",
+        [sys.executable, "-c", code],
+        port,
+        http_ok(f"http://127.0.0.1:{port}/"),
+        tmp_path / "s.log",
+        timeout_s=30,
+    ) as proc:
         assert http_ok(f"http://127.0.0.1:{port}/")()
         pgid = proc.pid
     assert proc.poll() is not None
@@ -112,17 +133,27 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_foreve
 """
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("crash", r"vLLM request failed(.|\n)*vllm exited with code 3(.|\n)*fake engine core died"),
-    ("hang", r"vLLM request failed \(timed out; idle timeout 1 s\); vllm is still running"),
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("crash", r"vLLM request failed(.|\n)*vllm exited with code 3(.|\n)*fake engine core died"),
+        ("hang", r"vLLM request failed \(timed out; idle timeout 1 s\); vllm is still running"),
+    ],
+)
 def test_fake_vllm_that_crashes_or_hangs_mid_request_surfaces_its_state_and_log(tmp_path, mode, expected):
     from kvbench.vllm_server import VLLMClient
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    with managed_server("vllm", [sys.executable, "-c", FAKE_VLLM, str(port), mode], port, http_ok(base),
-                        tmp_path / "v.log", timeout_s=60, poll_s=0.1) as proc:
+    with managed_server(
+        "vllm",
+        [sys.executable, "-c", FAKE_VLLM, str(port), mode],
+        port,
+        http_ok(base),
+        tmp_path / "v.log",
+        timeout_s=60,
+        poll_s=0.1,
+    ) as proc:
         client = VLLMClient(base, idle_timeout_s=1, server=proc, log_path=tmp_path / "v.log")
         with pytest.raises(ServerError, match=expected):
             client.chat([{"role": "user", "content": "hi"}])
@@ -133,8 +164,15 @@ def test_fake_vllm_that_streams_slowly_is_not_mistaken_for_a_hung_one(tmp_path):
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    with managed_server("vllm", [sys.executable, "-c", FAKE_VLLM, str(port), "slow"], port, http_ok(base),
-                        tmp_path / "v.log", timeout_s=60, poll_s=0.1) as proc:
+    with managed_server(
+        "vllm",
+        [sys.executable, "-c", FAKE_VLLM, str(port), "slow"],
+        port,
+        http_ok(base),
+        tmp_path / "v.log",
+        timeout_s=60,
+        poll_s=0.1,
+    ) as proc:
         start = time.monotonic()
         reply = VLLMClient(base, idle_timeout_s=1, server=proc).chat([{"role": "user", "content": "hi"}])
     assert time.monotonic() - start > 1.5  # longer than the idle timeout in all

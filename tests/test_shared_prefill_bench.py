@@ -35,25 +35,62 @@ def test_every_path_runs_in_every_place_and_two_paths_alternate(bench):
 
 def _table(bench) -> pd.DataFrame:
     prompts = [Prompt("t/s1", [1] * 100, None, 4), Prompt("t/s2", [1] * 50, None, 4)]
-    fidelity = {"first_divergence": 2, "same_output_as_reference": False, "kl_first": 0.0, "kl_max": 0.5,
-                "top1_agreement": 0.75, "fidelity_positions": 3}
+    fidelity = {
+        "first_divergence": 2,
+        "same_output_as_reference": False,
+        "kl_first": 0.0,
+        "kl_max": 0.5,
+        "top1_agreement": 0.75,
+        "fidelity_positions": 3,
+    }
 
     def outcomes(kl_s1: float, tokens_s2: list[int]) -> dict:
-        return {("full", "t/s1"): {"tokens": [5, 6, 7], "kv_bytes_prefill": 800, "kv_bytes_end": 824},
-                ("full", "t/s2"): {"tokens": [5, 6], "kv_bytes_prefill": 400, "kv_bytes_end": 416},
-                ("kivi2", "t/s1"): {"tokens": [5, 6, 9], "kv_bytes_prefill": 100, "kv_bytes_end": 110,
-                                    "kl_mean": kl_s1, **fidelity},
-                ("kivi2", "t/s2"): {"tokens": tokens_s2, "kv_bytes_prefill": 50, "kv_bytes_end": 60, "kl_mean": 0.25,
-                                    **fidelity}}
+        return {
+            ("full", "t/s1"): {"tokens": [5, 6, 7], "kv_bytes_prefill": 800, "kv_bytes_end": 824},
+            ("full", "t/s2"): {"tokens": [5, 6], "kv_bytes_prefill": 400, "kv_bytes_end": 416},
+            ("kivi2", "t/s1"): {
+                "tokens": [5, 6, 9],
+                "kv_bytes_prefill": 100,
+                "kv_bytes_end": 110,
+                "kl_mean": kl_s1,
+                **fidelity,
+            },
+            ("kivi2", "t/s2"): {
+                "tokens": tokens_s2,
+                "kv_bytes_prefill": 50,
+                "kv_bytes_end": 60,
+                "kl_mean": 0.25,
+                **fidelity,
+            },
+        }
 
     per_method, shared = outcomes(0.125, [5, 8]), outcomes(0.25, [5, 6])
-    outputs = {bench.PER_METHOD: [per_method, per_method], bench.SHARED: [shared, {**shared, ("kivi2", "t/s1"):
-                                                                                  {"tokens": [1]}}]}
+    outputs = {
+        bench.PER_METHOD: [per_method, per_method],
+        bench.SHARED: [shared, {**shared, ("kivi2", "t/s1"): {"tokens": [1]}}],
+    }
     walls = [{bench.PER_METHOD: 10.0, bench.SHARED: 2.0}, {bench.SHARED: 4.0, bench.PER_METHOD: 12.0}]
-    rounds = [{"record": "round", "round": r, "place": place, "path": path, "wall_s": wall, "cpu_s": wall * 2,
-               "prefill_s": 1.0, "fork_s": 0.0, "decode_s": 1.0, "decode_steps": 3, "row_steps": 3, "samples": 2,
-               "methods": 2, "prompt_tokens": 150, "threads": 2}
-              for r, order in enumerate(walls) for place, (path, wall) in enumerate(order.items())]
+    rounds = [
+        {
+            "record": "round",
+            "round": r,
+            "place": place,
+            "path": path,
+            "wall_s": wall,
+            "cpu_s": wall * 2,
+            "prefill_s": 1.0,
+            "fork_s": 0.0,
+            "decode_s": 1.0,
+            "decode_steps": 3,
+            "row_steps": 3,
+            "samples": 2,
+            "methods": 2,
+            "prompt_tokens": 150,
+            "threads": 2,
+        }
+        for r, order in enumerate(walls)
+        for place, (path, wall) in enumerate(order.items())
+    ]
     table = pd.DataFrame(rounds + bench.sample_rows(outputs, prompts, ["full", "kivi2"]))
     per_sample = table.record == "sample"
     return pd.concat([table[~per_sample], bench.compare(table[per_sample].reset_index(drop=True))], ignore_index=True)
@@ -79,6 +116,8 @@ def test_the_readme_block_pairs_rounds_and_reports_the_checks(bench, tmp_path):
     gain = "| per-method / shared | the quality stage's gain (both levers) | 4.00x [3.00, 5.00] | 4.00x [3.00, 5.00] |"
     assert f"{gain} 2 |" in text
     assert "shared-one-row" not in text.split("Checks")[0].split("| path")[1]  # a path not run is not shown
-    assert ("- shared: bytes after the prefill equal in 4/4, same output tokens in 3/4, max |kl_mean difference| 0.125 "
-            "over 2 rows") in text
+    assert (
+        "- shared: bytes after the prefill equal in 4/4, same output tokens in 3/4, max |kl_mean difference| 0.125 "
+        "over 2 rows"
+    ) in text
     assert "no: shared kivi2 t/s1" in text

@@ -28,27 +28,44 @@ def test_zstd_ratio_orders_repetitive_above_varied_text():
 
 
 def test_summary_groups_and_attaches_references():
-    stats = pd.DataFrame({
-        "corpus": ["realistic", "realistic", "synthetic"], "domain": ["medical", "medical", "synthetic"],
-        "doc_type": ["a", "b", "c"], "doc_id": ["1", "2", "3"], "tokens": [100, 300, 1000],
-        "unique_tokens": [50, 60, 2], "diversity_pct": [50.0, 20.0, 0.2], "entropy_bits": [5.0, 6.0, 0.1],
-        "text_zstd_ratio": [2.0, 3.0, 100.0],
-    })
+    stats = pd.DataFrame(
+        {
+            "corpus": ["realistic", "realistic", "synthetic"],
+            "domain": ["medical", "medical", "synthetic"],
+            "doc_type": ["a", "b", "c"],
+            "doc_id": ["1", "2", "3"],
+            "tokens": [100, 300, 1000],
+            "unique_tokens": [50, 60, 2],
+            "diversity_pct": [50.0, 20.0, 0.2],
+            "entropy_bits": [5.0, 6.0, 0.1],
+            "text_zstd_ratio": [2.0, 3.0, 100.0],
+        }
+    )
     summary = summarize(stats).set_index(["corpus", "domain"])
     assert summary.loc[("realistic", "medical"), "docs"] == 2
     assert summary.loc[("realistic", "medical"), "diversity_pct_mean"] == pytest.approx(35.0)
     assert summary.loc[("realistic", "medical"), "tokens_total"] == 400
-    assert summary.loc[("realistic", "medical"), "reference_diversity_pct"] == REFERENCE_DIVERSITY_PCT[("realistic", "medical")]
+    assert (
+        summary.loc[("realistic", "medical"), "reference_diversity_pct"]
+        == REFERENCE_DIVERSITY_PCT[("realistic", "medical")]
+    )
     assert summary.loc[("synthetic", "synthetic"), "reference_diversity_pct"] == 0.02
 
 
 def test_pooled_diversity_counts_shared_tokens_once():
     from kvbench.corpus.stats import corpus_stats
 
-    docs = pd.DataFrame({
-        "doc_id": ["a", "b"], "corpus": ["c", "c"], "domain": ["d", "d"], "doc_type": ["t", "t"],
-        "title": ["", ""], "text": ["x y", "y z"], "chars": [3, 3],
-    })
+    docs = pd.DataFrame(
+        {
+            "doc_id": ["a", "b"],
+            "corpus": ["c", "c"],
+            "domain": ["d", "d"],
+            "doc_type": ["t", "t"],
+            "title": ["", ""],
+            "text": ["x y", "y z"],
+            "chars": [3, 3],
+        }
+    )
     per_doc, summary = corpus_stats(docs, lambda text: [ord(ch) for ch in text.split()[0] + text.split()[1]])
     assert list(per_doc.diversity_pct) == [100.0, 100.0]
     assert summary.pooled_diversity_pct.iloc[0] == 75.0  # x, y, z unique in 4 tokens

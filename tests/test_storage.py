@@ -5,8 +5,15 @@ import torch
 from kvbench.kv.storage import FP8_E4M3_MAX, store
 
 
-@pytest.mark.parametrize("dtype, torch_dtype, size", [("fp32", torch.float32, 4), ("fp16", torch.float16, 2),
-                                                      ("bf16", torch.bfloat16, 2), ("fp8_e4m3", torch.float8_e4m3fn, 1)])
+@pytest.mark.parametrize(
+    "dtype, torch_dtype, size",
+    [
+        ("fp32", torch.float32, 4),
+        ("fp16", torch.float16, 2),
+        ("bf16", torch.bfloat16, 2),
+        ("fp8_e4m3", torch.float8_e4m3fn, 1),
+    ],
+)
 def test_stored_bytes_are_the_cast_tensor(dtype, torch_dtype, size):
     x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(0))
     stored = store(x, dtype)

@@ -30,7 +30,9 @@ def test_threads_bind_to_the_allowed_cpus(monkeypatch):
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
 def test_a_process_pinned_to_one_cpu_binds_vllm_to_that_cpu_alone():
     last = max(os.sched_getaffinity(0))
-    code = ("import json, os; os.sched_setaffinity(0, {%d}); from kvbench.vllm_server import vllm_env; "
-            "print(json.dumps(vllm_env(%r)))" % (last, CPU))
+    code = (
+        "import json, os; os.sched_setaffinity(0, {%d}); from kvbench.vllm_server import vllm_env; "
+        "print(json.dumps(vllm_env(%r)))" % (last, CPU)
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["VLLM_CPU_OMP_THREADS_BIND"] == str(last)

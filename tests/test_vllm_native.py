@@ -9,8 +9,8 @@ import typing
 import pytest
 import yaml
 
-from kvbench.vllm_native import NATIVE_KV, native_server_command
 from kvbench.tinyrun import REPO
+from kvbench.vllm_native import NATIVE_KV, native_server_command
 
 CONFIGS = ["gpu.yaml", "gpu-smoke.yaml"]
 

@@ -19,20 +19,21 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_servers import wait_gone
 
+from kvbench.batches import batches
 from kvbench.config import system_models
 from kvbench.corpus.synthetic import synthetic_document
 from kvbench.provenance import PROVENANCE_COLUMNS
-from kvbench.batches import batches
 from kvbench.report import build as report_build
 from kvbench.report.claims import CLAIMS, VERDICTS
 from kvbench.report.contracts import CONTRACTS, load_tables
 from kvbench.report.recommend import NONE
 from kvbench.report.stats import MIN_SAMPLES
 from kvbench.report.tabledocs import undocumented
-from kvbench.serve.backends import SERVER_OF, servers as serve_servers
+from kvbench.serve.backends import SERVER_OF
+from kvbench.serve.backends import servers as serve_servers
 from kvbench.serve.summary import client_vs_server
-from test_servers import wait_gone
 from kvbench.tinyrun import REPO, SNAKEMAKE, snakemake, tiny_config, write_config
 
 pytestmark = pytest.mark.integration
@@ -61,12 +62,14 @@ def cluster_jobs(config) -> list[str]:
     """The rule of every job the tiny DAG submits (the others are localrules), from the config."""
     quality = config["quality"]
     n_quality = len(quality["models"])
-    return ["corpus_realistic",
-            *["kv_capture"] * (len(config["kv"]["corpora"]) * len(config["kv"]["weights"])),
-            *["system_job"] * len(system_models(config)),  # one process per model: methods interleaved
-            *["serve_server"] * len(serve_servers(config["serve"]["backends"])),
-            *["quality_reference"] * n_quality,
-            *["quality_methods"] * (n_quality * (len(quality_jobs(config)) - 1))]
+    return [
+        "corpus_realistic",
+        *["kv_capture"] * (len(config["kv"]["corpora"]) * len(config["kv"]["weights"])),
+        *["system_job"] * len(system_models(config)),  # one process per model: methods interleaved
+        *["serve_server"] * len(serve_servers(config["serve"]["backends"])),
+        *["quality_reference"] * n_quality,
+        *["quality_methods"] * (n_quality * (len(quality_jobs(config)) - 1)),
+    ]
 
 
 def quality_jobs(config) -> list[list[str]]:
@@ -85,9 +88,14 @@ def test_every_table_and_column_the_run_wrote_is_in_the_table_reference(run):
 
 def test_all_outputs_logs_and_benchmarks_exist(run):
     workdir, _ = run
-    for rel in ["results/corpus/synthetic/docs.parquet", "results/corpus/realistic/docs.parquet",
-                "results/corpus/realistic/facts.parquet", "results/corpus/imported/docs.parquet",
-                "results/corpus/stats.parquet", "results/corpus/stats_summary.parquet"]:
+    for rel in [
+        "results/corpus/synthetic/docs.parquet",
+        "results/corpus/realistic/docs.parquet",
+        "results/corpus/realistic/facts.parquet",
+        "results/corpus/imported/docs.parquet",
+        "results/corpus/stats.parquet",
+        "results/corpus/stats_summary.parquet",
+    ]:
         assert (workdir / rel).stat().st_size > 0, rel
     assert (workdir / "results/corpus/diversity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for rule in ["synthetic", "realistic", "imported", "stats"]:
@@ -135,7 +143,7 @@ def test_realistic_docs_reach_their_length_and_facts_are_in_the_text(run):
     texts = docs.set_index("doc_id").text
     assert len(facts) > 0
     for fact in facts.itertuples():
-        assert texts[fact.doc_id][fact.char_start:fact.char_end].lower() == fact.value.lower()
+        assert texts[fact.doc_id][fact.char_start : fact.char_end].lower() == fact.value.lower()
     assert set(facts.source) <= {"header", "generated"}
 
 
@@ -159,7 +167,11 @@ def test_kv_tables_cover_every_combination_with_exact_round_trips(run):
     assert whole.error.isna().all()
     combos = whole.groupby(["corpus", "weights", "doc_id"]).size()
     assert set(combos) == {len(kv["dtypes"]) * len(kv["codecs"]) * 2}
-    assert set(whole.corpus) == {"synthetic", "realistic", "imported"} and set(whole.weights) == {"real", "random", "dummy"}
+    assert set(whole.corpus) == {"synthetic", "realistic", "imported"} and set(whole.weights) == {
+        "real",
+        "random",
+        "dummy",
+    }
     assert (whole.tokens <= 160).all() and (whole.layers == 30).all()
     assert (whole.compressed_bytes > 0).all() and (whole.encode_mb_s > 0).all()
     assert (whole[whole.codec == "none"].ratio == 1.0).all()
@@ -202,8 +214,11 @@ def test_kv_rows_count_underflow_and_the_summary_sets_layer_beside_whole_ratios(
     workdir, config = run
     whole = read(workdir, "results/kv/compressibility.parquet")
     assert (whole["values"] > 0).all() and (whole.below_normal >= whole.flushed_to_zero).all()
-    pooled = whole.drop_duplicates(["corpus", "weights", "dtype", "doc_id", "part"]).groupby(["weights", "dtype"])[
-        ["values", "below_normal", "flushed_to_zero"]].sum()
+    pooled = (
+        whole.drop_duplicates(["corpus", "weights", "dtype", "doc_id", "part"])
+        .groupby(["weights", "dtype"])[["values", "below_normal", "flushed_to_zero"]]
+        .sum()
+    )
     share = pooled.below_normal / pooled["values"]
     assert share["dummy", "fp16"] > 0.5 and share["dummy", "bf16"] == 0 and share["real", "bf16"] == 0
     zeroed = pooled.flushed_to_zero / pooled["values"]
@@ -269,11 +284,20 @@ def test_changing_the_seed_reruns_exactly_the_jobs_it_affects(run):
     # Seeded jobs with no upstream change report the param; the rest rerun because the realistic
     # corpus (seeded) changes under them (Snakemake reports the first reason only).
     seeded = {"corpus_realistic", *(kv(c, w) for c in corpora if c != "realistic" for w in ("random", "dummy"))}
-    downstream = {"corpus_stats", *(kv("realistic", w) for w in config["kv"]["weights"]), "kv_summary",
-                  SYSTEM_JOB, "system_summary",
-                  *(serve(s) for s in serve_servers(config["serve"]["backends"])), "serve_summary",
-                  "quality_tasks", *(quality(m, config) for m in config["quality"]["methods"]),
-                  "quality_summary[model=smol]", "report_tables", "all"}
+    downstream = {
+        "corpus_stats",
+        *(kv("realistic", w) for w in config["kv"]["weights"]),
+        "kv_summary",
+        SYSTEM_JOB,
+        "system_summary",
+        *(serve(s) for s in serve_servers(config["serve"]["backends"])),
+        "serve_summary",
+        "quality_tasks",
+        *(quality(m, config) for m in config["quality"]["methods"]),
+        "quality_summary[model=smol]",
+        "report_tables",
+        "all",
+    }
     assert set(jobs) == seeded | downstream
     for job in seeded:
         assert params_changed(jobs[job], "1234", "4321"), (job, jobs[job])
@@ -287,7 +311,13 @@ def test_changing_a_method_setting_reruns_that_method_alone(run):
     jobs = planned(snakemake(workdir, {**config, "methods": methods}, "-n"))
     # kivi2 runs in the system and quality stages and as a wire format of the Valkey server.
     changed = {SYSTEM_JOB, quality("kivi2", config), serve(SERVER_OF["valkey"])}
-    assert set(jobs) == changed | {"system_summary", "quality_summary[model=smol]", "serve_summary", "report_tables", "all"}
+    assert set(jobs) == changed | {
+        "system_summary",
+        "quality_summary[model=smol]",
+        "serve_summary",
+        "report_tables",
+        "all",
+    }
     for job in changed:
         assert params_changed(jobs[job], "'group_size': 32", "'group_size': 16"), (job, jobs[job])
 
@@ -303,8 +333,11 @@ def test_dropping_a_method_reruns_its_system_job_alone(run):
 
 def test_changing_a_client_timeout_reruns_nothing(run):
     workdir, config = run
-    vllm = {**config["vllm"], "idle_timeout_s": config["vllm"]["idle_timeout_s"] + 1,
-            "startup_timeout_s": config["vllm"]["startup_timeout_s"] + 1}
+    vllm = {
+        **config["vllm"],
+        "idle_timeout_s": config["vllm"]["idle_timeout_s"] + 1,
+        "startup_timeout_s": config["vllm"]["startup_timeout_s"] + 1,
+    }
     assert "Nothing to be done" in snakemake(workdir, {**config, "vllm": vllm}, "-n").stdout
 
 
@@ -313,8 +346,15 @@ def test_editing_or_adding_an_imported_file_reruns_the_import_and_what_reads_it(
     note = workdir / "my-docs" / "note.txt"
     old_text, old_times = note.read_text(), (note.stat().st_atime, note.stat().st_mtime)
     # The KV tables of the imported corpus feed the serve summary's predicted ratios and the report.
-    affected = {"corpus_imported", "corpus_stats", *(kv("imported", w) for w in config["kv"]["weights"]),
-                "kv_summary", "serve_summary", "report_tables", "all"}
+    affected = {
+        "corpus_imported",
+        "corpus_stats",
+        *(kv("imported", w) for w in config["kv"]["weights"]),
+        "kv_summary",
+        "serve_summary",
+        "report_tables",
+        "all",
+    }
     assert "longbench" not in config["quality"]["tasks"]  # else the quality tasks read the import too
     try:
         note.write_text(old_text + " Edited.")
@@ -346,13 +386,31 @@ def test_changing_library_code_reruns_the_rules_that_import_it(run, tmp_path):
     shutil.copy(REPO / "Snakefile", copy / "Snakefile")
     prompts = copy / "workflow" / "kvbench" / "prompts.py"
     prompts.write_text(prompts.read_text() + "# changed\n")
-    result = subprocess.run([SNAKEMAKE, "-s", str(copy / "Snakefile"), "-d", str(workdir), "-n",
-                             "--configfile", str(write_config(workdir, config))], capture_output=True, text=True,
-                            cwd=workdir, timeout=600)
+    result = subprocess.run(
+        [
+            SNAKEMAKE,
+            "-s",
+            str(copy / "Snakefile"),
+            "-d",
+            str(workdir),
+            "-n",
+            "--configfile",
+            str(write_config(workdir, config)),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=workdir,
+        timeout=600,
+    )
     jobs = planned(result)
     imports = {SYSTEM_JOB, "quality_tasks"}
-    downstream = {*(quality(m, config) for m in config["quality"]["methods"]), "quality_summary[model=smol]",
-                  "system_summary", "report_tables", "all"}
+    downstream = {
+        *(quality(m, config) for m in config["quality"]["methods"]),
+        "quality_summary[model=smol]",
+        "system_summary",
+        "report_tables",
+        "all",
+    }
     assert set(jobs) == imports | downstream
     for job in imports:
         assert jobs[job].startswith("Params have changed since last execution"), (job, jobs[job])
@@ -370,7 +428,10 @@ def test_serve_rows_for_every_backend_round_and_request(run):
     hits = served[~served.miss.astype(bool)]
     assert hits.prompt_tokens.nunique() == 1 and set(served.corpus) == {"realistic", "synthetic"}
     rounds = served.groupby(["backend", "codec", "corpus", "round"]).size()
-    assert rounds[("recompute", "-", "realistic", "query")] == 2 and ("recompute", "-", "realistic", "warmup") not in rounds
+    assert (
+        rounds[("recompute", "-", "realistic", "query")] == 2
+        and ("recompute", "-", "realistic", "warmup") not in rounds
+    )
     assert rounds[("prefix", "-", "synthetic", "warmup")] == 1 and rounds[("valkey", "all", "synthetic", "warmup")] == 1
     for codec in config["serve"]["codecs"]:
         assert rounds[("valkey", codec, "realistic", "query")] == 2
@@ -500,10 +561,25 @@ def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(r
 
     workdir, config = run
     out = tmp_path / "kivi2.parquet"
-    cli = [sys.executable, "-m", "kvbench.quality", "--method", "kivi2", "--model", "smol",
-           "--config", str(workdir / "config.yaml"), "--tasks", str(workdir / "results/quality/smol/tasks"),
-           "--references", str(workdir / "results/quality/smol/reference.safetensors"), "--out", str(out),
-           "--threads", str(len(os.sched_getaffinity(0)))]  # as the rule (MACHINE_THREADS)
+    cli = [
+        sys.executable,
+        "-m",
+        "kvbench.quality",
+        "--method",
+        "kivi2",
+        "--model",
+        "smol",
+        "--config",
+        str(workdir / "config.yaml"),
+        "--tasks",
+        str(workdir / "results/quality/smol/tasks"),
+        "--references",
+        str(workdir / "results/quality/smol/reference.safetensors"),
+        "--out",
+        str(out),
+        "--threads",
+        str(len(os.sched_getaffinity(0))),
+    ]  # as the rule (MACHINE_THREADS)
     done = subprocess.run(cli, cwd=workdir, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     key = ["task", "sample_id"]
@@ -511,9 +587,19 @@ def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(r
     together = read(workdir, "results/quality/smol/jobs/1.parquet")
     together = together[together.method == "kivi2"].sort_values(key).reset_index(drop=True)
     assert len(alone) == len(together) > 0 and alone.error.isna().all()
-    exact = ["sample_id", "prediction", "score", "new_tokens", "kv_bytes_prefill", "kv_bytes_end", "first_divergence",
-             "fidelity_positions"]
-    pd.testing.assert_frame_equal(alone[exact], together[exact], check_dtype=False)  # job 1 has NaN rows (its reference)
+    exact = [
+        "sample_id",
+        "prediction",
+        "score",
+        "new_tokens",
+        "kv_bytes_prefill",
+        "kv_bytes_end",
+        "first_divergence",
+        "fidelity_positions",
+    ]
+    pd.testing.assert_frame_equal(
+        alone[exact], together[exact], check_dtype=False
+    )  # job 1 has NaN rows (its reference)
     assert [list(a) for a in alone.output_ids] == [list(t) for t in together.output_ids]
     for column in ("kl_first", "kl_mean", "kl_max", "top1_agreement"):
         pd.testing.assert_series_equal(alone[column], together[column], rtol=1e-4, atol=1e-6)
@@ -529,8 +615,15 @@ def test_report_tables_check_every_claim_and_recommend(run):
     assert (decided.p_holm < 1 - config["report"]["level"]).all()
     by_id = claims.set_index("claim_id")
     # corpus, kv and system ran: their claims have a verdict from the data, not "not run"
-    for claim_id in ("token-diversity", "dummy-weights-inflate", "repetitive-input-inflates", "hi-ranks-wrong",
-                     "turboquant-ttft-overhead", "cam-ratio-varies", "snapkv-long-context-throughput"):
+    for claim_id in (
+        "token-diversity",
+        "dummy-weights-inflate",
+        "repetitive-input-inflates",
+        "hi-ranks-wrong",
+        "turboquant-ttft-overhead",
+        "cam-ratio-varies",
+        "snapkv-long-context-throughput",
+    ):
         assert by_id.loc[claim_id, "verdict"] != "not run", by_id.loc[claim_id]
     assert by_id.loc["snapkv-long-context-throughput", "verdict"] == "not measurable at this scale"  # 192 tokens
     stages = read(workdir, "results/report/stages.parquet").set_index("stage").status
@@ -591,10 +684,26 @@ def test_html_report_embeds_every_figure_and_table(run):
     html = (workdir / "results/report.html").read_text()
     assert "http://" not in html.split('<script id="results">')[1][:200]  # data is embedded, not linked
     items = {entry["name"]: entry for entry in _report_items(html).values()}
-    expected = {"claims.html", "recommendations.html", "overview.html", "correlations.html", "pipeline_cost.html",
-                "differences.html", "power.html", "frontier.png", "frontier.svg",
-                "correlation.png", "correlation.svg", "tradeoffs.png", "tradeoffs.svg",
-                "diversity.png", "ratio_by_corpus_weights.png", "layer_ratios.png", "chunk_ratios.png", "methods.png"}
+    expected = {
+        "claims.html",
+        "recommendations.html",
+        "overview.html",
+        "correlations.html",
+        "pipeline_cost.html",
+        "differences.html",
+        "power.html",
+        "frontier.png",
+        "frontier.svg",
+        "correlation.png",
+        "correlation.svg",
+        "tradeoffs.png",
+        "tradeoffs.svg",
+        "diversity.png",
+        "ratio_by_corpus_weights.png",
+        "layer_ratios.png",
+        "chunk_ratios.png",
+        "methods.png",
+    }
     assert expected <= set(items)
     for name, entry in items.items():
         assert entry["caption"].strip() and "System Message" not in entry["caption"], name  # valid reST
@@ -621,8 +730,9 @@ def test_html_report_embeds_every_figure_and_table(run):
 
 def test_report_builds_with_a_stage_missing_and_says_so(run, tmp_path):
     workdir, config = run
-    paths = {name: [workdir / p for p in c.expand(config["models"])] for name, c in CONTRACTS.items()
-             if c.stage != "system"}
+    paths = {
+        name: [workdir / p for p in c.expand(config["models"])] for name, c in CONTRACTS.items() if c.stage != "system"
+    }
     report = report_build.build(load_tables(paths), config["report"], config["methods"], config["seed"])
     assert report.stages.set_index("stage").status["system"] == "not run"
     verdicts = report.claims.set_index("claim_id").verdict

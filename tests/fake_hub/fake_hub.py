@@ -78,9 +78,18 @@ class Repo:
 
     def info(self) -> dict[str, Any]:
         card = {"license": self.meta["license"]} if "license" in self.meta else {}
-        return {"id": self.repo_id, "_id": self.repo_id, "sha": self.commit(), "private": False,
-                "gated": self.meta.get("gated", False), "disabled": False, "cardData": card, "tags": [],
-                "siblings": [{"rfilename": f} for f in self.files()], "lastModified": "2026-01-01T00:00:00.000Z"}
+        return {
+            "id": self.repo_id,
+            "_id": self.repo_id,
+            "sha": self.commit(),
+            "private": False,
+            "gated": self.meta.get("gated", False),
+            "disabled": False,
+            "cardData": card,
+            "tags": [],
+            "siblings": [{"rfilename": f} for f in self.files()],
+            "lastModified": "2026-01-01T00:00:00.000Z",
+        }
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -91,14 +100,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def _token(self) -> str | None:
         auth = self.headers.get("Authorization", "")
-        return auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        return auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
 
     def _log(self) -> None:
         with open(self.root / "requests.log", "a") as log:
             log.write(f"{self.command} {self.path} token={'yes' if self._token() else 'no'}\n")
 
-    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
-              content_type: str = "application/json") -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -183,8 +197,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def _file(self, repo: Repo, path: str) -> None:
         if not repo.allows(self._token()):
-            return self._error(403, "GatedRepo", f"Access to model {repo.repo_id} is restricted. You must have access "
-                               "to it and be authenticated to access it. Please log in.")
+            return self._error(
+                403,
+                "GatedRepo",
+                f"Access to model {repo.repo_id} is restricted. You must have access "
+                "to it and be authenticated to access it. Please log in.",
+            )
         target = repo.folder / path
         if not target.is_file() or target.name == META:
             return self._error(404, "EntryNotFound", f"{path} does not exist on main")

@@ -60,7 +60,11 @@ def write_job(job: dict[str, Any]) -> None:
 
 def all_jobs() -> list[dict[str, Any]]:
     folder = STATE / "jobs"
-    return sorted((json.loads(p.read_text()) for p in folder.glob("*.json")), key=lambda j: j["id"]) if folder.is_dir() else []
+    return (
+        sorted((json.loads(p.read_text()) for p in folder.glob("*.json")), key=lambda j: j["id"])
+        if folder.is_dir()
+        else []
+    )
 
 
 def parse_sbatch(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -101,14 +105,30 @@ def sbatch(argv: list[str]) -> int:
         (STATE / "jobs" / f"{job_id}.sh").write_text(script)
         workdir = options.get("-D") or options.get("--chdir") or os.getcwd()
         output = (options.get("--output") or options.get("-o") or f"slurm-{job_id}.out").replace("%j", str(job_id))
-        write_job({"id": job_id, "name": options.get("--job-name") or options.get("-J", "sbatch"),
-                   "comment": options.get("--comment", ""), "cpus": min(int(cpus), CPUS),
-                   "gpus": options.get("--gpus") or options.get("--gres", ""), "partition": options.get("-p", ""),
-                   "workdir": workdir, "output": str(Path(workdir, output)), "state": "PENDING",
-                   "exit_code": None, "pgid": None, "submitted": time.time()})
-    subprocess.Popen([sys.executable, os.path.realpath(__file__), "_run", str(job_id)], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     env={**os.environ, "FAKE_SLURM_DIR": str(STATE)})
+        write_job(
+            {
+                "id": job_id,
+                "name": options.get("--job-name") or options.get("-J", "sbatch"),
+                "comment": options.get("--comment", ""),
+                "cpus": min(int(cpus), CPUS),
+                "gpus": options.get("--gpus") or options.get("--gres", ""),
+                "partition": options.get("-p", ""),
+                "workdir": workdir,
+                "output": str(Path(workdir, output)),
+                "state": "PENDING",
+                "exit_code": None,
+                "pgid": None,
+                "submitted": time.time(),
+            }
+        )
+    subprocess.Popen(
+        [sys.executable, os.path.realpath(__file__), "_run", str(job_id)],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "FAKE_SLURM_DIR": str(STATE)},
+    )
     print(job_id if "--parsable" in options else f"Submitted batch job {job_id}")
     return 0
 
@@ -145,15 +165,30 @@ def run(job_id: int) -> int:
         time.sleep(0.2)
     if job["state"] != "STARTING":  # cancelled while pending
         return 0
-    env = {**os.environ, "SLURM_JOB_ID": str(job_id), "SLURM_JOBID": str(job_id), "SLURM_JOB_NAME": job["name"],
-           "SLURM_CPUS_PER_TASK": str(job["cpus"]), "SLURM_SUBMIT_DIR": job["workdir"],
-           "SLURM_JOB_PARTITION": job["partition"], "SLURM_CLUSTER_NAME": "fake", "SLURMD_NODENAME": "fakenode"}
+    env = {
+        **os.environ,
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_JOBID": str(job_id),
+        "SLURM_JOB_NAME": job["name"],
+        "SLURM_CPUS_PER_TASK": str(job["cpus"]),
+        "SLURM_SUBMIT_DIR": job["workdir"],
+        "SLURM_JOB_PARTITION": job["partition"],
+        "SLURM_CLUSTER_NAME": "fake",
+        "SLURMD_NODENAME": "fakenode",
+    }
     if job["gpus"]:
         env["SLURM_GPUS"] = job["gpus"]
     Path(job["output"]).parent.mkdir(parents=True, exist_ok=True)
     with open(job["output"], "ab") as out:
-        proc = subprocess.Popen(["/bin/sh", str(STATE / "jobs" / f"{job_id}.sh")], cwd=job["workdir"], env=env,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            ["/bin/sh", str(STATE / "jobs" / f"{job_id}.sh")],
+            cwd=job["workdir"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         with locked():
             job = read_job(job_id)
             job.update(state="RUNNING", pgid=proc.pid, started=time.time())
@@ -162,8 +197,11 @@ def run(job_id: int) -> int:
     with locked():
         job = read_job(job_id)
         cancelled = job.get("cancel_requested")
-        job.update(state="CANCELLED" if cancelled else ("COMPLETED" if code == 0 else "FAILED"), exit_code=code,
-                   ended=time.time())
+        job.update(
+            state="CANCELLED" if cancelled else ("COMPLETED" if code == 0 else "FAILED"),
+            exit_code=code,
+            ended=time.time(),
+        )
         write_job(job)
     return 0
 
@@ -244,8 +282,16 @@ def silent(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"sbatch": sbatch, "scancel": scancel, "sacct": sacct, "squeue": squeue, "srun": srun,
-            "sinfo": sinfo, "sacctmgr": silent, "sshare": silent}
+COMMANDS = {
+    "sbatch": sbatch,
+    "scancel": scancel,
+    "sacct": sacct,
+    "squeue": squeue,
+    "srun": srun,
+    "sinfo": sinfo,
+    "sacctmgr": silent,
+    "sshare": silent,
+}
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ def batches(methods: Sequence[str], reference: str, per_job: int | None) -> list
     the other jobs read); `per_job` None: one job."""
     ordered = [reference] + [m for m in methods if m != reference]
     size = per_job or len(ordered)
-    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
 def paired_batches(methods: Sequence[str], baseline: str, per_job: int | None) -> list[list[str]]:
@@ -22,4 +22,4 @@ def paired_batches(methods: Sequence[str], baseline: str, per_job: int | None) -
     a baseline in its own process (its paired ratios); `per_job` None: one job."""
     others = [m for m in methods if m != baseline]
     size = per_job or max(len(others), 1)
-    return [[baseline, *others[i:i + size]] for i in range(0, len(others), size)] or [[baseline]]
+    return [[baseline, *others[i : i + size]] for i in range(0, len(others), size)] or [[baseline]]

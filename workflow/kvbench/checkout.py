@@ -22,4 +22,5 @@ def check_checkout(root: str | Path) -> None:
     if imported != expected:
         raise CheckoutError(
             f"kvbench is imported from {imported}, not from this checkout ({expected}): install this checkout into "
-            f"the Python that runs snakemake ({sys.executable}): `make setup`, or `pip install --no-deps -e {root}`")
+            f"the Python that runs snakemake ({sys.executable}): `make setup`, or `pip install --no-deps -e {root}`"
+        )

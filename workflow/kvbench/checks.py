@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvbench.config import (
-    ConfigError, file_problems, length_problems, model_shape, reference_problems, schema_errors,
-    subset_problems, system_models,
+    ConfigError,
+    file_problems,
+    length_problems,
+    model_shape,
+    reference_problems,
+    schema_errors,
+    subset_problems,
+    system_models,
 )
 from kvbench.corpus.factsheets import vocabulary  # each domain's document types
 from kvbench.methods.kinds import spec_problems
@@ -51,8 +57,10 @@ def _serve_problems(config: Mapping[str, Any]) -> list[str]:
     if "imported" in serve["corpora"] and not config["corpus"]["imported"]["path"]:
         found.append("serve.corpora: 'imported' needs corpus.imported.path to be set")
     if "valkey" in serve["backends"] and config["vllm"].get("device") == "cuda":
-        found.append("serve.backends: 'valkey' (our connector) reads vLLM's CPU cache layout; "
-                     "on GPU the offload backend is 'lmcache'")
+        found.append(
+            "serve.backends: 'valkey' (our connector) reads vLLM's CPU cache layout; "
+            "on GPU the offload backend is 'lmcache'"
+        )
     for name in serve["codecs"]:
         try:
             check_codec(name, config["methods"])
@@ -78,8 +86,10 @@ def _port_problems(config: Mapping[str, Any]) -> list[str]:
         jobs.append("corpus_realistic")
     if len(jobs) < 2:
         return []
-    return [f"vllm.port: {port} is fixed, but {', '.join(jobs)} each start a vLLM server and can run at once; "
-            f"use 0 (a free port per server)"]
+    return [
+        f"vllm.port: {port} is fixed, but {', '.join(jobs)} each start a vLLM server and can run at once; "
+        f"use 0 (a free port per server)"
+    ]
 
 
 QA_CATEGORIES = ("single_doc_qa", "multi_doc_qa")
@@ -93,9 +103,13 @@ def _qa_answer_caps(config: Mapping[str, Any]) -> dict[str, int]:
     from kvbench.quality.tasks import multi_doc_qa, single_doc_qa
 
     quality = config["quality"]
-    caps = {f"quality.tasks.{spec.category}": int(quality["tasks"][spec.category].get("max_gen_tokens",
-                                                                                      spec.max_gen_tokens))
-            for spec in (single_doc_qa.SPEC, multi_doc_qa.SPEC) if spec.category in quality["tasks"]}
+    caps = {
+        f"quality.tasks.{spec.category}": int(
+            quality["tasks"][spec.category].get("max_gen_tokens", spec.max_gen_tokens)
+        )
+        for spec in (single_doc_qa.SPEC, multi_doc_qa.SPEC)
+        if spec.category in quality["tasks"]
+    }
     for task in quality.get("lm_eval_tasks") or []:
         if LONGBENCH_CATEGORY.get(dataset_of(task)) in QA_CATEGORIES:
             caps[f"quality.lm_eval_tasks: {task}"] = int(lm_eval_task(task)["generation_kwargs"]["max_gen_toks"])
@@ -105,8 +119,14 @@ def _qa_answer_caps(config: Mapping[str, Any]) -> dict[str, int]:
 def _cam_problems(config: Mapping[str, Any]) -> list[str]:
     """A CaM that compresses only while decoding first compresses after `interval` decode steps; an
     answer of N tokens takes N - 1 of them. Where that never comes, cam is `full` by construction."""
-    decode_only = {name: spec for name in config["quality"]["methods"] if (spec := config["methods"].get(name))
-                   and spec["kind"] == "cam" and "target" in spec and not {"keep_ratio", "capacity"} & set(spec)}
+    decode_only = {
+        name: spec
+        for name in config["quality"]["methods"]
+        if (spec := config["methods"].get(name))
+        and spec["kind"] == "cam"
+        and "target" in spec
+        and not {"keep_ratio", "capacity"} & set(spec)
+    }
     if not decode_only:
         return []
     caps = _qa_answer_caps(config)
@@ -114,9 +134,11 @@ def _cam_problems(config: Mapping[str, Any]) -> list[str]:
     for name, spec in decode_only.items():
         late = [key for key, cap in caps.items() if int(spec.get("interval", 32)) > cap - 1]
         if late:
-            found.append(f"methods.{name}.interval: {spec.get('interval', 32)} decode steps before CaM's first "
-                         f"compression, but {', '.join(late)} answer in at most {min(caps[k] for k in late)} tokens: "
-                         f"{name} would equal full there by construction; lower the interval (or leave QA out)")
+            found.append(
+                f"methods.{name}.interval: {spec.get('interval', 32)} decode steps before CaM's first "
+                f"compression, but {', '.join(late)} answer in at most {min(caps[k] for k in late)} tokens: "
+                f"{name} would equal full there by construction; lower the interval (or leave QA out)"
+            )
     return found
 
 

@@ -82,15 +82,21 @@ def _document_tokens(config: Mapping[str, Any]) -> dict[str, tuple[str, int]]:
     """Least length of each generated corpus' documents, in tokens, and the key that sets it.
     Synthetic documents are `str(i) + ' ' + 'hi ' * L`: L words, at least L tokens."""
     corpus = config["corpus"]
-    return {"synthetic": ("corpus.synthetic.words", corpus["synthetic"]["words"]),
-            "realistic": ("corpus.realistic.target_tokens", corpus["realistic"]["target_tokens"])}
+    return {
+        "synthetic": ("corpus.synthetic.words", corpus["synthetic"]["words"]),
+        "realistic": ("corpus.realistic.target_tokens", corpus["realistic"]["target_tokens"]),
+    }
 
 
 def reference_problems(config: Mapping[str, Any]) -> list[str]:
     models = sorted(config["models"])
     found = []
-    refs = [("corpus.generator", config["corpus"]["generator"]), ("corpus.tokenizer", config["corpus"].get("tokenizer")),
-            ("kv.model", config["kv"]["model"]), ("serve.model", config["serve"]["model"])]
+    refs = [
+        ("corpus.generator", config["corpus"]["generator"]),
+        ("corpus.tokenizer", config["corpus"].get("tokenizer")),
+        ("kv.model", config["kv"]["model"]),
+        ("serve.model", config["serve"]["model"]),
+    ]
     refs += [("system.models", name) for name in system_models(config)]
     for key, name in refs:
         if name is not None and name not in config["models"]:
@@ -112,14 +118,19 @@ def reference_problems(config: Mapping[str, Any]) -> list[str]:
 def subset_problems(config: Mapping[str, Any], counts: Mapping[str, int]) -> list[str]:
     """Subsets and counts; `counts`: how many documents each generated corpus will hold."""
     kv = config["kv"]
-    found = [f"kv.{key}: {sorted(set(kv[key]) - set(kv[full]))} not in kv.{full} (the detail tables would be empty)"
-             for key, full in (("detail_dtypes", "dtypes"), ("detail_codecs", "codecs")) if not set(kv[key]) <= set(kv[full])]
+    found = [
+        f"kv.{key}: {sorted(set(kv[key]) - set(kv[full]))} not in kv.{full} (the detail tables would be empty)"
+        for key, full in (("detail_dtypes", "dtypes"), ("detail_codecs", "codecs"))
+        if not set(kv[key]) <= set(kv[full])
+    ]
     if kv["figure_codec"] not in kv["codecs"]:
         found.append(f"kv.figure_codec: {kv['figure_codec']!r} is not in kv.codecs")
     realistic = config["corpus"]["realistic"]
     if realistic["min_section_tokens"] > realistic["section_tokens"]:
-        found.append(f"corpus.realistic.min_section_tokens: {realistic['min_section_tokens']} exceeds "
-                     f"corpus.realistic.section_tokens ({realistic['section_tokens']})")
+        found.append(
+            f"corpus.realistic.min_section_tokens: {realistic['min_section_tokens']} exceeds "
+            f"corpus.realistic.section_tokens ({realistic['section_tokens']})"
+        )
     for corpus in kv["corpora"]:
         if corpus in counts and kv["docs_per_corpus"] > counts[corpus]:
             found.append(f"kv.docs_per_corpus: {kv['docs_per_corpus']} exceeds the {counts[corpus]} {corpus} documents")
@@ -134,7 +145,9 @@ def subset_problems(config: Mapping[str, Any], counts: Mapping[str, int]) -> lis
     report = config["report"]
     for key, full in (("kv_dtype", "dtypes"), ("kv_codec", "codecs")):
         if report[key] not in kv[full]:
-            found.append(f"report.{key}: {report[key]!r} is not in kv.{full} (every KV claim would be 'not measurable')")
+            found.append(
+                f"report.{key}: {report[key]!r} is not in kv.{full} (every KV claim would be 'not measurable')"
+            )
     return found
 
 
@@ -144,13 +157,17 @@ def length_problems(config: Mapping[str, Any]) -> list[str]:
     shapes = {name: model_shape(config, name) for name in config["models"]}
     for name, shape in shapes.items():
         if shape["declared"] is not None and shape["max_context"] != shape["declared"]:
-            found.append(f"models.{name}.max_context: declared {shape['declared']}, but the model's config.json "
-                         f"says {shape['max_context']}")
+            found.append(
+                f"models.{name}.max_context: declared {shape['declared']}, but the model's config.json "
+                f"says {shape['max_context']}"
+            )
     vllm, kv, system = config["vllm"], config["kv"], config["system"]
     generator = config["corpus"]["generator"]
-    limits = [("vllm.max_model_len", vllm["max_model_len"], generator),
-              ("vllm.max_model_len", vllm["max_model_len"], config["serve"]["model"]),
-              ("kv.context_tokens", kv["context_tokens"], kv["model"])]
+    limits = [
+        ("vllm.max_model_len", vllm["max_model_len"], generator),
+        ("vllm.max_model_len", vllm["max_model_len"], config["serve"]["model"]),
+        ("kv.context_tokens", kv["context_tokens"], kv["model"]),
+    ]
     longest = max(system["context_tokens"]) + system["max_new_tokens"]
     limits += [("system.context_tokens", longest, name) for name in system_models(config)]
     for key, tokens, name in limits:
@@ -160,24 +177,32 @@ def length_problems(config: Mapping[str, Any]) -> list[str]:
             found.append(f"{key}: {tokens} tokens{extra} exceed model {name!r}'s context of {context}")
     serve = config["serve"]
     if serve["doc_tokens"] + serve["max_tokens"] >= vllm["max_model_len"]:
-        found.append(f"serve.doc_tokens: {serve['doc_tokens']} + serve.max_tokens ({serve['max_tokens']}) leave no room "
-                     f"for the question within vllm.max_model_len ({vllm['max_model_len']})")
+        found.append(
+            f"serve.doc_tokens: {serve['doc_tokens']} + serve.max_tokens ({serve['max_tokens']}) leave no room "
+            f"for the question within vllm.max_model_len ({vllm['max_model_len']})"
+        )
     section = config["corpus"]["realistic"]["section_tokens"]
     if section >= vllm["max_model_len"]:
-        found.append(f"corpus.realistic.section_tokens: {section} leaves no room for the prompt within "
-                     f"vllm.max_model_len ({vllm['max_model_len']})")
+        found.append(
+            f"corpus.realistic.section_tokens: {section} leaves no room for the prompt within "
+            f"vllm.max_model_len ({vllm['max_model_len']})"
+        )
     documents = _document_tokens(config)
-    stages = [("kv", "context_tokens", kv["context_tokens"], kv["corpora"]),
-              ("system", "context_tokens", max(system["context_tokens"]), list(system["prompts_per_corpus"]))]
+    stages = [
+        ("kv", "context_tokens", kv["context_tokens"], kv["corpora"]),
+        ("system", "context_tokens", max(system["context_tokens"]), list(system["prompts_per_corpus"])),
+    ]
     for stage, key, tokens, corpora in stages:
         if config[stage]["allow_short_documents"]:
             continue
         for corpus in corpora:
             if corpus in documents and documents[corpus][1] < tokens:
                 source, length = documents[corpus]
-                found.append(f"{stage}.{key}: {tokens} tokens exceed the {corpus} documents ({source}: {length}): "
-                             f"they would be compared at different lengths; lengthen the documents, shorten the "
-                             f"context, or set {stage}.allow_short_documents: true to accept it")
+                found.append(
+                    f"{stage}.{key}: {tokens} tokens exceed the {corpus} documents ({source}: {length}): "
+                    f"they would be compared at different lengths; lengthen the documents, shorten the "
+                    f"context, or set {stage}.allow_short_documents: true to accept it"
+                )
     return found
 
 

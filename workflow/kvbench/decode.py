@@ -66,21 +66,38 @@ class RowsCache(Cache):
         self.caches = caches
         self.errors: dict[int, str] = {}  # batch row -> what its cache raised
 
-    def attend(self, original: Callable, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any):
+    def attend(
+        self,
+        original: Callable,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ):
         index, n = module.layer_idx, query.shape[-2]
         outputs = []
         for b, cache in enumerate(self.caches):
             if b in self.errors:  # a row that failed earlier in this pass: zeros, dropped after it
-                outputs.append(torch.zeros_like(query[b:b + 1].transpose(1, 2)))
+                outputs.append(torch.zeros_like(query[b : b + 1].transpose(1, 2)))
                 continue
             try:
-                out, _ = cache.attend(index, original, module, query[b:b + 1], key[b:b + 1], value[b:b + 1],
-                                      causal_mask(n, cache, index, query), **kwargs)
+                out, _ = cache.attend(
+                    index,
+                    original,
+                    module,
+                    query[b : b + 1],
+                    key[b : b + 1],
+                    value[b : b + 1],
+                    causal_mask(n, cache, index, query),
+                    **kwargs,
+                )
             except Exception as err:  # one method failing on one row must not stop the others
                 traceback.print_exc()
                 self.errors[b] = f"{type(err).__name__}: {err}"
-                out = torch.zeros_like(query[b:b + 1].transpose(1, 2))
+                out = torch.zeros_like(query[b : b + 1].transpose(1, 2))
             outputs.append(out)
         return torch.cat(outputs), None
 
@@ -96,8 +113,9 @@ def causal_mask(n: int, cache: MethodCache, index: int, query: torch.Tensor) -> 
 
 
 @torch.inference_mode()
-def forward_rows(model: torch.nn.Module, caches: list[MethodCache], ids: torch.Tensor,
-                 positions: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
+def forward_rows(
+    model: torch.nn.Module, caches: list[MethodCache], ids: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, dict[int, str]]:
     """One forward pass of `ids` [B, n] at `positions` [B, n], row b through caches[b]: the last
     position's logits [B, V] (float32), and the rows whose cache raised (row -> error)."""
     rows = RowsCache(caches, model.config.num_hidden_layers)
@@ -151,8 +169,11 @@ class Row:
         self.start = self.position  # the prompt's length: positions before it are the prompt
 
     def finished(self, tokens: list[int]) -> bool:
-        return (tokens[-1] in self.eos or len(tokens) >= self.max_new_tokens
-                or (self.stop is not None and self.stop(tokens)))
+        return (
+            tokens[-1] in self.eos
+            or len(tokens) >= self.max_new_tokens
+            or (self.stop is not None and self.stop(tokens))
+        )
 
     @property
     def tpot_s(self) -> float | None:
@@ -194,9 +215,18 @@ class Row:
                     self._finish_own()
                 else:  # a copy goes on with the method's own tokens
                     # it takes this same distribution first (appending `top`), then goes on by itself
-                    spawned = Row(copy.deepcopy(self.cache), self.logits, self.position, self.max_new_tokens,
-                                  self.eos, self.stop, tag=self.tag, tokens=ref.tokens[:i], _seconds=self._seconds,
-                                  top=top)
+                    spawned = Row(
+                        copy.deepcopy(self.cache),
+                        self.logits,
+                        self.position,
+                        self.max_new_tokens,
+                        self.eos,
+                        self.stop,
+                        tag=self.tag,
+                        tokens=ref.tokens[:i],
+                        _seconds=self._seconds,
+                        top=top,
+                    )
                     self.branch = spawned
                     self.own_done = True  # the branch holds them
             elif i + 1 == len(ref.tokens):
@@ -262,7 +292,11 @@ def run_rows(model: torch.nn.Module, rows: Iterable[Row], max_batch: int = 64, t
         sync(device)
         seconds = time.perf_counter() - start
         share = seconds / len(batch)
-        tally.steps, tally.row_steps, tally.seconds = tally.steps + 1, tally.row_steps + len(batch), tally.seconds + seconds
+        tally.steps, tally.row_steps, tally.seconds = (
+            tally.steps + 1,
+            tally.row_steps + len(batch),
+            tally.seconds + seconds,
+        )
         for b, ((row, _), row_logits, top) in enumerate(zip(batch, logits, tops)):
             if b in errors:
                 row.error, row.done = errors[b], True
@@ -273,8 +307,9 @@ def run_rows(model: torch.nn.Module, rows: Iterable[Row], max_batch: int = 64, t
     return every
 
 
-def extend_rows(model: torch.nn.Module, caches: list[MethodCache], ids: list[int],
-                position: int) -> tuple[torch.Tensor, dict[int, str], float]:
+def extend_rows(
+    model: torch.nn.Module, caches: list[MethodCache], ids: list[int], position: int
+) -> tuple[torch.Tensor, dict[int, str], float]:
     """Feed the same tokens `ids` at `position`.. through every cache in one batched pass (the
     context-only protocol's question after a compressed context); returns the last logits [B, V],
     the rows whose cache raised (row -> error) and the pass's wall time."""

@@ -69,9 +69,13 @@ def summarize(kl: list[float], top1: list[bool]) -> dict[str, float | int | None
     the decode positions (1 onwards) pooled; see `compare`."""
     decode_kl, decode_top1 = kl[1:], top1[1:]
     n = len(decode_kl)
-    return {"kl_first": float(kl[0]) if kl else None, "kl_mean": sum(decode_kl) / n if n else None,
-            "kl_max": max(decode_kl) if n else None, "top1_agreement": sum(decode_top1) / n if n else None,
-            "fidelity_positions": n}
+    return {
+        "kl_first": float(kl[0]) if kl else None,
+        "kl_mean": sum(decode_kl) / n if n else None,
+        "kl_max": max(decode_kl) if n else None,
+        "top1_agreement": sum(decode_top1) / n if n else None,
+        "fidelity_positions": n,
+    }
 
 
 def compare(reference: Reference, logits: torch.Tensor) -> dict[str, float | int | None]:
@@ -107,6 +111,12 @@ def load_references(path: str | Path) -> dict[str, Reference]:
     with safe_open(str(path), framework="pt") as handle:
         hashes = json.loads(handle.metadata()["prompt_hashes"])
         names = set(handle.keys())
-        return {key: Reference(handle.get_tensor(f"{key}::tokens").tolist(), handle.get_tensor(f"{key}::logprobs"), h,
-                               handle.get_tensor(f"{key}::indices") if f"{key}::indices" in names else None)
-                for key, h in hashes.items()}
+        return {
+            key: Reference(
+                handle.get_tensor(f"{key}::tokens").tolist(),
+                handle.get_tensor(f"{key}::logprobs"),
+                h,
+                handle.get_tensor(f"{key}::indices") if f"{key}::indices" in names else None,
+            )
+            for key, h in hashes.items()
+        }

@@ -46,12 +46,16 @@ def lock_majors(lock_text: str) -> dict[str, int]:
 
 
 def lock_problems(lock_text: str, major: int = CUDA_MAJOR) -> list[str]:
-    return [f"{name}: CUDA {found}, not {major}" for name, found in sorted(lock_majors(lock_text).items())
-            if found != major and name not in OTHER_MAJOR_OK]
+    return [
+        f"{name}: CUDA {found}, not {major}"
+        for name, found in sorted(lock_majors(lock_text).items())
+        if found != major and name not in OTHER_MAJOR_OK
+    ]
 
 
-def cuda_problems(torch_cuda: str | None, drivers: Iterable[str], gpus: Iterable[str],
-                  major: int = CUDA_MAJOR) -> list[str]:
+def cuda_problems(
+    torch_cuda: str | None, drivers: Iterable[str], gpus: Iterable[str], major: int = CUDA_MAJOR
+) -> list[str]:
     """Why this machine cannot run the GPU environment (empty: it can). `torch_cuda` is
     torch.version.cuda (None: a CPU build), `drivers` the driver version of each visible GPU."""
     drivers, gpus = list(drivers), list(gpus)
@@ -61,13 +65,17 @@ def cuda_problems(torch_cuda: str | None, drivers: Iterable[str], gpus: Iterable
     if torch_cuda is None:
         found.append(f"torch is a CPU build: install the GPU environment (envs/gpu.lock.txt, CUDA {major})")
     elif version_tuple(torch_cuda)[0] != major:
-        found.append(f"torch is built for CUDA {torch_cuda}, the GPU environment for CUDA {major} "
-                     "(install envs/gpu.lock.txt or use the container)")
+        found.append(
+            f"torch is built for CUDA {torch_cuda}, the GPU environment for CUDA {major} "
+            "(install envs/gpu.lock.txt or use the container)"
+        )
     floor = DRIVER_FLOOR[major]
     for driver in sorted(set(drivers)):
         if version_tuple(driver) < version_tuple(floor):
-            found.append(f"NVIDIA driver {driver} is older than {floor}, the least CUDA {major} "
-                         "runs on: ask the site for a newer driver or use a node that has one")
+            found.append(
+                f"NVIDIA driver {driver} is older than {floor}, the least CUDA {major} "
+                "runs on: ask the site for a newer driver or use a node that has one"
+            )
     return found
 
 
@@ -85,12 +93,20 @@ def torch_cuda() -> str | None:
 def nvidia_smi() -> list[dict[str, str]]:
     """name and driver_version of each visible GPU (empty without nvidia-smi or a GPU)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [dict(zip(("name", "driver"), (p.strip() for p in line.split(",", 1)))) for line in out.splitlines()
-            if line.strip()]
+    return [
+        dict(zip(("name", "driver"), (p.strip() for p in line.split(",", 1))))
+        for line in out.splitlines()
+        if line.strip()
+    ]
 
 
 def describe() -> str:
@@ -140,8 +156,11 @@ def lock_lines(report: dict[str, Any], requirements: str) -> list[str]:
         archive = info["archive_info"]
         digest = archive.get("hashes", {}).get("sha256") or archive["hash"].split("=")[1]
         pinned[canonical(meta["name"])] = f"{canonical(meta['name'])}=={meta['version']} \\\n    --hash=sha256:{digest}"
-    wanted = {canonical(re.split(r"[\[=<>~! ]", line.strip())[0]) for line in requirements.splitlines()
-              if line.strip() and not line.startswith("#")}
+    wanted = {
+        canonical(re.split(r"[\[=<>~! ]", line.strip())[0])
+        for line in requirements.splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     missing = wanted - set(pinned)
     if missing:
         raise ValueError(f"the report lacks requirements {sorted(missing)}: was it made from envs/gpu.txt?")
@@ -183,9 +202,11 @@ def lease_gpus(count: int, available: int, folder: str | Path) -> list[int]:
     if len(taken) < count:
         for handle in taken:
             handle.close()
-        raise GPUEnvironmentError(f"this job needs {count} GPU(s), but {available - len(taken)} of this node's "
-                                  f"{available} are held by other kvbench jobs ({folder}): --resources gpu=N must "
-                                  "not exceed the node's GPU count")
+        raise GPUEnvironmentError(
+            f"this job needs {count} GPU(s), but {available - len(taken)} of this node's "
+            f"{available} are held by other kvbench jobs ({folder}): --resources gpu=N must "
+            "not exceed the node's GPU count"
+        )
     _LEASES.extend(taken)
     return [int(Path(h.name).stem.removeprefix("gpu")) for h in taken]
 

@@ -94,27 +94,40 @@ def prefill(model: torch.nn.Module, cache: MethodCache, input_ids: list[int]) ->
     with attached(cache, model):
         sync(device)
         start = time.perf_counter()
-        out = model(input_ids=torch.tensor([input_ids], device=device), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor([input_ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
         logits = out.logits[0, -1].float()
         sync(device)
     return logits, time.perf_counter() - start
 
 
-def teacher_forced(model: torch.nn.Module, spec: dict[str, Any], ids: list[int], answer: list[int],
-                   seed: int = 0) -> torch.Tensor:
+def teacher_forced(
+    model: torch.nn.Module, spec: dict[str, Any], ids: list[int], answer: list[int], seed: int = 0
+) -> torch.Tensor:
     """Next-token log-probabilities [len(answer), V] through a fresh cache of `spec`: after the
     prompt, then after each token of `answer` fed in turn (the decode loop, explicit positions)."""
     cache = build_cache(spec, ModelShape.of(model.config), seed)
     logits, _ = prefill(model, cache, ids)
-    row = Row(cache, logits, len(ids), len(answer), reference=Reference(list(answer), None, ""), branch_free=False,
-              keep_logprobs=True)
+    row = Row(
+        cache,
+        logits,
+        len(ids),
+        len(answer),
+        reference=Reference(list(answer), None, ""),
+        branch_free=False,
+        keep_logprobs=True,
+    )
     run_rows(model, [row])
     return torch.stack(row.logprobs)
 
 
 def generate(
-    model: torch.nn.Module, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int, seed: int = 0,
+    model: torch.nn.Module,
+    spec: dict[str, Any],
+    input_ids: list[int],
+    max_new_tokens: int,
+    seed: int = 0,
     make_cache: CacheFactory = build_cache,
 ) -> dict[str, Any]:
     """Prefill through the method's cache, then greedy decoding (the decode loop, one row).
@@ -131,31 +144,53 @@ def generate(
     return measured(row, shape, len(input_ids), ttft, ttft + time.perf_counter() - decode_start, bytes_prefill)
 
 
-def measured(row: Row, shape: ModelShape, context: int, ttft: float, total: float, bytes_prefill: int) -> dict[str, Any]:
+def measured(
+    row: Row, shape: ModelShape, context: int, ttft: float, total: float, bytes_prefill: int
+) -> dict[str, Any]:
     """The columns every stage reports for one decoded row: TTFT, TPOT (kvbench.decode's one
     definition), end-to-end latency, measured bytes and their ratio to a 16-bit full cache."""
     decode_steps = len(row.tokens) - 1
     full_prefill, full_end = shape.full_bytes(context), shape.full_bytes(context + decode_steps)
     tpot = row.tpot_s
     return {
-        "tokens": row.tokens, "context_tokens": context, "new_tokens": len(row.tokens),
-        "ttft_s": ttft, "e2e_s": total, "tpot_s": tpot, "decode_tok_s": 1 / tpot if tpot else None,
+        "tokens": row.tokens,
+        "context_tokens": context,
+        "new_tokens": len(row.tokens),
+        "ttft_s": ttft,
+        "e2e_s": total,
+        "tpot_s": tpot,
+        "decode_tok_s": 1 / tpot if tpot else None,
         "prefill_tok_s": context / ttft,
-        "kv_bytes_prefill": bytes_prefill, "kv_bytes_end": row.bytes_end,
-        "full16_bytes_prefill": full_prefill, "full16_bytes_end": full_end,
-        "ratio_prefill": full_prefill / bytes_prefill, "ratio_end": full_end / row.bytes_end,
+        "kv_bytes_prefill": bytes_prefill,
+        "kv_bytes_end": row.bytes_end,
+        "full16_bytes_prefill": full_prefill,
+        "full16_bytes_end": full_end,
+        "ratio_prefill": full_prefill / bytes_prefill,
+        "ratio_end": full_end / row.bytes_end,
     }
 
 
 def run_row(
-    model: torch.nn.Module, method: str, spec: dict[str, Any], input_ids: list[int], max_new_tokens: int,
-    repeats: int, seed: int, max_context: int, make_cache: CacheFactory = build_cache,
+    model: torch.nn.Module,
+    method: str,
+    spec: dict[str, Any],
+    input_ids: list[int],
+    max_new_tokens: int,
+    repeats: int,
+    seed: int,
+    max_context: int,
+    make_cache: CacheFactory = build_cache,
 ) -> dict[str, Any]:
     """Measured repeats of one method on one prompt (after one warm-up), or the error it raised."""
     device = next(model.parameters()).device
-    row: dict[str, Any] = {"method": method, "kind": spec["kind"], "params": str(sorted(spec.items())),
-                           "context_tokens": len(input_ids),
-                           "bucket": context_bucket(len(input_ids), max_context), "error": None}
+    row: dict[str, Any] = {
+        "method": method,
+        "kind": spec["kind"],
+        "params": str(sorted(spec.items())),
+        "context_tokens": len(input_ids),
+        "bucket": context_bucket(len(input_ids), max_context),
+        "error": None,
+    }
     try:
         # Warm-up (excluded), long enough to pass the quantizers' residual windows.
         generate(model, spec, input_ids[:256], 2, seed, make_cache)
@@ -168,8 +203,18 @@ def run_row(
         gc.collect()
         return row
     first = runs[0]
-    row |= {k: first[k] for k in ("new_tokens", "kv_bytes_prefill", "kv_bytes_end", "full16_bytes_prefill",
-                                  "full16_bytes_end", "ratio_prefill", "ratio_end")}
+    row |= {
+        k: first[k]
+        for k in (
+            "new_tokens",
+            "kv_bytes_prefill",
+            "kv_bytes_end",
+            "full16_bytes_prefill",
+            "full16_bytes_end",
+            "ratio_prefill",
+            "ratio_end",
+        )
+    }
     row["output_ids"] = first["tokens"]
     for key in TIMINGS:
         values = [r[key] for r in runs if r[key] is not None]
@@ -179,4 +224,3 @@ def run_row(
     row["peak_memory_mb"] = peak_memory_mb(device)
     row["memory_increase_mb"] = row["peak_memory_mb"] - baseline if baseline is not None else None
     return row
-

@@ -32,8 +32,15 @@ MANIFEST = "kvbench-prefetch.json"
 # tokenizer files. Not `original/*.pth` (Llama-3.1's second copy of the weights) nor
 # `consolidated.safetensors` (Mistral's), which would double the download.
 HUB_FILES = (
-    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-    "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
     "chat_template.jinja",
 )
 DEFAULT_CACHE = Path("~/.cache/huggingface")
@@ -105,8 +112,11 @@ def lm_eval_dataset(task: str) -> tuple[str, str | None]:
 
 def needs(config: Mapping[str, Any]) -> list[Need]:
     """Every hub model and lm-eval dataset the config reads, each with the keys that ask for it."""
-    found = [Need("model", source["hub"], None, (f"models.{name}",))
-             for name, source in config.get("models", {}).items() if "hub" in source]
+    found = [
+        Need("model", source["hub"], None, (f"models.{name}",))
+        for name, source in config.get("models", {}).items()
+        if "hub" in source
+    ]
     datasets: dict[tuple[str, str | None], list[str]] = {}
     for task in config.get("quality", {}).get("lm_eval_tasks") or []:
         datasets.setdefault(lm_eval_dataset(task), []).append(f"quality.lm_eval_tasks: {task}")
@@ -143,8 +153,9 @@ def missing(config: Mapping[str, Any]) -> list[str]:
         if entry is None:
             lines.append(f"{where}: {need.kind} {need.id} was never prefetched into {root}")
         elif gone := _absent(root, entry):
-            lines.append(f"{where}: {need.kind} {need.id}: {len(gone)} file(s) missing or changed in {root} "
-                         f"(e.g. {gone[0]})")
+            lines.append(
+                f"{where}: {need.kind} {need.id}: {len(gone)} file(s) missing or changed in {root} (e.g. {gone[0]})"
+            )
     return lines
 
 
@@ -167,9 +178,12 @@ def prefetch_command(configfiles: list[str] | tuple[str, ...] = ()) -> str:
 
 def missing_message(config: Mapping[str, Any], lines: list[str], configfiles: list[str] | tuple[str, ...] = ()) -> str:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    return (f"not prefetched (hub cache {cache_root(config)}, as node {node} sees it):\n  " + "\n  ".join(lines)
-            + f"\nJobs never download. On a node with internet (a login node) run:\n  {prefetch_command(configfiles)}\n"
-            "then submit again. The cache (config key hub_cache) must be on a filesystem every compute node mounts.")
+    return (
+        f"not prefetched (hub cache {cache_root(config)}, as node {node} sees it):\n  "
+        + "\n  ".join(lines)
+        + f"\nJobs never download. On a node with internet (a login node) run:\n  {prefetch_command(configfiles)}\n"
+        "then submit again. The cache (config key hub_cache) must be on a filesystem every compute node mounts."
+    )
 
 
 def require_prefetched(config: Mapping[str, Any], configfiles: list[str] | tuple[str, ...] = ()) -> None:
@@ -213,15 +227,21 @@ def _fetch_model(need: Need, root: Path, log: Callable[[str], None]) -> dict[str
     try:
         snapshot = Path(snapshot_download(need.repo, allow_patterns=list(HUB_FILES), cache_dir=root / "hub"))
     except GatedRepoError as err:
-        token = "HF_TOKEN is set, but its account has no access yet (some licences are approved by hand)" \
-            if os.environ.get("HF_TOKEN") else "HF_TOKEN is not set"
+        token = (
+            "HF_TOKEN is set, but its account has no access yet (some licences are approved by hand)"
+            if os.environ.get("HF_TOKEN")
+            else "HF_TOKEN is not set"
+        )
         raise PrefetchError(
             f"{', '.join(need.keys)}: {need.repo} is gated ({token}). Log in to the hub, accept "
             f"{_licence_hint(need.repo)} at {page}, create a read token at {constants.ENDPOINT}/settings/tokens, "
-            f"then `export HF_TOKEN=<token>` and run the prefetch again. ({type(err).__name__})") from err
+            f"then `export HF_TOKEN=<token>` and run the prefetch again. ({type(err).__name__})"
+        ) from err
     except RepositoryNotFoundError as err:
-        raise PrefetchError(f"{', '.join(need.keys)}: {need.repo} does not exist at {constants.ENDPOINT} (or is "
-                            "private: set HF_TOKEN to a token that can read it)") from err
+        raise PrefetchError(
+            f"{', '.join(need.keys)}: {need.repo} does not exist at {constants.ENDPOINT} (or is "
+            "private: set HF_TOKEN to a token that can read it)"
+        ) from err
     files = {str(p.relative_to(root)): p.stat().st_size for p in sorted(snapshot.rglob("*")) if p.is_file()}
     log(f"[prefetch] model {need.repo}: {len(files)} files, {sum(files.values()) / 2**30:.2f} GiB -> {snapshot}")
     return {"snapshot": str(snapshot.relative_to(root)), "files": files}

@@ -40,7 +40,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def load_model(
-    model_dir: str | Path, weights: str = "real", seed: int = 0, dtype: torch.dtype = torch.float32,
+    model_dir: str | Path,
+    weights: str = "real",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> Any:
     """Load a causal LM with real weights, or a deterministic `random` / `dummy` variant.

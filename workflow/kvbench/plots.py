@@ -32,11 +32,17 @@ def diversity_figure(stats: pd.DataFrame, summary: pd.DataFrame, path: str | os.
     ax.bar(x, summary.diversity_pct_mean, color="#7da7d9", label="measured mean")
     for i, (c, d) in enumerate(zip(summary.corpus, summary.domain)):
         pts = stats[(stats.corpus == c) & (stats.domain == d)].diversity_pct
-        ax.scatter([i] * len(pts), pts, color="#1f3b73", s=14, zorder=3,
-                   label="documents" if i == 0 else None)
+        ax.scatter([i] * len(pts), pts, color="#1f3b73", s=14, zorder=3, label="documents" if i == 0 else None)
     ref = summary.reference_diversity_pct
-    ax.scatter([i for i, r in zip(x, ref) if r == r], [r for r in ref if r == r], marker="D",
-               color="#d95f02", s=50, zorder=4, label="reference (10K-token docs, Qwen3-8B)")
+    ax.scatter(
+        [i for i, r in zip(x, ref) if r == r],
+        [r for r in ref if r == r],
+        marker="D",
+        color="#d95f02",
+        s=50,
+        zorder=4,
+        label="reference (10K-token docs, Qwen3-8B)",
+    )
     ax.set_yscale("log")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("token diversity, unique / total (%)")
@@ -134,8 +140,15 @@ def quality_score_figure(summary: pd.DataFrame, reference: str, path: str | os.P
     limit = max(float(np.nanmax(np.abs(delta.to_numpy(dtype=float)))), 0.05) if delta.notna().any().any() else 1.0
     text = score.map(lambda v: "err" if v != v else f"{v:.2f}")
     fig, ax = plt.subplots(figsize=(1.3 * score.shape[1] + 3, 0.45 * score.shape[0] + 1.8))
-    _heatmap(ax, delta, text, "RdBu", f"Task score per method (text) and its difference to {reference} (colour)",
-             vmin=-limit, vmax=limit)
+    _heatmap(
+        ax,
+        delta,
+        text,
+        "RdBu",
+        f"Task score per method (text) and its difference to {reference} (colour)",
+        vmin=-limit,
+        vmax=limit,
+    )
     save(fig, path)
 
 
@@ -149,8 +162,14 @@ def quality_fidelity_figure(summary: pd.DataFrame, path: str | os.PathLike) -> N
     fig, axes = plt.subplots(1, 2, figsize=(2.4 * kl.shape[1] + 5, 0.45 * kl.shape[0] + 1.8))
     positive = kl.where(kl > 0)
     floor = float(np.nanmin(positive.to_numpy(dtype=float))) if positive.notna().any().any() else 1e-4
-    _heatmap(axes[0], kl.clip(lower=floor), kl.map(lambda v: f"{v:.3g}"), "magma_r", "mean KL(full || method), nats",
-             norm=matplotlib.colors.LogNorm(vmin=floor, vmax=max(float(np.nanmax(kl.to_numpy(dtype=float))), floor * 10)))
+    _heatmap(
+        axes[0],
+        kl.clip(lower=floor),
+        kl.map(lambda v: f"{v:.3g}"),
+        "magma_r",
+        "mean KL(full || method), nats",
+        norm=matplotlib.colors.LogNorm(vmin=floor, vmax=max(float(np.nanmax(kl.to_numpy(dtype=float))), floor * 10)),
+    )
     _heatmap(axes[1], top1, top1.map(lambda v: f"{v:.2f}"), "viridis", "top-1 agreement with full", vmin=0, vmax=1)
     fig.suptitle("Fidelity to the full cache, teacher-forced on its greedy continuation")
     save(fig, path)
@@ -163,16 +182,23 @@ def quality_ratio_figure(summary: pd.DataFrame, reference: str, path: str | os.P
         overall = overall.assign(protocol="query-aware")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colours = dict(zip(sorted(overall.protocol.unique()), ("#1f3b73", "#c4512d", "#4a8c3f")))
-    for ax, column, label in ((axes[0], "score_mean", "mean task score over all samples"),
-                              (axes[1], "kl_mean", "mean KL(full || method), nats")):
+    for ax, column, label in (
+        (axes[0], "score_mean", "mean task score over all samples"),
+        (axes[1], "kl_mean", "mean KL(full || method), nats"),
+    ):
         sel = overall[overall[column].notna() & (overall[column] > 0 if column == "kl_mean" else True)]
         for protocol, part in sel.groupby("protocol"):
             ax.scatter(part.ratio_end_mean, part[column], color=colours[protocol], label=protocol)
         if len(colours) > 1:
             ax.legend(fontsize=8)
         for row in sel.itertuples():
-            ax.annotate(row.method, (row.ratio_end_mean, getattr(row, column)), fontsize=8,
-                        xytext=(4, 3), textcoords="offset points")
+            ax.annotate(
+                row.method,
+                (row.ratio_end_mean, getattr(row, column)),
+                fontsize=8,
+                xytext=(4, 3),
+                textcoords="offset points",
+            )
         ax.set_xlabel("measured KV compression ratio vs a 16-bit full cache")
         ax.set_ylabel(label)
     axes[1].set_yscale("log")

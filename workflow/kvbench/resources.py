@@ -35,33 +35,86 @@ MIN_RUNTIME_MIN = 30
 WORDS_TO_TOKENS = 1.3  # English words -> Llama/Mistral/Qwen tokens, LongBench's own estimate
 # Stated per-token costs of an 8B model (bf16) on one A100/H100-class GPU; scaled by parameters.
 GPU_COST = {
-    "harness_prefill_s_per_token": 2.5e-4,   # transformers, batch 1: ~4,000 tokens/s
-    "harness_decode_s_per_step": 0.04,       # transformers, batch 1, with a method's cache work
-    "vllm_prefill_s_per_token": 1.0e-4,      # vLLM: ~10,000 tokens/s
-    "vllm_decode_s_per_step": 0.03,          # vLLM: one step of every running sequence
-    "harness_startup_s": 30.0,               # imports; + weights at load_bytes_per_s
-    "vllm_startup_s": 60.0,                  # engine, KV pool; + weights; + vllm_compile_s unless eager
-    "vllm_compile_s": 180.0,                 # torch.compile and CUDA graph capture
-    "load_bytes_per_s": 2e9,                 # weights from the shared filesystem to the GPU
-    "codec_bytes_per_s": 100e6,              # kv stage: one codec pass over the captured bytes (CPU)
+    "harness_prefill_s_per_token": 2.5e-4,  # transformers, batch 1: ~4,000 tokens/s
+    "harness_decode_s_per_step": 0.04,  # transformers, batch 1, with a method's cache work
+    "vllm_prefill_s_per_token": 1.0e-4,  # vLLM: ~10,000 tokens/s
+    "vllm_decode_s_per_step": 0.03,  # vLLM: one step of every running sequence
+    "harness_startup_s": 30.0,  # imports; + weights at load_bytes_per_s
+    "vllm_startup_s": 60.0,  # engine, KV pool; + weights; + vllm_compile_s unless eager
+    "vllm_compile_s": 180.0,  # torch.compile and CUDA graph capture
+    "load_bytes_per_s": 2e9,  # weights from the shared filesystem to the GPU
+    "codec_bytes_per_s": 100e6,  # kv stage: one codec pass over the captured bytes (CPU)
 }
 # LongBench's English datasets: average words per sample (LongBench paper, table 1).
 LONGBENCH_WORDS = {
-    "narrativeqa": 18409, "qasper": 3619, "multifieldqa_en": 4559, "hotpotqa": 9151, "2wikimqa": 4887,
-    "musique": 11214, "gov_report": 8734, "qmsum": 10614, "multi_news": 2113, "trec": 5177, "triviaqa": 8209,
-    "samsum": 6258, "passage_count": 11141, "passage_retrieval_en": 9289, "lcc": 1235, "repobench-p": 4206,
+    "narrativeqa": 18409,
+    "qasper": 3619,
+    "multifieldqa_en": 4559,
+    "hotpotqa": 9151,
+    "2wikimqa": 4887,
+    "musique": 11214,
+    "gov_report": 8734,
+    "qmsum": 10614,
+    "multi_news": 2113,
+    "trec": 5177,
+    "triviaqa": 8209,
+    "samsum": 6258,
+    "passage_count": 11141,
+    "passage_retrieval_en": 9289,
+    "lcc": 1235,
+    "repobench-p": 4206,
 }
 # The shapes of the config's hub models as their config.json gives them, for before the prefetch
 # (afterwards the model folder's config.json is read): parameters counted from the safetensors index.
 KNOWN_SHAPES = {
-    "meta-llama/Llama-3.1-8B-Instruct": dict(params=8.03e9, layers=32, kv_heads=8, head_dim=128, hidden=4096,
-                                             intermediate=14336, vocab=128256, tied=False, fp8=False, context=131072),
-    "mistralai/Mistral-7B-Instruct-v0.3": dict(params=7.25e9, layers=32, kv_heads=8, head_dim=128, hidden=4096,
-                                               intermediate=14336, vocab=32768, tied=False, fp8=False, context=32768),
-    "Qwen/Qwen3-8B-FP8": dict(params=8.19e9, layers=36, kv_heads=8, head_dim=128, hidden=4096, intermediate=12288,
-                              vocab=151936, tied=False, fp8=True, context=40960),
-    "Qwen/Qwen3-0.6B": dict(params=0.596e9, layers=28, kv_heads=8, head_dim=128, hidden=1024, intermediate=3072,
-                            vocab=151936, tied=True, fp8=False, context=40960),
+    "meta-llama/Llama-3.1-8B-Instruct": dict(
+        params=8.03e9,
+        layers=32,
+        kv_heads=8,
+        head_dim=128,
+        hidden=4096,
+        intermediate=14336,
+        vocab=128256,
+        tied=False,
+        fp8=False,
+        context=131072,
+    ),
+    "mistralai/Mistral-7B-Instruct-v0.3": dict(
+        params=7.25e9,
+        layers=32,
+        kv_heads=8,
+        head_dim=128,
+        hidden=4096,
+        intermediate=14336,
+        vocab=32768,
+        tied=False,
+        fp8=False,
+        context=32768,
+    ),
+    "Qwen/Qwen3-8B-FP8": dict(
+        params=8.19e9,
+        layers=36,
+        kv_heads=8,
+        head_dim=128,
+        hidden=4096,
+        intermediate=12288,
+        vocab=151936,
+        tied=False,
+        fp8=True,
+        context=40960,
+    ),
+    "Qwen/Qwen3-0.6B": dict(
+        params=0.596e9,
+        layers=28,
+        kv_heads=8,
+        head_dim=128,
+        hidden=1024,
+        intermediate=3072,
+        vocab=151936,
+        tied=True,
+        fp8=False,
+        context=40960,
+    ),
 }
 
 
@@ -97,11 +150,18 @@ def shape_from_config_json(hf: Mapping[str, Any], params: float) -> Shape:
     hf = hf.get("text_config", hf)
     heads = hf["num_attention_heads"]
     quant = (hf.get("quantization_config") or {}).get("quant_method", "")
-    return Shape(params=params, layers=hf["num_hidden_layers"], kv_heads=hf.get("num_key_value_heads", heads),
-                 head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, hidden=hf["hidden_size"],
-                 intermediate=hf["intermediate_size"], vocab=hf["vocab_size"],
-                 tied=bool(hf.get("tie_word_embeddings", False)), fp8="fp8" in quant,
-                 context=hf["max_position_embeddings"])
+    return Shape(
+        params=params,
+        layers=hf["num_hidden_layers"],
+        kv_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        hidden=hf["hidden_size"],
+        intermediate=hf["intermediate_size"],
+        vocab=hf["vocab_size"],
+        tied=bool(hf.get("tie_word_embeddings", False)),
+        fp8="fp8" in quant,
+        context=hf["max_position_embeddings"],
+    )
 
 
 def model_shape(config: Mapping[str, Any], name: str, folder: str | Path | None = None) -> Shape:
@@ -151,9 +211,12 @@ def job_seconds(work: Work, shape: Shape, eager: bool = False) -> float:
     kind = work.engine
     startup = c[f"{kind}_startup_s"] + shape.weight_bytes / c["load_bytes_per_s"]
     startup += c["vllm_compile_s"] if kind == "vllm" and not eager else 0.0
-    return (startup + shape.scale * (work.prefill_tokens * c[f"{kind}_prefill_s_per_token"]
-                                                   + work.decode_steps * c[f"{kind}_decode_s_per_step"])
-            + work.codec_bytes / c["codec_bytes_per_s"])
+    return (
+        startup
+        + shape.scale
+        * (work.prefill_tokens * c[f"{kind}_prefill_s_per_token"] + work.decode_steps * c[f"{kind}_decode_s_per_step"])
+        + work.codec_bytes / c["codec_bytes_per_s"]
+    )
 
 
 def runtime_minutes(work: Work, shape: Shape, eager: bool = False) -> int:
@@ -195,37 +258,81 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
     # The generator writes each document section by section; each section's prompt is its fact sheet
     # (a few hundred tokens), not the text so far: prefill counted as the output, an upper bound.
     generated = docs * realistic["target_tokens"]
-    work = [Work("corpus_realistic", corpus["generator"], 1, "vllm", config["vllm"]["max_model_len"], generated,
-                 generated / max(1, realistic["concurrency"]))]
+    work = [
+        Work(
+            "corpus_realistic",
+            corpus["generator"],
+            1,
+            "vllm",
+            config["vllm"]["max_model_len"],
+            generated,
+            generated / max(1, realistic["concurrency"]),
+        )
+    ]
     kv_model = kv["model"]
     kv_bytes = model_shape(config, kv_model).kv_bytes_per_token * kv["context_tokens"] * kv["docs_per_corpus"]
-    work.append(Work("kv_capture", kv_model, len(kv["corpora"]) * len(kv["weights"]), "harness", kv["context_tokens"],
-                     kv["docs_per_corpus"] * kv["context_tokens"], 0,
-                     codec_bytes=kv_bytes * len(kv["dtypes"]) * len(kv["codecs"]) * 2 * kv["repeats"]))
+    work.append(
+        Work(
+            "kv_capture",
+            kv_model,
+            len(kv["corpora"]) * len(kv["weights"]),
+            "harness",
+            kv["context_tokens"],
+            kv["docs_per_corpus"] * kv["context_tokens"],
+            0,
+            codec_bytes=kv_bytes * len(kv["dtypes"]) * len(kv["codecs"]) * 2 * kv["repeats"],
+        )
+    )
     prompts = sum(system["prompts_per_corpus"].values())
     methods = system.get("methods") or list(config["methods"])
     system_jobs = paired_batches(methods, config["report"]["baseline"], system.get("methods_per_job"))
     per_job = max(len(j) for j in system_jobs)
     for model in system["models"]:
-        work.append(Work("system_job", model, len(system_jobs), "harness",
-                         max(system["context_tokens"]) + system["max_new_tokens"],
-                         per_job * prompts * sum(system["context_tokens"]) * system["repeats"],
-                         per_job * prompts * len(system["context_tokens"]) * system["max_new_tokens"] * system["repeats"],
-                         copies=2))
+        work.append(
+            Work(
+                "system_job",
+                model,
+                len(system_jobs),
+                "harness",
+                max(system["context_tokens"]) + system["max_new_tokens"],
+                per_job * prompts * sum(system["context_tokens"]) * system["repeats"],
+                per_job * prompts * len(system["context_tokens"]) * system["max_new_tokens"] * system["repeats"],
+                copies=2,
+            )
+        )
     requests = serve["docs_per_corpus"] * len(serve["corpora"]) * (1 + serve["repeat_count"])
-    work.append(Work("serve_server", serve["model"], len(servers(serve["backends"])), "vllm",
-                     config["vllm"]["max_model_len"], requests * serve["doc_tokens"],
-                     requests * serve["max_tokens"] / max(1, serve["max_inflight"])))
+    work.append(
+        Work(
+            "serve_server",
+            serve["model"],
+            len(servers(serve["backends"])),
+            "vllm",
+            config["vllm"]["max_model_len"],
+            requests * serve["doc_tokens"],
+            requests * serve["max_tokens"] / max(1, serve["max_inflight"]),
+        )
+    )
     jobs = batches(quality["methods"], quality["reference"], quality["methods_per_job"])
     for model in quality["models"]:
         longest, prefill, decode = _quality_work(config, model, model_shape(config, model))
         per_method = len(jobs[0])
-        work.append(Work("quality_reference", model, 1, "harness", longest, prefill * per_method,
-                         decode * per_method, copies=2))
+        work.append(
+            Work("quality_reference", model, 1, "harness", longest, prefill * per_method, decode * per_method, copies=2)
+        )
         if len(jobs) > 1:
             per_method = max(len(j) for j in jobs[1:])
-            work.append(Work("quality_methods", model, len(jobs) - 1, "harness", longest, prefill * per_method,
-                             decode * per_method, copies=2))
+            work.append(
+                Work(
+                    "quality_methods",
+                    model,
+                    len(jobs) - 1,
+                    "harness",
+                    longest,
+                    prefill * per_method,
+                    decode * per_method,
+                    copies=2,
+                )
+            )
     return work
 
 
@@ -235,9 +342,11 @@ def profile_resources(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
     vllm_len = config["vllm"]["max_model_len"]
     for work in workloads(config):
         shape = model_shape(config, work.model)
-        need = {"gpu_mem_mb": math.ceil(gpu_bytes(work, shape, vllm_len) / 2**20),
-                "mem_mb": math.ceil(host_bytes(shape) / 2**20),
-                "runtime": runtime_minutes(work, shape, config["vllm"]["enforce_eager"])}
+        need = {
+            "gpu_mem_mb": math.ceil(gpu_bytes(work, shape, vllm_len) / 2**20),
+            "mem_mb": math.ceil(host_bytes(shape) / 2**20),
+            "runtime": runtime_minutes(work, shape, config["vllm"]["enforce_eager"]),
+        }
         prev = out.get(work.rule, {})
         out[work.rule] = {k: max(v, prev.get(k, 0)) for k, v in need.items()}
     out["kv_memory_probe"] = dict(out["kv_capture"])  # the same model, one 8K prefill
@@ -264,5 +373,7 @@ if __name__ == "__main__":
     print("| rule | model | jobs | GPU-hours (estimate) |\n|---|---|---|---|")
     for row in cost_table(loaded):
         print(f"| {row['rule']} | {row['model']} | {row['jobs']} | {row['gpu_hours']} |")
-    print(f"| total | | {sum(r['jobs'] for r in cost_table(loaded))} | "
-          f"{round(sum(r['gpu_hours'] for r in cost_table(loaded)), 1)} |")
+    print(
+        f"| total | | {sum(r['jobs'] for r in cost_table(loaded))} | "
+        f"{round(sum(r['gpu_hours'] for r in cost_table(loaded)), 1)} |"
+    )

@@ -22,18 +22,31 @@ import pandas as pd
 
 # Differ between any two runs: wall-clock and memory measurements (and ratios of them), request
 # run ids and timestamps. Every other column must be equal.
-VOLATILE = re.compile(r"((_s|_s_std|_mb_s|_tok_s|_tok_s_std)(_median|_mean)?(_rel)?|^(peak_memory_mb|memory_increase_mb|"
-                      r"peak_rss_mb|max_rss_mb|mean_load|share|outside_forward_share|run_id|start|end|time|seconds)(_rel)?)$")
+VOLATILE = re.compile(
+    r"((_s|_s_std|_mb_s|_tok_s|_tok_s_std)(_median|_mean)?(_rel)?|^(peak_memory_mb|memory_increase_mb|"
+    r"peak_rss_mb|max_rss_mb|mean_load|share|outside_forward_share|run_id|start|end|time|seconds)(_rel)?)$"
+)
 # Inside text: the serve stage's per-run id (prefix of request tags and cache salts, so no run hits
 # another's cache) and the ports servers got (in connection errors of the Valkey fault round).
-RUN_TEXT = ((re.compile(r"(^|[-.])[0-9a-f]{10}(?=[.-])"), r"\1RUN"), (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:PORT"))
+RUN_TEXT = (
+    (re.compile(r"(^|[-.])[0-9a-f]{10}(?=[.-])"), r"\1RUN"),
+    (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:PORT"),
+)
 # Columns of the report computed from timings (correlations with TTFT/TPOT, scenario picks that
 # prefer speed, speed claims): allowed to differ, since the timings they read differ; the
 # deterministic columns they read are compared in the stage tables.
 DERIVED = {
     "results/report/correlations.parquet": ("rho", "ci_low", "ci_high"),
-    "results/report/recommendations.parquet": ("best", "runner_up", "best_value", "runner_up_value", "tied", "numbers",
-                                               "why", "qualifying"),
+    "results/report/recommendations.parquet": (
+        "best",
+        "runner_up",
+        "best_value",
+        "runner_up_value",
+        "tied",
+        "numbers",
+        "why",
+        "qualifying",
+    ),
     "results/report/claims.parquet": ("ours", "ours_value", "verdict"),
 }
 
@@ -63,8 +76,14 @@ def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame, ignore: Collection
     skipped = [c for c in a.columns if VOLATILE.search(c) or c in DERIVED.get(rel, ())]
     keys = [c for c in a.columns if c not in skipped and c not in ignore]
     if list(a.columns) != list(b.columns) or len(a) != len(b):
-        return {"rows": len(a), "equal": False, "differing_columns": "columns or row count", "volatile_differing": "",
-                "ignored_differing": "", "numeric_differences": "{}"}
+        return {
+            "rows": len(a),
+            "equal": False,
+            "differing_columns": "columns or row count",
+            "volatile_differing": "",
+            "ignored_differing": "",
+            "numeric_differences": "{}",
+        }
     aligned = []
     for table in (a, b):
         table = table.reset_index(drop=True)
@@ -73,14 +92,23 @@ def compare_table(rel: str, a: pd.DataFrame, b: pd.DataFrame, ignore: Collection
         aligned.append((text.loc[order].reset_index(drop=True), table.loc[order].reset_index(drop=True)))
     (a_text, a_values), (b_text, b_values) = aligned
     differing = [c for c in keys if not a_text[c].equals(b_text[c])]
-    numeric = {c: _max_abs_difference(a_values[c], b_values[c]) for c in differing
-               if all(pd.api.types.is_numeric_dtype(t[c]) and not pd.api.types.is_bool_dtype(t[c])
-                      for t in (a_values, b_values))}
-    return {"rows": len(a), "equal": not differing, "differing_columns": ",".join(differing),
-            "volatile_differing": ",".join(c for c in skipped if not a_text[c].equals(b_text[c])),
-            "ignored_differing": ",".join(c for c in a.columns if c in ignore and c not in skipped
-                                          and not a_text[c].equals(b_text[c])),
-            "numeric_differences": json.dumps(numeric)}
+    numeric = {
+        c: _max_abs_difference(a_values[c], b_values[c])
+        for c in differing
+        if all(
+            pd.api.types.is_numeric_dtype(t[c]) and not pd.api.types.is_bool_dtype(t[c]) for t in (a_values, b_values)
+        )
+    }
+    return {
+        "rows": len(a),
+        "equal": not differing,
+        "differing_columns": ",".join(differing),
+        "volatile_differing": ",".join(c for c in skipped if not a_text[c].equals(b_text[c])),
+        "ignored_differing": ",".join(
+            c for c in a.columns if c in ignore and c not in skipped and not a_text[c].equals(b_text[c])
+        ),
+        "numeric_differences": json.dumps(numeric),
+    }
 
 
 def compare_runs(first: Path, second: Path, ignore: Collection[str] = (), masks: Masks = ()) -> list[dict]:
@@ -89,8 +117,17 @@ def compare_runs(first: Path, second: Path, ignore: Collection[str] = (), masks:
     rows = []
     for rel in sorted(paths):
         if not (first / rel).exists() or not (second / rel).exists():
-            rows.append({"table": rel, "rows": None, "equal": False, "differing_columns": "only in one run",
-                         "volatile_differing": "", "ignored_differing": "", "numeric_differences": "{}"})
+            rows.append(
+                {
+                    "table": rel,
+                    "rows": None,
+                    "equal": False,
+                    "differing_columns": "only in one run",
+                    "volatile_differing": "",
+                    "ignored_differing": "",
+                    "numeric_differences": "{}",
+                }
+            )
             continue
         tables = pd.read_parquet(first / rel), pd.read_parquet(second / rel)
         rows.append({"table": rel, **compare_table(rel, *tables, ignore, masks)})

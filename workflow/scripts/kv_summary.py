@@ -1,5 +1,6 @@
 import kvbench.jobstart  # noqa: F401 (first: notes the job's parent before the heavy imports)
 
+# isort: split
 from kvbench.jobs import job_log
 from kvbench.kv.summary import claim_text, inflation_factors, pooled_ratios
 from kvbench.plots import kv_chunk_figure, kv_layer_figure, kv_ratio_figure
@@ -15,8 +16,12 @@ with job_log(snakemake.log[0], snakemake.config):
     for dtype in cfg["dtypes"]:
         print(claim_text(factors, dtype, cfg["figure_codec"]))
     prov = provenance(snakemake.config, model=cfg["model"])
-    for table, path in ((whole, snakemake.output.whole), (layers, snakemake.output.layers),
-                        (chunks, snakemake.output.chunks), (factors, snakemake.output.summary)):
+    for table, path in (
+        (whole, snakemake.output.whole),
+        (layers, snakemake.output.layers),
+        (chunks, snakemake.output.chunks),
+        (factors, snakemake.output.summary),
+    ):
         write_table(table, path, prov)
     detail_dtype, codec = cfg["detail_dtypes"][0], cfg["detail_codecs"][0]
     kv_ratio_figure(pooled_ratios(whole), cfg["figure_codec"], snakemake.output.ratio_figure)

@@ -1,5 +1,6 @@
 import kvbench.jobstart  # noqa: F401 (first: notes the job's parent before the heavy imports)
 
+# isort: split
 from kvbench.jobs import job_log
 from kvbench.plots import quality_fidelity_figure, quality_ratio_figure, quality_score_figure
 from kvbench.provenance import provenance, read_tables, write_table

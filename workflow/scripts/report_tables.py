@@ -1,5 +1,6 @@
 import kvbench.jobstart  # noqa: F401 (first: notes the job's parent before the heavy imports)
 
+# isort: split
 import os
 
 from kvbench.atomic import atomic_path
@@ -27,8 +28,11 @@ with job_log(snakemake.log[0], snakemake.config):
     costs = pipeline_cost(read_benchmarks(os.getcwd(), snakemake.params.benchmarks))
     print(report.stages.to_string(index=False))
     print(report.claims[["claim_id", "model", "protocol", "verdict", "ours"]].to_string(index=False))
-    print(report.recommendations[["scenario", "model", "protocol", "category", "bucket", "best", "why"]]
-          .to_string(index=False))
+    print(
+        report.recommendations[["scenario", "model", "protocol", "category", "bucket", "best", "why"]].to_string(
+            index=False
+        )
+    )
     prov = provenance(snakemake.config, model=",".join(sorted(set(report.methods.model))) or "-")
     for name in rb.TABLES:
         write(getattr(report, name), out[name], prov)

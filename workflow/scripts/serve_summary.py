@@ -1,5 +1,6 @@
 import kvbench.jobstart  # noqa: F401 (first: notes the job's parent before the heavy imports)
 
+# isort: split
 import pandas as pd
 
 from kvbench.jobs import job_log
@@ -15,8 +16,12 @@ with job_log(snakemake.log[0], snakemake.config):
     offload = offload_table(requests, transfers, metrics, pd.read_parquet(inputs.kv), snakemake.params.dtype)
     print(summary_text(offload, metrics))
     prov = provenance(config, model=cfg["model"])
-    for table, path in ((requests, out.requests), (offload, out.offload), (metrics, out.metrics),
-                        (transfers, out.transfers)):
+    for table, path in (
+        (requests, out.requests),
+        (offload, out.offload),
+        (metrics, out.metrics),
+        (transfers, out.transfers),
+    ):
         write_table(table, path, prov)
     ttft_figure(offload, out.ttft_figure)
     wire_figure(offload, out.wire_figure)

@@ -125,9 +125,16 @@ def plan_documents(domains: list[str], docs_per_type: int, seed: int) -> list[Do
                 title = spec["title"]
                 if domain == "legal" and doc_type == "contract":
                     title = sheet["contract_kind"]
-                plans.append(DocPlan(
-                    doc_id=doc_id, domain=domain, doc_type=doc_type, title=title,
-                    sections=tuple(spec["sections"]), header_keys=tuple(spec["header"]),
-                    facts=facts, seed=doc_seed,
-                ))
+                plans.append(
+                    DocPlan(
+                        doc_id=doc_id,
+                        domain=domain,
+                        doc_type=doc_type,
+                        title=title,
+                        sections=tuple(spec["sections"]),
+                        header_keys=tuple(spec["header"]),
+                        facts=facts,
+                        seed=doc_seed,
+                    )
+                )
     return plans

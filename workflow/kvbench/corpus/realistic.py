@@ -76,14 +76,21 @@ OPENER_WORDS = 15
 _OPENER = r"(?:sure|certainly|of course|absolutely|okay|ok|here(?:'s| is| are)|below (?:is|are))\b"
 # "Sure!" / "Certainly." alone, or with the chat model's pleasantry after it
 OPENER_EXCLAIM = re.compile(r"^(?:sure|certainly|of course|absolutely|okay|ok)[!.,]\s*", re.IGNORECASE)
-PLEASANTRY = re.compile(r"^(?:i'?d be (?:happy|glad)|i would be (?:happy|glad)|(?:happy|glad) to help)\b[^\n]*?[!.:]\**[ \t]*",
-                        re.IGNORECASE)
+PLEASANTRY = re.compile(
+    r"^(?:i'?d be (?:happy|glad)|i would be (?:happy|glad)|(?:happy|glad) to help)\b[^\n]*?[!.:]\**[ \t]*",
+    re.IGNORECASE,
+)
 # "Sure, here is the Plan section:" (the rest of the line, if any, is the text): up to the colon
-OPENER_TO_COLON = re.compile(rf"^\**{_OPENER}[^\n:]*?\b(?:section|summary|note|text|document|draft|paragraphs?|"
-                             rf"content|version|report|following|requested|rewrite|continuation)\b[^\n:]*:\**[ \t]*",
-                             re.IGNORECASE)
-CHAT_CLOSER = re.compile(r"^(?:i hope (?:this|that|it|these)\b|(?:please )?let me know\b|feel free to (?:ask|reach|let)\b|"
-                         r"is there anything else\b)", re.IGNORECASE)
+OPENER_TO_COLON = re.compile(
+    rf"^\**{_OPENER}[^\n:]*?\b(?:section|summary|note|text|document|draft|paragraphs?|"
+    rf"content|version|report|following|requested|rewrite|continuation)\b[^\n:]*:\**[ \t]*",
+    re.IGNORECASE,
+)
+CHAT_CLOSER = re.compile(
+    r"^(?:i hope (?:this|that|it|these)\b|(?:please )?let me know\b|feel free to (?:ask|reach|let)\b|"
+    r"is there anything else\b)",
+    re.IGNORECASE,
+)
 
 
 def _short(text: str) -> bool:
@@ -94,11 +101,11 @@ def _strip_opener(body: str) -> str | None:
     """`body` without one leading chat opener, or None if it does not start with one."""
     line = body.split("\n", 1)[0]
     if (match := OPENER_TO_COLON.match(body)) and _short(match.group(0)):
-        return body[match.end():]
+        return body[match.end() :]
     if (match := OPENER_EXCLAIM.match(body)) and _short(line):
-        return body[match.end():]
+        return body[match.end() :]
     if (match := PLEASANTRY.match(body)) and _short(match.group(0)):
-        return body[match.end():]
+        return body[match.end() :]
     return None
 
 
@@ -135,13 +142,17 @@ class Progress:
             print(
                 f"[corpus] {time.monotonic() - self.start:6.0f} s  {doc_id}: {name!r} -> "
                 f"{tokens}/{self.target} tokens  ({self.done}/{self.n_docs} docs done)",
-                file=sys.stderr, flush=True,
+                file=sys.stderr,
+                flush=True,
             )
 
 
 def write_document(
-    plan: DocPlan, client: ChatClient, count_tokens: Callable[[str], int],
-    settings: GenerationSettings, progress: Progress,
+    plan: DocPlan,
+    client: ChatClient,
+    count_tokens: Callable[[str], int],
+    settings: GenerationSettings,
+    progress: Progress,
 ) -> GeneratedDoc:
     text = header_text(plan)
     header_end = len(text)
@@ -155,9 +166,13 @@ def write_document(
         name = base if index < len(plan.sections) else f"{base} (continued)"
         budget = max(settings.min_section_tokens, min(settings.section_tokens, settings.target_tokens - tokens))
         reply = client.chat(
-            section_messages(plan, base), max_tokens=budget, min_tokens=settings.min_section_tokens,
-            temperature=settings.temperature, top_p=settings.top_p,
-            repetition_penalty=settings.repetition_penalty, seed=request_seed(plan, index),
+            section_messages(plan, base),
+            max_tokens=budget,
+            min_tokens=settings.min_section_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            repetition_penalty=settings.repetition_penalty,
+            seed=request_seed(plan, index),
             **({"chat_template_kwargs": settings.chat_template_kwargs} if settings.chat_template_kwargs else {}),
         )
         body = strip_chat_wrapping(reply["choices"][0]["message"]["content"])
@@ -171,7 +186,9 @@ def write_document(
 
 
 def generate_corpus(
-    plans: list[DocPlan], client: ChatClient, count_tokens: Callable[[str], int],
+    plans: list[DocPlan],
+    client: ChatClient,
+    count_tokens: Callable[[str], int],
     settings: GenerationSettings,
 ) -> list[GeneratedDoc]:
     """Write all documents; concurrent requests let the server batch across documents."""
@@ -182,12 +199,14 @@ def generate_corpus(
 
 
 # A name preceded or followed by one of these is still the same name ("Dr. Ana Ruiz", "The Smith Group").
-NAME_NEIGHBOURS = frozenset("""
+NAME_NEIGHBOURS = frozenset(
+    """
 mr mrs ms mx miss dr doctor judge justice hon honorable attorney counsel esq prof professor nurse patient
 witness plaintiff defendant petitioner respondent appellant appellee party parties company client
 the a an this that these its their his her our at in on of to by for from with and or but as per under
 between against v vs
-""".split())
+""".split()
+)
 
 
 def mention_spans(text: str, value: str, label: str, unit: str | None) -> list[tuple[int, int, int]]:
@@ -202,8 +221,10 @@ def mention_spans(text: str, value: str, label: str, unit: str | None) -> list[t
     label_before = re.compile(rf"{re.escape(label)}:\s*$", re.IGNORECASE)
     spans = []
     for match in pattern.finditer(text):
-        before, after = text[max(0, match.start() - 80):match.start()], text[match.end():match.end() + 40]
-        if (value[-1].isdigit() and re.match(r"[.,]\d", after)) or (value[0].isdigit() and re.search(r"\d[.,]$", before)):
+        before, after = text[max(0, match.start() - 80) : match.start()], text[match.end() : match.end() + 40]
+        if (value[-1].isdigit() and re.match(r"[.,]\d", after)) or (
+            value[0].isdigit() and re.search(r"\d[.,]$", before)
+        ):
             continue
         start, end = match.start(), match.end()
         if unit_after:
@@ -225,11 +246,11 @@ def _mentions(text: str, value: str, label: str, unit: str | None) -> list[int]:
 
 def _longer_name(text: str, start: int, end: int) -> str | None:
     """The longer name a capitalised value sits in ("Jackson Parrish-Ayala" for "Parrish-Ayala"), if any."""
-    before = re.search(r"([A-Z][\w'.]*)[ -]$", text[max(0, start - 40):start])
-    after = re.match(r"[ -]([A-Z][\w']*)", text[end:end + 40])
+    before = re.search(r"([A-Z][\w'.]*)[ -]$", text[max(0, start - 40) : start])
+    after = re.match(r"[ -]([A-Z][\w']*)", text[end : end + 40])
     for word in (before, after):
         if word and word.group(1).rstrip(".").lower() not in NAME_NEIGHBOURS:
-            return (text[start - len(word.group(0)):end] if word is before else text[start:end + len(word.group(0))])
+            return text[start - len(word.group(0)) : end] if word is before else text[start : end + len(word.group(0))]
     return None
 
 
@@ -257,12 +278,18 @@ def locate_facts(doc: GeneratedDoc) -> tuple[list[dict[str, Any]], list[str]]:
         value = doc.plan.facts[key]
         ambiguity = None
         for at in starts:
-            outer = next((other for other, s, e in spans if other != key and s <= at and at + len(value) <= e
-                          and e - s > len(value)), None)
+            outer = next(
+                (
+                    other
+                    for other, s, e in spans
+                    if other != key and s <= at and at + len(value) <= e and e - s > len(value)
+                ),
+                None,
+            )
             if outer:
                 ambiguity = f"inside {outer} ({doc.plan.facts[outer]!r})"
                 break
-            if doc.text[at:at + 1].isupper() and not any(ch.isdigit() for ch in value):
+            if doc.text[at : at + 1].isupper() and not any(ch.isdigit() for ch in value):
                 longer = _longer_name(doc.text, at, at + len(value))
                 if longer:
                     ambiguity = f"inside the longer name {longer!r}"
@@ -270,10 +297,19 @@ def locate_facts(doc: GeneratedDoc) -> tuple[list[dict[str, Any]], list[str]]:
         body_at = next((h for h in starts if h >= doc.header_end), -1)
         at = body_at if body_at >= 0 else starts[0]
         section = next((s.name for s in doc.sections if s.start <= at < s.end), "header")
-        kept.append({
-            "doc_id": doc.plan.doc_id, "fact": key, "value": value,
-            "question": questions[key]["question"], "char_start": at, "char_end": at + len(value),
-            "section": section, "source": "generated" if body_at >= 0 else "header",
-            "occurrences": len(starts), "unambiguous": ambiguity is None, "ambiguity": ambiguity,
-        })
+        kept.append(
+            {
+                "doc_id": doc.plan.doc_id,
+                "fact": key,
+                "value": value,
+                "question": questions[key]["question"],
+                "char_start": at,
+                "char_end": at + len(value),
+                "section": section,
+                "source": "generated" if body_at >= 0 else "header",
+                "occurrences": len(starts),
+                "unambiguous": ambiguity is None,
+                "ambiguity": ambiguity,
+            }
+        )
     return kept, dropped

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import zstandard
 
-# Reference figures (DESIGN.md, from the seed blog): ~10K-token documents, Qwen3-8B-FP8 tokenizer.
+# Reference figures (the seed blog, ../shared/seeds/): ~10K-token documents, Qwen3-8B-FP8 tokenizer.
 # Diversity shrinks as documents grow, so compare at similar lengths.
 REFERENCE_DIVERSITY_PCT = {
     ("synthetic", "synthetic"): 0.02,
@@ -37,9 +37,7 @@ def text_zstd_ratio(text: str) -> float:
     return len(raw) / len(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw))
 
 
-def corpus_stats(
-    docs: pd.DataFrame, encode: Callable[[str], list[int]]
-) -> tuple[pd.DataFrame, pd.DataFrame]:
+def corpus_stats(docs: pd.DataFrame, encode: Callable[[str], list[int]]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-document statistics, and per corpus x domain summaries.
 
     Diversity falls as text grows, so the summary also pools each group's documents into one
@@ -49,10 +47,17 @@ def corpus_stats(
     for doc in docs.itertuples(index=False):
         ids = encode(doc.text)
         pooled.setdefault((doc.corpus, doc.domain), []).extend(ids)
-        rows.append({
-            "corpus": doc.corpus, "domain": doc.domain, "doc_type": doc.doc_type, "doc_id": doc.doc_id,
-            "chars": len(doc.text), **token_stats(ids), "text_zstd_ratio": text_zstd_ratio(doc.text),
-        })
+        rows.append(
+            {
+                "corpus": doc.corpus,
+                "domain": doc.domain,
+                "doc_type": doc.doc_type,
+                "doc_id": doc.doc_id,
+                "chars": len(doc.text),
+                **token_stats(ids),
+                "text_zstd_ratio": text_zstd_ratio(doc.text),
+            }
+        )
     per_doc = pd.DataFrame(rows)
     summary = summarize(per_doc)
     pooled_stats = [token_stats(pooled[(c, d)]) for c, d in zip(summary.corpus, summary.domain)]
@@ -63,14 +68,15 @@ def corpus_stats(
 
 def summarize(stats: pd.DataFrame) -> pd.DataFrame:
     """Per corpus x domain means, with the reference diversity where one exists."""
-    summary = (
-        stats.groupby(["corpus", "domain"], as_index=False)
-        .agg(
-            docs=("doc_id", "size"), tokens_total=("tokens", "sum"), tokens_mean=("tokens", "mean"),
-            diversity_pct_mean=("diversity_pct", "mean"), diversity_pct_min=("diversity_pct", "min"),
-            diversity_pct_max=("diversity_pct", "max"), entropy_bits_mean=("entropy_bits", "mean"),
-            text_zstd_ratio_mean=("text_zstd_ratio", "mean"),
-        )
+    summary = stats.groupby(["corpus", "domain"], as_index=False).agg(
+        docs=("doc_id", "size"),
+        tokens_total=("tokens", "sum"),
+        tokens_mean=("tokens", "mean"),
+        diversity_pct_mean=("diversity_pct", "mean"),
+        diversity_pct_min=("diversity_pct", "min"),
+        diversity_pct_max=("diversity_pct", "max"),
+        entropy_bits_mean=("entropy_bits", "mean"),
+        text_zstd_ratio_mean=("text_zstd_ratio", "mean"),
     )
     summary["reference_diversity_pct"] = [
         REFERENCE_DIVERSITY_PCT.get((c, d), math.nan) for c, d in zip(summary.corpus, summary.domain)

@@ -16,7 +16,7 @@ def capture_kv(model: torch.nn.Module, input_ids: list[int]) -> tuple[torch.Tens
         # logits_to_keep=1: an 8K x 49K fp32 logit matrix would cost 1.6 GB for nothing.
         cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
 
-        def stacked(kind: str) -> torch.Tensor:
+        def stacked(kind: str, cache=cache) -> torch.Tensor:
             per_layer = [getattr(layer, kind)[0].transpose(0, 1).reshape(len(input_ids), -1) for layer in cache.layers]
             return torch.stack(per_layer).float().cpu()
 

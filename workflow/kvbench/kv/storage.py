@@ -51,7 +51,11 @@ def store(tensor: torch.Tensor, dtype_name: str) -> Stored:
     itemsize = cast.element_size()
     bits = cast.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[itemsize]).numpy()
     return Stored(
-        data=bits.tobytes(), itemsize=itemsize, unique_values=int(np.unique(bits).size),
-        mean_abs=float(cast.float().abs().mean()), clipped=clipped, below_normal=below_normal,
+        data=bits.tobytes(),
+        itemsize=itemsize,
+        unique_values=int(np.unique(bits).size),
+        mean_abs=float(cast.float().abs().mean()),
+        clipped=clipped,
+        below_normal=below_normal,
         flushed_to_zero=int((nonzero & (cast == 0)).sum()),
     )

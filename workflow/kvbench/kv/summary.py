@@ -13,7 +13,9 @@ def pooled_ratios(table: pd.DataFrame, by: list[str] = GROUP) -> pd.DataFrame:
     K and V together), over the rows without an error."""
     ok = table[table["error"].isna()]
     agg = ok.groupby(by, as_index=False).agg(
-        docs=("doc_id", "nunique"), raw_bytes=("raw_bytes", "sum"), compressed_bytes=("compressed_bytes", "sum"),
+        docs=("doc_id", "nunique"),
+        raw_bytes=("raw_bytes", "sum"),
+        compressed_bytes=("compressed_bytes", "sum"),
     )
     agg["ratio"] = agg.raw_bytes / agg.compressed_bytes
     return agg
@@ -38,7 +40,9 @@ def underflow_shares(table: pd.DataFrame) -> pd.DataFrame:
     """Per corpus x weights x dtype: % of stored values below the dtype's smallest normal, and %
     of nonzero values stored as zero (each document and part counted once, not once per codec)."""
     ok = table[table["error"].isna()].drop_duplicates(["corpus", "weights", "dtype", "doc_id", "part"])
-    agg = ok.groupby(["corpus", "weights", "dtype"], as_index=False)[["values", "below_normal", "flushed_to_zero"]].sum()
+    agg = ok.groupby(["corpus", "weights", "dtype"], as_index=False)[
+        ["values", "below_normal", "flushed_to_zero"]
+    ].sum()
     agg["below_normal_pct"] = 100 * agg.below_normal / agg["values"]
     agg["flushed_to_zero_pct"] = 100 * agg.flushed_to_zero / agg["values"]
     return agg[["corpus", "weights", "dtype", "below_normal_pct", "flushed_to_zero_pct"]]
@@ -51,7 +55,9 @@ def inflation_factors(table: pd.DataFrame, layers: pd.DataFrame | None = None) -
     across layers (a small model with dummy weights computes near-identical layers). Underflow
     shares of both settings say how much of a ratio is the dtype's range rather than the data."""
     ratios = pooled_ratios(table).set_index(GROUP)["ratio"]
-    layer_ratios = pooled_ratios(layers).set_index(GROUP)["ratio"] if layers is not None and len(layers) else pd.Series()
+    layer_ratios = (
+        pooled_ratios(layers).set_index(GROUP)["ratio"] if layers is not None and len(layers) else pd.Series()
+    )
     shares = underflow_shares(table).set_index(["corpus", "weights", "dtype"]) if "values" in table else None
     corpora = sorted(set(table.corpus))
     weights = sorted(set(table.weights))
@@ -63,10 +69,17 @@ def inflation_factors(table: pd.DataFrame, layers: pd.DataFrame | None = None) -
                 continue
             bl, rl = layer_ratios.get((*bench, dtype, codec)), layer_ratios.get((*real, dtype, codec))
             row = {
-                "dtype": dtype, "codec": codec, "comparison": name, "held_fixed": held,
-                "benchmark_setting": "+".join(bench), "realistic_setting": "+".join(real),
-                "benchmark_ratio": b, "realistic_ratio": r, "inflation": b / r,
-                "benchmark_layer_ratio": bl, "realistic_layer_ratio": rl,
+                "dtype": dtype,
+                "codec": codec,
+                "comparison": name,
+                "held_fixed": held,
+                "benchmark_setting": "+".join(bench),
+                "realistic_setting": "+".join(real),
+                "benchmark_ratio": b,
+                "realistic_ratio": r,
+                "inflation": b / r,
+                "benchmark_layer_ratio": bl,
+                "realistic_layer_ratio": rl,
                 "layer_inflation": bl / rl if bl is not None and rl is not None else None,
             }
             if shares is not None:
@@ -83,12 +96,16 @@ def claim_text(factors: pd.DataFrame, dtype: str = "fp16", codec: str = "zstd-3"
     sel = factors[(factors.dtype == dtype) & (factors.codec == codec)]
     lines = [f"KV compressibility, {dtype} storage, {codec} (ratio = raw / compressed bytes):"]
     for row in sel.itertuples():
-        line = (f"  {row.comparison:<36} {row.held_fixed:<18} {row.benchmark_setting:>18} {row.benchmark_ratio:7.2f}x"
-                f"  vs {row.realistic_setting:<18} {row.realistic_ratio:6.2f}x  -> inflation {row.inflation:6.2f}x")
+        line = (
+            f"  {row.comparison:<36} {row.held_fixed:<18} {row.benchmark_setting:>18} {row.benchmark_ratio:7.2f}x"
+            f"  vs {row.realistic_setting:<18} {row.realistic_ratio:6.2f}x  -> inflation {row.inflation:6.2f}x"
+        )
         if getattr(row, "layer_inflation", None) is not None and pd.notna(row.layer_inflation):
             line += f"  (per layer {row.benchmark_layer_ratio:.2f}x vs {row.realistic_layer_ratio:.2f}x: {row.layer_inflation:.2f}x)"
         if hasattr(row, "benchmark_below_normal_pct"):
-            line += (f"  [below normal {row.benchmark_below_normal_pct:.1f}% vs {row.realistic_below_normal_pct:.1f}%,"
-                     f" zeroed {row.benchmark_flushed_to_zero_pct:.1f}% vs {row.realistic_flushed_to_zero_pct:.1f}%]")
+            line += (
+                f"  [below normal {row.benchmark_below_normal_pct:.1f}% vs {row.realistic_below_normal_pct:.1f}%,"
+                f" zeroed {row.benchmark_flushed_to_zero_pct:.1f}% vs {row.realistic_flushed_to_zero_pct:.1f}%]"
+            )
         lines.append(line)
     return "\n".join(lines)

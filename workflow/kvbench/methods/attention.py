@@ -88,8 +88,10 @@ class RoutedLayer:
 
     def require_attached(self, kind: str) -> None:
         if not self.attached:
-            raise RuntimeError(f"{kind}: decode attends through the cache's own attention; "
-                               "run the model with the cache attached (cache.attach(model))")
+            raise RuntimeError(
+                f"{kind}: decode attends through the cache's own attention; "
+                "run the model with the cache attached (cache.attach(model))"
+            )
 
     def scores(self, query: torch.Tensor) -> torch.Tensor:  # [b, Hq, n, d] -> [b, Hq, n, T]
         raise NotImplementedError
@@ -100,9 +102,18 @@ class RoutedLayer:
     def after_attention(self) -> None:
         pass
 
-    def attend(self, original: Callable, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, scaling: float | None = None,
-               **kwargs: Any):
+    def attend(
+        self,
+        original: Callable,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ):
         """The model's own attention function on the prompt; while decoding, softmax attention the
         layer computes over its stored form (no full-precision K or V is rebuilt for it)."""
         if not self.pending:
@@ -111,7 +122,7 @@ class RoutedLayer:
         n = query.shape[-2]
         scores = self.scores(query) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
         if attention_mask is not None:
-            mask = attention_mask[..., -scores.shape[-1]:]
+            mask = attention_mask[..., -scores.shape[-1] :]
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         elif n > 1:  # several new tokens: each sees the cache up to itself
             t = scores.shape[-1]

@@ -80,8 +80,10 @@ class MethodLayer(DynamicLayer):
         held, last = getattr(self, name), self.__dict__.setdefault("appended", {})
         b, h, t, d = held.shape
         if new.shape[:2] != (b, h) or new.shape[-1] != d or new.dtype != held.dtype or new.device != held.device:
-            raise ValueError(f"{name}: cannot append {tuple(new.shape)} {new.dtype} on {new.device} "
-                             f"to {tuple(held.shape)} {held.dtype} on {held.device}")
+            raise ValueError(
+                f"{name}: cannot append {tuple(new.shape)} {new.dtype} on {new.device} "
+                f"to {tuple(held.shape)} {held.dtype} on {held.device}"
+            )
         n, ref = new.shape[-2], last.get(name)
         if ref is None or ref() is not held or t + n > held.stride(1) // d:
             room = held.new_empty(b, h, t + n + (t + n) // GROWTH + 1, d)
@@ -108,8 +110,17 @@ class MethodCache(Cache):
         returns handles with `.remove()`. Decode steps go through `attend` instead (kvbench.decode)."""
         return []
 
-    def attend(self, index: int, original: Callable, module: torch.nn.Module, query: torch.Tensor,
-               key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any):
+    def attend(
+        self,
+        index: int,
+        original: Callable,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        **kwargs: Any,
+    ):
         """One forward pass's attention at layer `index` through this cache (one row of the decode
         loop): store the new K/V, then attend over what the layer returns, or over its own stored
         form where the layer attends itself (KIVI, TurboQuant)."""

@@ -30,15 +30,27 @@ import torch
 
 from kvbench.methods.base import STORAGE, ModelShape, layer_seed, register, tensor_bytes
 from kvbench.methods.eviction import (
-    EvictionCache, ScoredLayer, attention_probs, gather, keep_count, snapkv_scores,
+    EvictionCache,
+    ScoredLayer,
+    attention_probs,
+    gather,
+    keep_count,
+    snapkv_scores,
 )
 from kvbench.methods.kinds import CaMSettings
 
 Uniform = Callable[[tuple[int, ...]], torch.Tensor]
 
 
-def cam_compress(values: torch.Tensor, scores: torch.Tensor, attn: torch.Tensor, keep: int, new: int,
-                 merge_budget: int, uniform: Uniform) -> tuple[torch.Tensor, torch.Tensor]:
+def cam_compress(
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    attn: torch.Tensor,
+    keep: int,
+    new: int,
+    merge_budget: int,
+    uniform: Uniform,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One CaM compression. values [H, T, d] (fp32), scores and attn [H, T], `keep` tokens kept,
     `new` tokens since the last compression. Returns kept positions [H, keep] in position order
     and the values [H, T, d] with the merges added (the caller gathers the kept ones)."""
@@ -51,7 +63,9 @@ def cam_compress(values: torch.Tensor, scores: torch.Tensor, attn: torch.Tensor,
     # The n best-scoring evicted tokens; flipping first makes the stable sort prefer later positions.
     order = scores.gather(1, evicted).flip(-1).argsort(dim=-1, descending=True, stable=True)[:, :n]
     merge = evicted.gather(1, tokens - keep - 1 - order).sort(dim=-1).values  # [H, n]
-    window = torch.searchsorted(kept, merge, right=True)[..., None] + torch.arange(merge_budget, device=scores.device)  # [H, n, B]
+    window = torch.searchsorted(kept, merge, right=True)[..., None] + torch.arange(
+        merge_budget, device=scores.device
+    )  # [H, n, B]
     valid = window < keep
     targets = kept.gather(1, window.clamp(max=keep - 1).view(heads, -1)).view(heads, n, merge_budget)
     size = valid.sum(dim=-1)  # [H, n]
@@ -111,7 +125,9 @@ class CaMLayer(ScoredLayer):
             raise RuntimeError("cam: no queries reached the layer; run the model with the cache attached")
         step = attention_probs(queries, keys).sum(dim=1)  # [Hkv, T]: this step's attention
         grown = keys.shape[-2] - (0 if self.attn is None else self.attn.shape[-1])
-        self.attn = step if self.attn is None else torch.cat([self.attn, step.new_zeros(step.shape[0], grown)], 1) + step
+        self.attn = (
+            step if self.attn is None else torch.cat([self.attn, step.new_zeros(step.shape[0], grown)], 1) + step
+        )
         kept_queries = min(self.buffer, self.window)  # the scorer reads only the last `window`
         recent = queries.float() if self.recent is None else torch.cat([self.recent, queries.float()], dim=-2)
         self.recent = recent[..., -kept_queries:, :].clone()
@@ -124,15 +140,23 @@ class CaMLayer(ScoredLayer):
             self.attn = self.attn.gather(1, kept)
             self.steps, self.recent = 0, None
 
-    def _compress(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, attn: torch.Tensor,
-                  keep: int, new: int) -> torch.Tensor:
+    def _compress(
+        self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, attn: torch.Tensor, keep: int, new: int
+    ) -> torch.Tensor:
         if self.shared:
             scores = scores.mean(dim=0, keepdim=True).expand_as(scores)
         # Drawn on the CPU and moved to the cache's device: the same draws on every device.
         generator = torch.Generator().manual_seed(layer_seed(self.seed, self.index, self.compressions))
         self.compressions += 1
-        kept, merged = cam_compress(values[0].float(), scores, attn, keep, new, self.merge_budget,
-                                    lambda shape: torch.rand(shape, generator=generator).to(values.device))
+        kept, merged = cam_compress(
+            values[0].float(),
+            scores,
+            attn,
+            keep,
+            new,
+            self.merge_budget,
+            lambda shape: torch.rand(shape, generator=generator).to(values.device),
+        )
         self.store(gather(keys, kept), gather(merged[None], kept))
         return kept
 

@@ -49,10 +49,14 @@ class EvictionCache(MethodCache):
         handles: dict[int, Any] = {}
         for index, block in enumerate(model.model.layers):
             if getattr(block.self_attn, "q_norm", None) is not None:  # Qwen3-style: normed before RoPE
-                raise NotImplementedError(f"{type(block.self_attn).__name__} normalizes its queries (q_norm), "
-                                          "which the query hook does not reproduce: eviction methods need q_proj + RoPE only")
+                raise NotImplementedError(
+                    f"{type(block.self_attn).__name__} normalizes its queries (q_norm), "
+                    "which the query hook does not reproduce: eviction methods need q_proj + RoPE only"
+                )
             if self.wants_queries(index):
-                handles[index] = block.self_attn.register_forward_pre_hook(self.query_hook(index, handles), with_kwargs=True)
+                handles[index] = block.self_attn.register_forward_pre_hook(
+                    self.query_hook(index, handles), with_kwargs=True
+                )
         return list(handles.values())
 
     def wants_queries(self, index: int) -> bool:
@@ -76,8 +80,17 @@ class EvictionCache(MethodCache):
 
         return capture
 
-    def attend(self, index: int, original, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any):
+    def attend(
+        self,
+        index: int,
+        original,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        **kwargs: Any,
+    ):
         """A decode step hands the layer this step's post-RoPE queries, as the hook does (the same
         projection of the same hidden states)."""
         layer = self.layers[index]
@@ -91,12 +104,14 @@ class EvictionCache(MethodCache):
         window = self.layers[index].prefill_queries
         if window != 0:
             cos, sin = prefill.cos[:, :upto], prefill.sin[:, :upto]
-            self.layers[index].queries = project_queries(model.model.layers[index].self_attn,
-                                                         prefill.hidden[index][:, :upto], cos, sin, window)
+            self.layers[index].queries = project_queries(
+                model.model.layers[index].self_attn, prefill.hidden[index][:, :upto], cos, sin, window
+            )
 
 
-def project_queries(module: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    window: int | None) -> torch.Tensor:
+def project_queries(
+    module: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window: int | None
+) -> torch.Tensor:
     """Post-RoPE queries [1, Hq, W, d] of the last `window` positions (None: all) of `hidden`, as the
     attention module computes them (q_proj, then RoPE)."""
     if window is not None:

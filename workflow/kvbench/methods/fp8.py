@@ -10,7 +10,6 @@ from kvbench.kv.storage import FP8_E4M3_MAX
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register
 from kvbench.methods.kinds import Fp8Settings
 
-
 # Every e4m3 bit pattern's value: decoding by table lookup is several times faster on CPU than
 # converting float8 tensors.
 FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()

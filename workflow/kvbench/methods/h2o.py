@@ -50,7 +50,7 @@ class H2OLayer(ScoredLayer):
         new = torch.zeros(keys.shape[1], key_states.shape[-2], device=keys.device)  # fp32 scores
         scores = new if self.scores is None else torch.cat([self.scores, new], dim=-1)
         for start in range(0, queries.shape[-2], QUERY_CHUNK):  # each query's attention, causal
-            chunk = queries[..., start:start + QUERY_CHUNK, :]
+            chunk = queries[..., start : start + QUERY_CHUNK, :]
             visible = keys.shape[-2] - queries.shape[-2] + start + chunk.shape[-2]
             scores[:, :visible] += attention_probs(chunk, keys[..., :visible, :]).sum(dim=1)
         heavy, recent = self.budget

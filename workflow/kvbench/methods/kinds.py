@@ -54,10 +54,13 @@ class Allowed:
     def describe(self) -> str:
         if self.choices:
             return "one of " + ", ".join(map(str, self.choices))
-        parts = [f"> {self.above:g}" if self.above is not None else "",
-                 f"≥ {self.minimum:g}" if self.minimum is not None else "",
-                 f"≤ {self.maximum:g}" if self.maximum is not None else "",
-                 "odd" if self.odd else "", "divides head_dim" if self.divides_head_dim else ""]
+        parts = [
+            f"> {self.above:g}" if self.above is not None else "",
+            f"≥ {self.minimum:g}" if self.minimum is not None else "",
+            f"≤ {self.maximum:g}" if self.maximum is not None else "",
+            "odd" if self.odd else "",
+            "divides head_dim" if self.divides_head_dim else "",
+        ]
         return ", ".join(p for p in parts if p)
 
 
@@ -104,17 +107,23 @@ class MethodSettings:
     rules: ClassVar[tuple[Rule, ...]] = ()
 
 
-def _storage(default: str | None = "fp16",
-             doc: str = "dtype the cache holds its kept keys and values in") -> Any:
+def _storage(default: str | None = "fp16", doc: str = "dtype the cache holds its kept keys and values in") -> Any:
     return setting(default, choices=STORAGES, doc=doc)
 
 
 def kivi_residual(values: Mapping[str, Any]) -> list[str]:
     """R is a multiple of G: `residual` of `group_size`."""
     group, residual = values["group_size"], values["residual"]
-    if isinstance(group, int) and isinstance(residual, int) and group > 0 < residual and (residual < group or residual % group):
-        return [f"residual: {residual} must be a positive multiple of group_size {group} "
-                "(keys are quantized R at a time in per-channel groups of G tokens)"]
+    if (
+        isinstance(group, int)
+        and isinstance(residual, int)
+        and group > 0 < residual
+        and (residual < group or residual % group)
+    ):
+        return [
+            f"residual: {residual} must be a positive multiple of group_size {group} "
+            "(keys are quantized R at a time in per-channel groups of G tokens)"
+        ]
     return []
 
 
@@ -134,13 +143,17 @@ def cam_compresses(values: Mapping[str, Any]) -> list[str]:
 
 # Scoring and budget settings that SnapKV and CaM share (their defaults differ).
 def _window(default: int) -> Any:
-    return setting(default, minimum=1,
-                   doc="observation window: the last queries, whose attention scores the other tokens (it is kept)")
+    return setting(
+        default,
+        minimum=1,
+        doc="observation window: the last queries, whose attention scores the other tokens (it is kept)",
+    )
 
 
 def _kernel() -> Any:
-    return setting(7, minimum=1, odd=True,
-                   doc="pooling kernel over the scores (keeps clusters of attended tokens whole)")
+    return setting(
+        7, minimum=1, odd=True, doc="pooling kernel over the scores (keeps clusters of attended tokens whole)"
+    )
 
 
 def _pooling() -> Any:
@@ -177,8 +190,11 @@ class KiviSettings(MethodSettings):
     rules = (kivi_residual,)
     bits: int = setting(choices=KIVI_BITS, doc="bits per code (packed in byte planes)")
     group_size: int = setting(
-        32, minimum=1, divides_head_dim=True,
-        doc="G: tokens per key statistic, channels per value statistic (fp16 scale and zero point)")
+        32,
+        minimum=1,
+        divides_head_dim=True,
+        doc="G: tokens per key statistic, channels per value statistic (fp16 scale and zero point)",
+    )
     residual: int = setting(128, minimum=1, doc="R: recent tokens kept at full precision (keys quantized R at a time)")
     storage: str = _storage(doc="dtype of the full-precision tokens (fp16: the reference's model dtype)")
 
@@ -192,8 +208,10 @@ class TurboQuantSettings(MethodSettings):
     rules = (turboquant_prod_bits,)
     bits: int = setting(choices=TURBOQUANT_BITS, doc="bits per coordinate (keys in variant `prod`: b-1 MSE + 1 QJL)")
     variant: str = setting(
-        "prod", choices=("prod", "mse"),
-        doc="`prod`: unbiased inner products (QJL on the keys' residual); `mse`: every bit to the codes")
+        "prod",
+        choices=("prod", "mse"),
+        doc="`prod`: unbiased inner products (QJL on the keys' residual); `mse`: every bit to the codes",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,8 +224,9 @@ class SnapKVSettings(MethodSettings):
     window: int = _window(32)
     kernel: int = _kernel()
     pooling: str = _pooling()
-    keep_ratio: float = setting(0.25, above=0.0, maximum=1.0,
-                                doc="fraction of the prompt kept per KV head (rounded down)")
+    keep_ratio: float = setting(
+        0.25, above=0.0, maximum=1.0, doc="fraction of the prompt kept per KV head (rounded down)"
+    )
     capacity: int | None = _capacity()
     storage: str = _storage()
 
@@ -224,17 +243,24 @@ class CaMSettings(MethodSettings):
     kernel: int = _kernel()
     pooling: str = _pooling()
     keep_ratio: float | None = setting(
-        None, above=0.0, maximum=1.0,
-        doc="fraction of the prompt kept per KV head at prefill (not set: no prefill compression)")
+        None,
+        above=0.0,
+        maximum=1.0,
+        doc="fraction of the prompt kept per KV head at prefill (not set: no prefill compression)",
+    )
     capacity: int | None = _capacity()
     storage: str = _storage()
     merge_budget: int = setting(32, minimum=0, doc="kept tokens after an evicted one that its value may merge into")
     interval: int = setting(32, minimum=1, doc="decoding: compress every `interval` new tokens ...")
-    target: int | None = setting(None, minimum=1,
-                                 doc="... down to `target` tokens per KV head (not set: no decode compression)")
+    target: int | None = setting(
+        None, minimum=1, doc="... down to `target` tokens per KV head (not set: no decode compression)"
+    )
     buffer: int = setting(64, minimum=1, doc="decode queries kept for scoring")
-    selection: str = setting("shared", choices=("shared", "per_head"),
-                             doc="`shared`: one eviction set for every KV head (kvpress); `per_head`: as `snapkv`")
+    selection: str = setting(
+        "shared",
+        choices=("shared", "per_head"),
+        doc="`shared`: one eviction set for every KV head (kvpress); `per_head`: as `snapkv`",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,15 +284,29 @@ class H2OSettings(MethodSettings):
     together = (("heavy", "recent"),)
     heavy: int | None = setting(None, minimum=0, doc="heavy-hitter tokens kept per KV head (with `recent`)")
     recent: int | None = setting(None, minimum=1, doc="recent tokens kept per KV head (with `heavy`)")
-    keep_ratio: float = setting(0.25, above=0.0, maximum=1.0,
-                                doc="fraction of the prompt kept (rounded up), half heavy hitters and half recent, "
-                                    "unless `heavy` and `recent` are given")
+    keep_ratio: float = setting(
+        0.25,
+        above=0.0,
+        maximum=1.0,
+        doc="fraction of the prompt kept (rounded up), half heavy hitters and half recent, "
+        "unless `heavy` and `recent` are given",
+    )
     storage: str = _storage()
 
 
-KINDS: dict[str, type[MethodSettings]] = {cls.kind: cls for cls in (
-    FullSettings, KiviSettings, TurboQuantSettings, SnapKVSettings, CaMSettings, StreamingLLMSettings, H2OSettings,
-    Fp8Settings)}
+KINDS: dict[str, type[MethodSettings]] = {
+    cls.kind: cls
+    for cls in (
+        FullSettings,
+        KiviSettings,
+        TurboQuantSettings,
+        SnapKVSettings,
+        CaMSettings,
+        StreamingLLMSettings,
+        H2OSettings,
+        Fp8Settings,
+    )
+}
 
 
 @cache
@@ -291,8 +331,11 @@ def spec_problems(spec: Mapping[str, Any], head_dim: int | None = None) -> list[
         return [f"kind: unknown method kind {kind_name!r}; known: {', '.join(sorted(KINDS))}"]
     kind = KINDS[kind_name]
     decls = declared(kind)
-    found = [f"{name}: unknown setting for kind {kind_name!r} (allowed: {', '.join(decls) or 'none'})"
-             for name in spec if name != "kind" and name not in decls]
+    found = [
+        f"{name}: unknown setting for kind {kind_name!r} (allowed: {', '.join(decls) or 'none'})"
+        for name in spec
+        if name != "kind" and name not in decls
+    ]
     for name, decl in decls.items():
         if name in spec:
             found += [f"{name}: {p}" for p in decl.problems(spec[name], head_dim)]
@@ -323,8 +366,9 @@ def settings_of(spec: Mapping[str, Any]) -> MethodSettings:
     check_spec(spec)
     kind = KINDS[spec["kind"]]
     decls = declared(kind)
-    return kind(**{name: float(value) if decls[name].type is float else value
-                   for name, value in spec.items() if name != "kind"})
+    return kind(
+        **{name: float(value) if decls[name].type is float else value for name, value in spec.items() if name != "kind"}
+    )
 
 
 def _cell(text: str) -> str:
@@ -344,6 +388,8 @@ def methods_table() -> str:
         lines += [f"At most one of `{a}`, `{b}`" for a, b in kind.exclusive]
         lines += ["All or none of " + ", ".join(f"`{n}`" for n in group) for group in kind.together]
         lines += [rule.__doc__.strip().splitlines()[0].rstrip(".") for rule in kind.rules]
-        rows.append(f"| `{name}` | {_cell(kind.__doc__.strip())} | {_cell(kind.reference)} | "
-                    f"{_cell('<br>'.join(lines)) or '—'} |")
+        rows.append(
+            f"| `{name}` | {_cell(kind.__doc__.strip())} | {_cell(kind.reference)} | "
+            f"{_cell('<br>'.join(lines)) or '—'} |"
+        )
     return "\n".join(rows)

@@ -161,13 +161,15 @@ class KiviLayer(RoutedLayer, MethodLayer):
         """Keys: every whole R tokens of the residual to the block. Values: all but the R newest."""
         keys = self.keys.shape[-2] // self.residual * self.residual
         if keys:
-            self.key_block = _extend(self.key_block, QuantizedBlock(self.keys[..., :keys, :].float(), self.bits,
-                                                                    self.group, True))
+            self.key_block = _extend(
+                self.key_block, QuantizedBlock(self.keys[..., :keys, :].float(), self.bits, self.group, True)
+            )
             self.keys = owned(self.keys[..., keys:, :])
         values = max(0, self.values.shape[-2] - self.residual)
         if values:
-            self.value_block = _extend(self.value_block, QuantizedBlock(self.values[..., :values, :].float(), self.bits,
-                                                                        self.group, False))
+            self.value_block = _extend(
+                self.value_block, QuantizedBlock(self.values[..., :values, :].float(), self.bits, self.group, False)
+            )
             self.values = owned(self.values[..., values:, :])
 
     def scores(self, query: torch.Tensor) -> torch.Tensor:
@@ -219,8 +221,9 @@ def kivi(settings: KiviSettings, shape: ModelShape, seed: int) -> MethodCache:
     if shape.head_dim % settings.group_size:
         raise ValueError(f"kivi: group_size {settings.group_size} must divide head_dim {shape.head_dim}")
     storage = STORAGE[settings.storage]
-    return KiviCache([KiviLayer(settings.bits, settings.group_size, settings.residual, storage)
-                      for _ in range(shape.layers)])
+    return KiviCache(
+        [KiviLayer(settings.bits, settings.group_size, settings.residual, storage) for _ in range(shape.layers)]
+    )
 
 
 class KiviCache(MethodCache):

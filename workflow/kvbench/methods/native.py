@@ -66,7 +66,9 @@ def _build(cc: str, key: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        run = subprocess.run([cc, *_flags(), str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [cc, *_flags(), str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+        )
         if run.returncode:
             raise OSError(f"{cc} failed ({run.returncode}): {run.stderr.strip()[-500:]}")
         os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
@@ -90,8 +92,9 @@ def _shares_torch_openmp(library: ctypes.CDLL) -> bool:
     try:
         ours = _mapped_file(ctypes.cast(library.omp_get_max_threads, ctypes.c_void_p).value)
         with open("/proc/self/maps") as maps:
-            torch_dir = next((Path(f).parent for f in (line.split()[-1] for line in maps) if f.endswith("libtorch_cpu.so")),
-                             None)
+            torch_dir = next(
+                (Path(f).parent for f in (line.split()[-1] for line in maps) if f.endswith("libtorch_cpu.so")), None
+            )
     except (AttributeError, OSError, ValueError):
         return False
     return ours is not None and torch_dir is not None and Path(ours).parent == torch_dir
@@ -103,8 +106,9 @@ def _load() -> tuple[ctypes.CDLL | None, str, bool]:
         return None, "torch (native kernels off: KVBENCH_NATIVE_KERNELS=0)", False
     try:
         cc, version = _compiler()
-        key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_flags()), version, platform.machine(),
-                                        _cpu_flags()]).encode()).hexdigest()[:16]
+        key = hashlib.sha256(
+            "\n".join([SOURCE.read_text(), " ".join(_flags()), version, platform.machine(), _cpu_flags()]).encode()
+        ).hexdigest()[:16]
         library = ctypes.CDLL(str(_build(cc, key)))
     except (OSError, subprocess.SubprocessError) as error:
         print(f"kvbench: native decode kernels unavailable, using the torch path: {error}", file=sys.stderr)

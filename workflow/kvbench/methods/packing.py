@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from kvbench.methods import native
 
-
 PLANE_BITS = (1, 2, 4, 8)  # widths that fill a byte with whole codes, as `pack_planes` needs
 
 
@@ -168,8 +167,9 @@ def _sign_magnitude_table(values: tuple[float, ...], device: str) -> torch.Tenso
     return torch.tensor(values, dtype=torch.float32)[codes].to(device)
 
 
-def unpack_sign_magnitude_as(magnitude: torch.Tensor, signs: torch.Tensor, n_codes: int,
-                             values: tuple[float, ...]) -> torch.Tensor:
+def unpack_sign_magnitude_as(
+    magnitude: torch.Tensor, signs: torch.Tensor, n_codes: int, values: tuple[float, ...]
+) -> torch.Tensor:
     """The first `n_codes` codes of `pack_sign_magnitude`, each as the float32 `values[code]`: one
     lookup per magnitude byte (four codes) in a 4096-row table, its four signs being one nibble
     of a sign byte."""
@@ -195,9 +195,18 @@ def _row_codes(packed: torch.Tensor, bits: int, signs: torch.Tensor | None) -> i
     return packed.shape[-1] * 4 if signs is not None else packed.shape[-1] * 8 // bits
 
 
-def _native(name: str, packed: torch.Tensor, bits: int, values: tuple[float, ...], x: torch.Tensor, extent: int,
-            x_lead: tuple[int, ...], out_shape: tuple[int, ...], signs: torch.Tensor | None,
-            planes: bool) -> torch.Tensor | None:
+def _native(
+    name: str,
+    packed: torch.Tensor,
+    bits: int,
+    values: tuple[float, ...],
+    x: torch.Tensor,
+    extent: int,
+    x_lead: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    signs: torch.Tensor | None,
+    planes: bool,
+) -> torch.Tensor | None:
     """Run kernel `name`; x must be exactly [*packed lead, *x_lead] (no broadcasting: the kernel
     reads raw memory). None, counted with its reason in `native.CALLS`, where the torch path runs."""
     if packed.device.type != "cpu":  # checked first: a GPU host builds nothing
@@ -216,17 +225,37 @@ def _native(name: str, packed: torch.Tensor, bits: int, values: tuple[float, ...
     signs = signs.contiguous() if signs is not None else None
     codebook = _codebook16(values, signs is not None)
     out = torch.empty(*lead, *out_shape, dtype=torch.float32)
-    code = getattr(library, name)(packed[..., 0, 0].numel(), t, out_shape[0], dim, layout, bits, packed.data_ptr(),
-                                  signs.data_ptr() if signs is not None else None, codebook.data_ptr(),
-                                  x.data_ptr(), extent, out.data_ptr(), native.threads(torch.get_num_threads()))
+    code = getattr(library, name)(
+        packed[..., 0, 0].numel(),
+        t,
+        out_shape[0],
+        dim,
+        layout,
+        bits,
+        packed.data_ptr(),
+        signs.data_ptr() if signs is not None else None,
+        codebook.data_ptr(),
+        x.data_ptr(),
+        extent,
+        out.data_ptr(),
+        native.threads(torch.get_num_threads()),
+    )
     if code == native.NO_MEMORY:
         raise MemoryError(f"{name}: out of memory")
     native.CALLS["torch (a shape the kernels do not take)" if code == native.UNSUPPORTED else "native"] += 1
     return None if code == native.UNSUPPORTED else out
 
 
-def lut_dots(packed: torch.Tensor, bits: int, values: tuple[float, ...], query: torch.Tensor, *,
-             signs: torch.Tensor | None = None, planes: bool = False, span: int | None = None) -> torch.Tensor | None:
+def lut_dots(
+    packed: torch.Tensor,
+    bits: int,
+    values: tuple[float, ...],
+    query: torch.Tensor,
+    *,
+    signs: torch.Tensor | None = None,
+    planes: bool = False,
+    span: int | None = None,
+) -> torch.Tensor | None:
     """query @ codes^T with codes as `values[code]`, by the native kernel straight from the packed
     rows: packed [..., T, B] from `pack` (or `pack_planes` with `planes`, or the magnitude rows of
     `pack_sign_magnitude` with its sign rows `signs`); query [..., R, D], or [..., T / span, R, D]
@@ -238,8 +267,15 @@ def lut_dots(packed: torch.Tensor, bits: int, values: tuple[float, ...], query: 
     return _native("level_dots", packed, bits, values, query, span or t, (*blocks, rows, dim), (rows, t), signs, planes)
 
 
-def lut_sums(packed: torch.Tensor, bits: int, values: tuple[float, ...], weights: torch.Tensor, *,
-             signs: torch.Tensor | None = None, planes: bool = False) -> torch.Tensor | None:
+def lut_sums(
+    packed: torch.Tensor,
+    bits: int,
+    values: tuple[float, ...],
+    weights: torch.Tensor,
+    *,
+    signs: torch.Tensor | None = None,
+    planes: bool = False,
+) -> torch.Tensor | None:
     """weights @ codes with codes as `values[code]` -> [..., R, D] fp32, by the native kernel; weights
     [..., R, T], or [..., R, T, C] for one weight per group of D / C channels. None where the kernel
     does not run (see `lut_dots`)."""
@@ -247,5 +283,15 @@ def lut_sums(packed: torch.Tensor, bits: int, values: tuple[float, ...], weights
     grouped = weights.dim() == packed.dim() + 1
     rows, t = weights.shape[-3 if grouped else -2], packed.shape[-2]
     cols = weights.shape[-1] if grouped else 1
-    return _native("level_sums", packed, bits, values, weights, cols, (rows, t, cols) if grouped else (rows, t),
-                   (rows, dim), signs, planes)
+    return _native(
+        "level_sums",
+        packed,
+        bits,
+        values,
+        weights,
+        cols,
+        (rows, t, cols) if grouped else (rows, t),
+        (rows, dim),
+        signs,
+        planes,
+    )

@@ -13,7 +13,12 @@ import torch
 
 from kvbench.methods.base import STORAGE, ModelShape, register
 from kvbench.methods.eviction import (
-    EvictionCache, ScoredLayer, gather, keep_count, keep_top, snapkv_scores,
+    EvictionCache,
+    ScoredLayer,
+    gather,
+    keep_count,
+    keep_top,
+    snapkv_scores,
 )
 from kvbench.methods.kinds import SnapKVSettings
 

@@ -24,8 +24,8 @@ class SinkWindowLayer(MethodLayer):
         # every method's prefill); eviction applies to what is kept.
         out = (key_states, value_states) if prefill else (keys.to(key_states.dtype), values.to(value_states.dtype))
         if keys.shape[-2] > self.sinks + self.window:
-            self.keys = torch.cat([keys[..., : self.sinks, :], keys[..., -self.window:, :]], dim=-2)
-            self.values = torch.cat([values[..., : self.sinks, :], values[..., -self.window:, :]], dim=-2)
+            self.keys = torch.cat([keys[..., : self.sinks, :], keys[..., -self.window :, :]], dim=-2)
+            self.values = torch.cat([values[..., : self.sinks, :], values[..., -self.window :, :]], dim=-2)
         return out
 
 

@@ -29,12 +29,18 @@ from kvbench.methods.attention import RoutedLayer, attach_routed
 from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register, tensor_bytes
 from kvbench.methods.kinds import TurboQuantSettings
 from kvbench.methods.packing import (
-    byte_scores, lut_dots, lut_sums, pack, pack_sign_magnitude, unpack, unpack_as, unpack_sign_magnitude,
+    byte_scores,
+    lut_dots,
+    lut_sums,
+    pack,
+    pack_sign_magnitude,
+    unpack,
+    unpack_as,
+    unpack_sign_magnitude,
     unpack_sign_magnitude_as,
 )
 
 QJL_SIGNS = (-1.0, 1.0)  # a sign bit's value
-
 
 
 def _pdf(x: float) -> float:
@@ -52,9 +58,7 @@ def lloyd_max(bits: int, iterations: int = 500) -> tuple[tuple[float, ...], floa
     centroids = [(i + 0.5 - levels / 2) * 4 / levels for i in range(levels)]
     for _ in range(iterations):
         edges = [-math.inf] + [(a + b) / 2 for a, b in zip(centroids, centroids[1:])] + [math.inf]
-        centroids = [
-            (_pdf(lo) - _pdf(hi)) / max(_cdf(hi) - _cdf(lo), 1e-300) for lo, hi in zip(edges, edges[1:])
-        ]
+        centroids = [(_pdf(lo) - _pdf(hi)) / max(_cdf(hi) - _cdf(lo), 1e-300) for lo, hi in zip(edges, edges[1:])]
     edges = [-math.inf] + [(a + b) / 2 for a, b in zip(centroids, centroids[1:])] + [math.inf]
     distortion = 0.0
     for c, lo, hi in zip(centroids, edges, edges[1:]):
@@ -244,8 +248,9 @@ class TurboLayer(RoutedLayer, MethodLayer):
         b, hq, n, d = query.shape
         block = self.key_block
         hkv, t = block.shape[1], block.shape[-2]
-        rotated, sketched = (x.reshape(b, hkv, hq // hkv * n, d) if x is not None else None
-                             for x in self.rotate_query(query))
+        rotated, sketched = (
+            x.reshape(b, hkv, hq // hkv * n, d) if x is not None else None for x in self.rotate_query(query)
+        )
         scores = block.level_scores(self.key_mse, rotated).mul_(block.norms.float()[..., 0][:, :, None])
         if sketched is not None:
             scores.add_(block.qjl_scores(sketched).mul_(block.qjl_weights()[:, :, None]))

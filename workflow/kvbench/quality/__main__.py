@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+
 import yaml
 
 from kvbench.checks import check_config
@@ -41,8 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--method {', '.join(unknown)}: not a key of methods ({', '.join(config['methods'])})")
     if args.save_references and args.method[0] != config["quality"]["reference"]:
-        parser.error(f"--save-references stores the first --method's continuations: put the reference "
-                     f"({config['quality']['reference']}) first")
+        parser.error(
+            f"--save-references stores the first --method's continuations: put the reference "
+            f"({config['quality']['reference']}) first"
+        )
     os.environ.update(hub_env(config))  # before lm-eval and datasets are imported: they read it once
     require_prefetched(config, [args.config])
     from kvbench.config import model_dir
@@ -50,10 +53,19 @@ def main(argv: list[str] | None = None) -> None:
     from kvbench.quality.job import run_job
 
     model = args.model or config["quality"]["models"][0]
-    run_job(model_dir(config, model), {m: config["methods"][m] for m in args.method}, config["quality"], int(config["seed"]),
-            args.tasks, args.out or f"quality-{'-'.join(args.method)}.parquet", provenance(config, model=model),
-            reference=args.method[0] if args.save_references else None, references_in=args.references,
-            references_out=args.save_references, threads=args.threads)
+    run_job(
+        model_dir(config, model),
+        {m: config["methods"][m] for m in args.method},
+        config["quality"],
+        int(config["seed"]),
+        args.tasks,
+        args.out or f"quality-{'-'.join(args.method)}.parquet",
+        provenance(config, model=model),
+        reference=args.method[0] if args.save_references else None,
+        references_in=args.references,
+        references_out=args.save_references,
+        threads=args.threads,
+    )
 
 
 if __name__ == "__main__":

@@ -39,10 +39,20 @@ from kvbench.prompts import chat_ids
 from kvbench.quality import engine
 from kvbench.quality.engine import QUERY_AWARE, Prompt
 
-
 # model_args the by-name path reads itself; any other is a setting of the method's spec.
-OPTIONS = ("model", "method", "config", "seed", "max_gen_cap", "max_prompt_tokens", "dtype", "device", "top_k",
-           "plain_tasks", "protocol")
+OPTIONS = (
+    "model",
+    "method",
+    "config",
+    "seed",
+    "max_gen_cap",
+    "max_prompt_tokens",
+    "dtype",
+    "device",
+    "top_k",
+    "plain_tasks",
+    "protocol",
+)
 NO_CAP = 1 << 30  # LongBench's own maximum generation length decides
 
 
@@ -70,8 +80,10 @@ def method_spec(method: str, config: Mapping[str, Any] | None, inline: Mapping[s
     methods = (config or {}).get("methods") or {}
     if method not in methods and "kind" not in inline:
         known = f" (the config's: {', '.join(sorted(methods))})" if methods else ""
-        raise ValueError(f"kvbench: method {method!r} is not in the config's methods{known}; name one, or give its "
-                         "settings inline (kind=...,bits=...)")
+        raise ValueError(
+            f"kvbench: method {method!r} is not in the config's methods{known}; name one, or give its "
+            "settings inline (kind=...,bits=...)"
+        )
     spec = {**methods.get(method, {}), **inline}
     check_spec(spec)
     return spec
@@ -96,7 +108,9 @@ def cut_at_stop(text: str, until: list[str]) -> str:
     return text
 
 
-def split_point(tokenizer: Any, text: str, ids: list[int], chat: bool, context: str | None) -> tuple[int | None, str | None]:
+def split_point(
+    tokenizer: Any, text: str, ids: list[int], chat: bool, context: str | None
+) -> tuple[int | None, str | None]:
     """How many of the prompt's tokens are its context (everything up to the end of the document(s);
     the question and the instructions after it follow): (tokens, None), or (None, why not).
 
@@ -109,8 +123,11 @@ def split_point(tokenizer: Any, text: str, ids: list[int], chat: bool, context: 
     if end < 0:
         return None, "the context's end was truncated away"
     end += len(tail)
-    full = (tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=False) if chat else text)
+    full = (
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        if chat
+        else text
+    )
     offset = full.find(text) if chat else 0
     encoded = tokenizer(full, add_special_tokens=not chat, return_offsets_mapping=True)
     if list(encoded.input_ids) != ids:
@@ -125,10 +142,22 @@ def split_point(tokenizer: Any, text: str, ids: list[int], chat: bool, context: 
 @register_model("kvbench")
 class KvbenchLM(LM):
     def __init__(
-        self, model: Any, tokenizer: Any, methods: Mapping[str, dict[str, Any]], *, seed: int, max_gen_cap: int,
-        max_prompt_tokens: int, plain_tasks: frozenset[str] | None = frozenset(), protocols: tuple[str, ...] = (QUERY_AWARE,),
-        reference: str | None = None, references: dict[str, Reference] | None = None, top_k: int | None = None,
-        fidelity_positions: int | None = None, prompts_per_batch: int = 8, max_rows: int = 64,
+        self,
+        model: Any,
+        tokenizer: Any,
+        methods: Mapping[str, dict[str, Any]],
+        *,
+        seed: int,
+        max_gen_cap: int,
+        max_prompt_tokens: int,
+        plain_tasks: frozenset[str] | None = frozenset(),
+        protocols: tuple[str, ...] = (QUERY_AWARE,),
+        reference: str | None = None,
+        references: dict[str, Reference] | None = None,
+        top_k: int | None = None,
+        fidelity_positions: int | None = None,
+        prompts_per_batch: int = 8,
+        max_rows: int = 64,
     ) -> None:
         super().__init__()
         self.model, self.tokenizer, self.methods = model, tokenizer, dict(methods)
@@ -175,12 +204,17 @@ class KvbenchLM(LM):
         cap = args.get("max_gen_cap", quality.get("max_gen_cap"))
         prompt_cap = args.get("max_prompt_tokens", quality.get("max_prompt_tokens"))
         plain = args.get("plain_tasks")
-        return cls(model, load_tokenizer(args["model"]), {method: spec}, seed=seed,
-                   protocols=(str(args.get("protocol", QUERY_AWARE)),),
-                   max_gen_cap=int(cap) if cap else NO_CAP,
-                   max_prompt_tokens=max_prompt_tokens({"max_prompt_tokens": prompt_cap}, model),
-                   plain_tasks=frozenset(str(plain).split("|")) if plain else None,
-                   top_k=args.get("top_k", quality.get("reference_top_k")))
+        return cls(
+            model,
+            load_tokenizer(args["model"]),
+            {method: spec},
+            seed=seed,
+            protocols=(str(args.get("protocol", QUERY_AWARE)),),
+            max_gen_cap=int(cap) if cap else NO_CAP,
+            max_prompt_tokens=max_prompt_tokens({"max_prompt_tokens": prompt_cap}, model),
+            plain_tasks=frozenset(str(plain).split("|")) if plain else None,
+            top_k=args.get("top_k", quality.get("reference_top_k")),
+        )
 
     def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
         raise NotImplementedError("the kvbench model runs generation tasks (LongBench) only")
@@ -195,8 +229,9 @@ class KvbenchLM(LM):
         truncated = len(raw) > self.max_prompt_tokens
         if truncated:  # as LongBench's pred.py: decode both halves, join the text
             half = self.max_prompt_tokens // 2
-            text = (self.tokenizer.decode(raw[:half], skip_special_tokens=True)
-                    + self.tokenizer.decode(raw[-half:], skip_special_tokens=True))
+            text = self.tokenizer.decode(raw[:half], skip_special_tokens=True) + self.tokenizer.decode(
+                raw[-half:], skip_special_tokens=True
+            )
         ids = chat_ids(self.tokenizer, text) if self.chat(task) else list(self.tokenizer(text).input_ids)
         return ids, text, len(raw), truncated
 
@@ -214,10 +249,15 @@ class KvbenchLM(LM):
         split, note = split_point(self.tokenizer, final, ids, self.chat(task), (request.doc or {}).get("context"))
         self.until[key] = until
         self.prompt_info[key] = {
-            "max_gen_tokens": longbench_max, "max_gen_cap": self.max_gen_cap,
-            "max_new_tokens": min(longbench_max, self.max_gen_cap), "prompt_tokens": raw_tokens, "truncated": truncated,
-            "context_tokens": len(ids), "question_tokens": len(ids) - split if split else None,
-            "bucket": context_bucket(len(ids), self.max_context)}
+            "max_gen_tokens": longbench_max,
+            "max_gen_cap": self.max_gen_cap,
+            "max_new_tokens": min(longbench_max, self.max_gen_cap),
+            "prompt_tokens": raw_tokens,
+            "truncated": truncated,
+            "context_tokens": len(ids),
+            "question_tokens": len(ids) - split if split else None,
+            "bucket": context_bucket(len(ids), self.max_context),
+        }
 
         def stop(tokens: list[int]) -> bool:
             return any(u in visible(self.tokenizer.decode(tokens, skip_special_tokens=True), until) for u in until)
@@ -232,8 +272,15 @@ class KvbenchLM(LM):
             return
         ids = prompt.ids[:256]
         split = min(prompt.split or len(ids) - 8, len(ids) - 8)
-        engine.run(self.model, [Prompt("warm-up", ids, split if split > 0 else None, 2)], self.methods,
-                   protocols=self.protocols, seed=self.seed, reference=self.reference, log=lambda _: None)
+        engine.run(
+            self.model,
+            [Prompt("warm-up", ids, split if split > 0 else None, 2)],
+            self.methods,
+            protocols=self.protocols,
+            seed=self.seed,
+            reference=self.reference,
+            log=lambda _: None,
+        )
         self.warm = True
         gc.collect()
 
@@ -243,15 +290,28 @@ class KvbenchLM(LM):
             self.warm_up(prompts[0])
         start = time.monotonic()
         self.outcomes, self.new_references = engine.run(
-            self.model, prompts, self.methods, protocols=self.protocols, seed=self.seed, reference=self.reference,
-            references=self.references, top_k=self.top_k, fidelity_positions=self.fidelity_positions,
+            self.model,
+            prompts,
+            self.methods,
+            protocols=self.protocols,
+            seed=self.seed,
+            reference=self.reference,
+            references=self.references,
+            top_k=self.top_k,
+            fidelity_positions=self.fidelity_positions,
             prompts_per_batch=self.prompts_per_batch,
-            max_rows=self.max_rows, cost=self.cost)
+            max_rows=self.max_rows,
+            cost=self.cost,
+        )
         cost = self.cost
-        print(f"[quality] {len(prompts)} prompts x {len(self.methods)} methods x {len(self.protocols)} protocols in "
-              f"{time.monotonic() - start:.0f} s: prefill {cost.prefill_s:.0f} s, forks {cost.fork_s:.0f} s, questions "
-              f"{cost.question_s:.0f} s, decode {cost.decode.seconds:.0f} s ({cost.decode.steps} steps, "
-              f"{cost.decode.row_steps} row-steps)", file=sys.stderr, flush=True)
+        print(
+            f"[quality] {len(prompts)} prompts x {len(self.methods)} methods x {len(self.protocols)} protocols in "
+            f"{time.monotonic() - start:.0f} s: prefill {cost.prefill_s:.0f} s, forks {cost.fork_s:.0f} s, questions "
+            f"{cost.question_s:.0f} s, decode {cost.decode.seconds:.0f} s ({cost.decode.steps} steps, "
+            f"{cost.decode.row_steps} row-steps)",
+            file=sys.stderr,
+            flush=True,
+        )
         first = next(iter(self.methods))
         return [self.answer(first, self.protocols[0], p.key) for p in prompts]
 
@@ -263,8 +323,13 @@ class KvbenchLM(LM):
     def record(self, method: str, protocol: str, key: str) -> dict[str, Any]:
         """Everything measured for one sample of one method under one protocol."""
         outcome = self.outcomes[(method, protocol, key)]
-        record = {**self.prompt_info[key], "fidelity_note": None, **outcome.record, "error": outcome.error,
-                  "output_ids": outcome.tokens if outcome.error is None else None}
+        record = {
+            **self.prompt_info[key],
+            "fidelity_note": None,
+            **outcome.record,
+            "error": outcome.error,
+            "output_ids": outcome.tokens if outcome.error is None else None,
+        }
         if outcome.error is None and not self.answer(method, protocol, key).strip():
             record["error"] = "empty output"
         return record

@@ -78,10 +78,20 @@ def _error(err: BaseException) -> str:
 
 
 def run(
-    model: torch.nn.Module, prompts: list[Prompt], methods: Mapping[str, dict[str, Any]], *, protocols: tuple[str, ...],
-    seed: int, reference: str | None = None, references: Mapping[str, Reference] | None = None,
-    top_k: int | None = None, fidelity_positions: int | None = None, prompts_per_batch: int = 8, max_rows: int = 64,
-    log: Callable[[str], None] | None = None, cost: Cost | None = None,
+    model: torch.nn.Module,
+    prompts: list[Prompt],
+    methods: Mapping[str, dict[str, Any]],
+    *,
+    protocols: tuple[str, ...],
+    seed: int,
+    reference: str | None = None,
+    references: Mapping[str, Reference] | None = None,
+    top_k: int | None = None,
+    fidelity_positions: int | None = None,
+    prompts_per_batch: int = 8,
+    max_rows: int = 64,
+    log: Callable[[str], None] | None = None,
+    cost: Cost | None = None,
 ) -> tuple[dict[tuple[str, str, str], Outcome], dict[str, Reference]]:
     """Outcomes by (method, protocol, prompt key), and the references the reference method made here.
 
@@ -97,7 +107,7 @@ def run(
     shape = ModelShape.of(model.config)
     cost = cost if cost is not None else Cost()
     for start in range(0, len(prompts), prompts_per_batch):
-        group = prompts[start:start + prompts_per_batch]
+        group = prompts[start : start + prompts_per_batch]
         began = time.monotonic()
         rows = _forks(model, group, methods, protocols, seed, shape, outcomes, reference, cost, fidelity_positions)
         exact: dict[str, Reference] = {}  # this group's, over the whole vocabulary
@@ -108,7 +118,9 @@ def run(
                 _method, protocol, key = row.tag
                 if row.error is None:
                     ids = next(p.ids for p in group if p.key == key)
-                    exact[reference_key(protocol, key)] = Reference(row.tokens, torch.stack(row.logprobs), prompt_hash(ids))
+                    exact[reference_key(protocol, key)] = Reference(
+                        row.tokens, torch.stack(row.logprobs), prompt_hash(ids)
+                    )
             _record(mine, outcomes, shape)
             rows = [row for row in rows if row.tag[0] != reference]
         stored = {**(references or {}), **exact}
@@ -122,19 +134,31 @@ def run(
                 row.reference = ref
             elif reference is not None or references is not None:
                 outcomes[row.tag].record["fidelity_note"] = (
-                    "fidelity: no full-cache reference (the reference failed on this sample)")
+                    "fidelity: no full-cache reference (the reference failed on this sample)"
+                )
         run_rows(model, rows, max_rows, cost.decode)
         _record(rows, outcomes, shape)
         # kept for the other jobs as stored: the k most likely tokens per position where top_k is set
         made |= {k: reduced(ref, top_k) for k, ref in exact.items()}
-        log(f"[quality] prompts {start + 1}-{start + len(group)} of {len(prompts)}: {len(group) * len(methods) * len(protocols)} "
-            f"runs in {time.monotonic() - began:.1f} s")
+        log(
+            f"[quality] prompts {start + 1}-{start + len(group)} of {len(prompts)}: {len(group) * len(methods) * len(protocols)} "
+            f"runs in {time.monotonic() - began:.1f} s"
+        )
     return outcomes, made
 
 
-def _forks(model: torch.nn.Module, group: list[Prompt], methods: Mapping[str, dict[str, Any]], protocols: tuple[str, ...],
-           seed: int, shape: ModelShape, outcomes: dict, reference: str | None, cost: Cost,
-           fidelity_positions: int | None) -> list[Row]:
+def _forks(
+    model: torch.nn.Module,
+    group: list[Prompt],
+    methods: Mapping[str, dict[str, Any]],
+    protocols: tuple[str, ...],
+    seed: int,
+    shape: ModelShape,
+    outcomes: dict,
+    reference: str | None,
+    cost: Cost,
+    fidelity_positions: int | None,
+) -> list[Row]:
     """Every method's cache for every prompt and protocol, from one shared prefill per prompt; the
     rows to decode (a failed fork is an outcome with its error, and no row)."""
     eos = eos_ids(model)
@@ -157,8 +181,11 @@ def _forks(model: torch.nn.Module, group: list[Prompt], methods: Mapping[str, di
                     outcome.error = _error(err)
                     continue
                 cost.fork_s += seconds
-                outcome.record |= {"fork_s": seconds, "kv_bytes_prefill": cache.nbytes(),
-                                   "full16_bytes_prefill": shape.full_bytes(upto)}
+                outcome.record |= {
+                    "fork_s": seconds,
+                    "kv_bytes_prefill": cache.nbytes(),
+                    "full16_bytes_prefill": shape.full_bytes(upto),
+                }
                 forked.append((method, cache))
             if not forked:
                 continue
@@ -173,9 +200,20 @@ def _forks(model: torch.nn.Module, group: list[Prompt], methods: Mapping[str, di
                 if b in errors:
                     outcomes[(method, protocol, prompt.key)].error = errors[b]
                     continue
-                rows.append(Row(cache, first, len(prompt.ids), prompt.max_new_tokens, eos, prompt.stop,
-                                forced_positions=fidelity_positions, keep_logprobs=method == reference,
-                                keep_positions=fidelity_positions, tag=(method, protocol, prompt.key)))
+                rows.append(
+                    Row(
+                        cache,
+                        first,
+                        len(prompt.ids),
+                        prompt.max_new_tokens,
+                        eos,
+                        prompt.stop,
+                        forced_positions=fidelity_positions,
+                        keep_logprobs=method == reference,
+                        keep_positions=fidelity_positions,
+                        tag=(method, protocol, prompt.key),
+                    )
+                )
         del prefill
     return rows
 
@@ -192,10 +230,13 @@ def _record(rows: list[Row], outcomes: dict, shape: ModelShape) -> None:
         record = outcome.record
         full_end = shape.full_bytes(row.start + steps)
         record |= {
-            "new_tokens": len(done.tokens), "first_divergence": row.divergence if row.reference is not None else None,
-            "kv_bytes_end": done.bytes_end, "full16_bytes_end": full_end,
+            "new_tokens": len(done.tokens),
+            "first_divergence": row.divergence if row.reference is not None else None,
+            "kv_bytes_end": done.bytes_end,
+            "full16_bytes_end": full_end,
             "ratio_prefill": record["full16_bytes_prefill"] / record["kv_bytes_prefill"],
-            "ratio_end": full_end / done.bytes_end, "tpot_s": done.tpot_s,
+            "ratio_end": full_end / done.bytes_end,
+            "tpot_s": done.tpot_s,
             "ttft_s": record["prefill_s"] + record["fork_s"] + record.get("question_s", 0.0),
         }
         if row.reference is not None:
@@ -203,5 +244,6 @@ def _record(rows: list[Row], outcomes: dict, shape: ModelShape) -> None:
         if row.reference is not None and row.reference.logprobs is not None:
             k = row.reference.indices
             record |= summarize(row.kl, row.top1) | {
-                "fidelity_reference": "whole vocabulary" if k is None else f"top {k.shape[-1]} + rest"}
+                "fidelity_reference": "whole vocabulary" if k is None else f"top {k.shape[-1]} + rest"
+            }
         outcome.tokens = done.tokens

@@ -20,9 +20,18 @@ from kvbench.quality.run import evaluate
 
 
 def run_job(
-    model_dir: str | Path, specs: Mapping[str, dict[str, Any]], cfg: Mapping[str, Any], seed: int,
-    tasks_dir: str | Path, table_path: str | Path, provenance: Mapping[str, Any], *, reference: str | None = None,
-    references_in: str | Path | None = None, references_out: str | Path | None = None, threads: int | None = None,
+    model_dir: str | Path,
+    specs: Mapping[str, dict[str, Any]],
+    cfg: Mapping[str, Any],
+    seed: int,
+    tasks_dir: str | Path,
+    table_path: str | Path,
+    provenance: Mapping[str, Any],
+    *,
+    reference: str | None = None,
+    references_in: str | Path | None = None,
+    references_out: str | Path | None = None,
+    threads: int | None = None,
 ) -> None:
     """`specs`: this job's methods (name -> settings), the reference first where this job makes the
     references (`reference` names it; they are written to `references_out`); `cfg`: the quality
@@ -34,8 +43,17 @@ def run_job(
     model = load_model(model_dir, "real", seed, getattr(torch, cfg["compute_dtype"]), cfg["device"])
     print(f"[quality] {model_dir} loaded in {time.monotonic() - start:.1f} s", flush=True)
     references = load_references(references_in) if references_in else None
-    table, lm = evaluate(model, tokenizer, specs, tasks_dir, cfg, seed, protocols=tuple(cfg["protocols"]),
-                         reference=reference if references_out else None, references=references)
+    table, lm = evaluate(
+        model,
+        tokenizer,
+        specs,
+        tasks_dir,
+        cfg,
+        seed,
+        protocols=tuple(cfg["protocols"]),
+        reference=reference if references_out else None,
+        references=references,
+    )
     if references_out is not None:
         if not lm.new_references:  # without references no other method has fidelity: fail loudly
             raise RuntimeError(f"the reference method {reference} failed on every sample (see the log)")
@@ -49,6 +67,9 @@ def run_job(
     usage = resource.getrusage(resource.RUSAGE_SELF)  # CPU seconds: what the job costs whatever else runs
     table["job_cpu_s"] = usage.ru_utime + usage.ru_stime
     failed = table["error"].notna().sum()
-    print(f"[quality] {len(specs)} methods x {len(cfg['protocols'])} protocols: {len(table)} rows, {failed} with an "
-          f"error; forward passes {lm.cost.forward_s:.0f} s of {table['job_wall_s'].iloc[0]:.0f} s", flush=True)
+    print(
+        f"[quality] {len(specs)} methods x {len(cfg['protocols'])} protocols: {len(table)} rows, {failed} with an "
+        f"error; forward passes {lm.cost.forward_s:.0f} s of {table['job_wall_s'].iloc[0]:.0f} s",
+        flush=True,
+    )
     write_table(table, table_path, provenance)

@@ -21,12 +21,22 @@ TASK_SETTINGS: dict[str, tuple[str, ...]] = {
 
 # LongBench's English datasets by category (lm-eval's `longbench_<dataset>` tasks).
 LONGBENCH_CATEGORY = {
-    "narrativeqa": "single_doc_qa", "qasper": "single_doc_qa", "multifieldqa_en": "single_doc_qa",
-    "hotpotqa": "multi_doc_qa", "2wikimqa": "multi_doc_qa", "musique": "multi_doc_qa",
-    "gov_report": "summarization", "qmsum": "summarization", "multi_news": "summarization",
-    "trec": "few_shot", "triviaqa": "few_shot", "samsum": "few_shot",
-    "passage_count": "retrieval", "passage_retrieval_en": "retrieval",
-    "lcc": "code", "repobench-p": "code",
+    "narrativeqa": "single_doc_qa",
+    "qasper": "single_doc_qa",
+    "multifieldqa_en": "single_doc_qa",
+    "hotpotqa": "multi_doc_qa",
+    "2wikimqa": "multi_doc_qa",
+    "musique": "multi_doc_qa",
+    "gov_report": "summarization",
+    "qmsum": "summarization",
+    "multi_news": "summarization",
+    "trec": "few_shot",
+    "triviaqa": "few_shot",
+    "samsum": "few_shot",
+    "passage_count": "retrieval",
+    "passage_retrieval_en": "retrieval",
+    "lcc": "code",
+    "repobench-p": "code",
 }
 
 
@@ -39,12 +49,18 @@ def dataset_of(task: str) -> str:
 def quality_problems(config: dict[str, Any]) -> list[str]:
     """Cross-references of the `quality` section, one line per problem naming its key."""
     quality, found = config["quality"], []
-    found += [f"quality.models: {name!r} is not a key of models ({sorted(config['models'])})"
-              for name in quality["models"] if name not in config["models"]]
+    found += [
+        f"quality.models: {name!r} is not a key of models ({sorted(config['models'])})"
+        for name in quality["models"]
+        if name not in config["models"]
+    ]
     for key in ("methods", "reference"):
         names = quality.get(key, [])
-        found += [f"quality.{key}: {name!r} is not a key of methods ({sorted(config['methods'])})"
-                  for name in ([names] if isinstance(names, str) else names) if name not in config["methods"]]
+        found += [
+            f"quality.{key}: {name!r} is not a key of methods ({sorted(config['methods'])})"
+            for name in ([names] if isinstance(names, str) else names)
+            if name not in config["methods"]
+        ]
     for name, entry in quality.get("tasks", {}).items():
         try:
             check_task(name, entry)
@@ -52,10 +68,12 @@ def quality_problems(config: dict[str, Any]) -> list[str]:
             found.append(f"quality.tasks.{name}: {err}")
     if "longbench" in quality.get("tasks", {}) and not config["corpus"]["imported"]["path"]:
         found.append("quality.tasks.longbench: needs corpus.imported.path (a folder with LongBench JSONL)")
-    found += [f"quality.lm_eval_tasks: {task!r} is not one of lm-eval's English LongBench tasks "
-              f"(longbench_<dataset>[_e], datasets: {', '.join(sorted(LONGBENCH_CATEGORY))})"
-              for task in quality.get("lm_eval_tasks", [])
-              if not task.startswith("longbench_") or dataset_of(task) not in LONGBENCH_CATEGORY]
+    found += [
+        f"quality.lm_eval_tasks: {task!r} is not one of lm-eval's English LongBench tasks "
+        f"(longbench_<dataset>[_e], datasets: {', '.join(sorted(LONGBENCH_CATEGORY))})"
+        for task in quality.get("lm_eval_tasks", [])
+        if not task.startswith("longbench_") or dataset_of(task) not in LONGBENCH_CATEGORY
+    ]
     return found
 
 

@@ -58,5 +58,14 @@ def classification_first_line(doc: dict[str, Any], results: list[str]) -> dict[s
     return classification(doc, [first_line(results[0])])
 
 
-__all__ = ["qa_f1", "rouge", "classification", "retrieval", "count", "code_sim",
-           "qa_f1_first_line", "rouge_first_line", "classification_first_line"]
+__all__ = [
+    "qa_f1",
+    "rouge",
+    "classification",
+    "retrieval",
+    "count",
+    "code_sim",
+    "qa_f1_first_line",
+    "rouge_first_line",
+    "classification_first_line",
+]

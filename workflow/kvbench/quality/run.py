@@ -29,8 +29,11 @@ def max_prompt_tokens(cfg: Mapping[str, Any], model: Any) -> int:
 
 def task_table(tasks_dir: str | Path, lm_eval_tasks: list[str]) -> dict[str, dict[str, Any]]:
     """Every task this run evaluates: name -> category, metric, chat, LongBench dataset."""
-    table = {t["task"]: {k: t[k] for k in ("category", "metric", "chat", "longbench")}
-             for t in read_manifest(tasks_dir) if t["samples"]}
+    table = {
+        t["task"]: {k: t[k] for k in ("category", "metric", "chat", "longbench")}
+        for t in read_manifest(tasks_dir)
+        if t["samples"]
+    }
     for name in lm_eval_tasks:  # lm-eval's official LongBench tasks (they read the hub)
         spec = longbench_spec(dataset_of(name))
         table[name] = {"category": spec.category, "metric": spec.metric, "chat": spec.chat, "longbench": spec.longbench}
@@ -47,8 +50,15 @@ def sample_ids(task: str, size: int, limit: int | None, seed: int) -> list[int]:
 
 
 def evaluate(
-    model: Any, tokenizer: Any, methods: Mapping[str, dict[str, Any]], tasks_dir: str | Path, cfg: Mapping[str, Any],
-    seed: int, *, protocols: tuple[str, ...] = (QUERY_AWARE,), reference: str | None = None,
+    model: Any,
+    tokenizer: Any,
+    methods: Mapping[str, dict[str, Any]],
+    tasks_dir: str | Path,
+    cfg: Mapping[str, Any],
+    seed: int,
+    *,
+    protocols: tuple[str, ...] = (QUERY_AWARE,),
+    reference: str | None = None,
     references: dict[str, Reference] | None = None,
 ) -> tuple[pd.DataFrame, KvbenchLM]:
     """Rows for every sample of every task, method and protocol (an error where it failed), and the
@@ -60,12 +70,22 @@ def evaluate(
     tasks = task_table(tasks_dir, official)
     if not tasks:
         raise ValueError(f"{tasks_dir}: no task has samples (see logs/quality/<model>/tasks.log) and no lm_eval_tasks")
-    lm = KvbenchLM(model, tokenizer, methods, seed=seed, max_gen_cap=int(cfg["max_gen_cap"]),
-                   max_prompt_tokens=max_prompt_tokens(cfg, model),
-                   plain_tasks=frozenset(name for name, t in tasks.items() if not t["chat"]), protocols=protocols,
-                   reference=reference, references=references, top_k=cfg.get("reference_top_k"),
-                   fidelity_positions=cfg.get("fidelity_positions"),
-                   prompts_per_batch=int(cfg.get("prompts_per_batch") or 8), max_rows=int(cfg.get("max_rows") or 64))
+    lm = KvbenchLM(
+        model,
+        tokenizer,
+        methods,
+        seed=seed,
+        max_gen_cap=int(cfg["max_gen_cap"]),
+        max_prompt_tokens=max_prompt_tokens(cfg, model),
+        plain_tasks=frozenset(name for name, t in tasks.items() if not t["chat"]),
+        protocols=protocols,
+        reference=reference,
+        references=references,
+        top_k=cfg.get("reference_top_k"),
+        fidelity_positions=cfg.get("fidelity_positions"),
+        prompts_per_batch=int(cfg.get("prompts_per_batch") or 8),
+        max_rows=int(cfg.get("max_rows") or 64),
+    )
     manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
     start = time.monotonic()
     limit = cfg.get("lm_eval_limit")  # lm-eval's own tasks only: kvbench's are sized when built
@@ -73,9 +93,18 @@ def evaluate(
     if limit and official:  # their sizes, to draw from (lm-eval loads each dataset from its cache)
         sizes = {name: len(task.eval_docs) for name, task in get_task_dict(official, manager).items()}
         drawn_ids = {name: sample_ids(name, sizes[name], limit, seed) for name in official}
-    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, log_samples=True, bootstrap_iters=0,
-                              samples=drawn_ids, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                              fewshot_random_seed=seed)
+    results = simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        task_manager=manager,
+        log_samples=True,
+        bootstrap_iters=0,
+        samples=drawn_ids,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
     print(f"[quality] lm-eval finished in {time.monotonic() - start:.0f} s")
     task_objects = manager.load(list(results["samples"]))["tasks"]
     rows = []
@@ -93,18 +122,37 @@ def evaluate(
     return pd.DataFrame(rows), lm
 
 
-def _row(lm: KvbenchLM, task_object: Any, task: str, info: Mapping[str, Any], doc: Mapping[str, Any],
-         sample: Mapping[str, Any], key: str, method: str, spec: Mapping[str, Any], protocol: str) -> dict[str, Any]:
+def _row(
+    lm: KvbenchLM,
+    task_object: Any,
+    task: str,
+    info: Mapping[str, Any],
+    doc: Mapping[str, Any],
+    sample: Mapping[str, Any],
+    key: str,
+    method: str,
+    spec: Mapping[str, Any],
+    protocol: str,
+) -> dict[str, Any]:
     record = lm.record(method, protocol, key)
     failed = record["error"] is not None and record["error"] != "empty output"
     answer = lm.answer(method, protocol, key)
     metrics = None if failed else task_object.process_results(doc, [answer])
     return {
-        "method": method, "kind": spec["kind"], "params": str(sorted(spec.items())), "protocol": protocol,
-        "task": task, "longbench": info["longbench"], "category": info["category"], "metric": info["metric"],
-        "sample_id": str(doc.get("_id", sample["doc_id"])), "lm_eval_doc_id": int(sample["doc_id"]),
-        "doc_ids": json.dumps(doc.get("doc_ids")), "target_tokens": doc.get("target_tokens"),
-        "prediction": answer, "references": json.dumps(doc["answers"]),
+        "method": method,
+        "kind": spec["kind"],
+        "params": str(sorted(spec.items())),
+        "protocol": protocol,
+        "task": task,
+        "longbench": info["longbench"],
+        "category": info["category"],
+        "metric": info["metric"],
+        "sample_id": str(doc.get("_id", sample["doc_id"])),
+        "lm_eval_doc_id": int(sample["doc_id"]),
+        "doc_ids": json.dumps(doc.get("doc_ids")),
+        "target_tokens": doc.get("target_tokens"),
+        "prediction": answer,
+        "references": json.dumps(doc["answers"]),
         "score": None if failed else float(metrics["score"]),
         "metric_score": None if failed else float(metrics[metric_key(info["metric"])]),
         **record,

@@ -32,8 +32,10 @@ class _Dumper(yaml.SafeDumper):
 
 
 _Dumper.add_representer(_Function, lambda dumper, value: dumper.represent_scalar("!function", str(value)))
-_Dumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
-    "tag:yaml.org,2002:str", value, style='"' if "\n" in value else None))
+_Dumper.add_representer(
+    str,
+    lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"' if "\n" in value else None),
+)
 
 
 def metric_key(metric: str) -> str:
@@ -53,12 +55,23 @@ def task_yaml(task: TaskFile, data_file: str) -> str:
         "doc_to_text": spec.template,
         "doc_to_target": "{{answers}}",
         "process_results": _Function(f"kvbench_metrics.{spec.metric}"),
-        "generation_kwargs": {"max_gen_toks": spec.max_gen_tokens, "until": list(spec.until), "do_sample": False,
-                              "temperature": 1},
-        "metric_list": [{"metric": name, "aggregation": "mean", "higher_is_better": True}
-                        for name in ("score", metric_key(spec.metric))],
-        "metadata": {"version": 1.0, "category": spec.category, "metric": spec.metric, "chat": spec.chat,
-                     "longbench": spec.longbench},
+        "generation_kwargs": {
+            "max_gen_toks": spec.max_gen_tokens,
+            "until": list(spec.until),
+            "do_sample": False,
+            "temperature": 1,
+        },
+        "metric_list": [
+            {"metric": name, "aggregation": "mean", "higher_is_better": True}
+            for name in ("score", metric_key(spec.metric))
+        ],
+        "metadata": {
+            "version": 1.0,
+            "category": spec.category,
+            "metric": spec.metric,
+            "chat": spec.chat,
+            "longbench": spec.longbench,
+        },
     }
     return yaml.dump(config, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=1000)
 
@@ -72,8 +85,11 @@ def build_tasks(tasks_cfg: Mapping[str, Any], sources: Sources, seed: int) -> li
             built = len(task.samples)
             print(f"[quality] {task.name}: {built}/{task.requested} samples", file=sys.stderr, flush=True)
             if built < task.requested:
-                print(f"[quality] {task.name}: only {built} samples passed the presence, uniqueness and fit checks",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[quality] {task.name}: only {built} samples passed the presence, uniqueness and fit checks",
+                    file=sys.stderr,
+                    flush=True,
+                )
             files.append(task)
     return files
 
@@ -89,8 +105,14 @@ def write_tasks(files: list[TaskFile], out_dir: str | Path) -> None:
                 lines = [json.dumps(s, sort_keys=True, ensure_ascii=False) for s in task.samples]
                 (tmp / f"{task.name}.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
                 (tmp / f"{task.name}.yaml").write_text(task_yaml(task, data_file), encoding="utf-8")
-            manifest.append({"task": task.name, "samples": len(task.samples), "requested": task.requested,
-                             **{k: v for k, v in task.spec.__dict__.items() if k != "template"}})
+            manifest.append(
+                {
+                    "task": task.name,
+                    "samples": len(task.samples),
+                    "requested": task.requested,
+                    **{k: v for k, v in task.spec.__dict__.items() if k != "template"},
+                }
+            )
         (tmp / "kvbench_metrics.py").write_text(METRICS_SHIM)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
@@ -104,9 +126,12 @@ def read_manifest(folder: str | Path) -> list[dict[str, Any]]:
 
 def read_samples(folder: str | Path) -> list[dict[str, Any]]:
     """Every built sample: its task's manifest entry with the sample's `_id` and `context`."""
-    return [{**task, "sample_id": record["_id"], "context": record["context"]}
-            for task in read_manifest(folder) if task["samples"]
-            for record in map(json.loads, (Path(folder) / f"{task['task']}.jsonl").read_text().splitlines())]
+    return [
+        {**task, "sample_id": record["_id"], "context": record["context"]}
+        for task in read_manifest(folder)
+        if task["samples"]
+        for record in map(json.loads, (Path(folder) / f"{task['task']}.jsonl").read_text().splitlines())
+    ]
 
 
 def text_tokenizer(model_dir: str | Path) -> Any:
@@ -115,7 +140,9 @@ def text_tokenizer(model_dir: str | Path) -> Any:
 
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{model_dir}: no tokenizer.json (the quality tasks count tokens with a fast tokenizer)")
+        raise FileNotFoundError(
+            f"{model_dir}: no tokenizer.json (the quality tasks count tokens with a fast tokenizer)"
+        )
     return Tokenizer.from_file(str(path))
 
 

@@ -27,8 +27,15 @@ from kvbench.report.render import fmt, markdown_table
 
 Shown = Union[pd.DataFrame, str]  # a table, or markdown (a sentence) already rendered
 # Benchmarks whose scripts declare blocks (bench/<name>.py, `BLOCKS`).
-BENCH_SCRIPTS = ("decode_overhead", "decode_side_by_side", "kill_resume", "side_by_side", "snapkv_agreement",
-                 "turboquant_scores")
+BENCH_SCRIPTS = (
+    "shared_prefill",
+    "decode_overhead",
+    "decode_side_by_side",
+    "kill_resume",
+    "side_by_side",
+    "snapkv_agreement",
+    "turboquant_scores",
+)
 
 
 @dataclass(frozen=True)
@@ -53,26 +60,42 @@ def interval(row: pd.Series, column: str) -> str:
 
 # --- stage tables -------------------------------------------------------------------------------
 
+
 def _interval(estimate: pd.Series, low: pd.Series, high: pd.Series) -> list[str]:
-    return ["" if e != e else f"{e:.3g} [{lo:.3g}, {hi:.3g}]" if lo == lo else f"{e:.3g} (no interval)"
-            for e, lo, hi in zip(estimate, low, high)]
+    return [
+        "" if e != e else f"{e:.3g} [{lo:.3g}, {hi:.3g}]" if lo == lo else f"{e:.3g} (no interval)"
+        for e, lo, hi in zip(estimate, low, high)
+    ]
 
 
 def _claims(t: pd.DataFrame) -> pd.DataFrame:
     """Each verdict with the test it rests on: statistic, interval, n, MDE, the n the stated effect
     needs, and the Holm-adjusted p-value."""
     n = ["" if v != v else f"{v:.0f} {u}" for v, u in zip(t.n, t.unit)]
-    return pd.DataFrame({
-        "claim": t.origin + ": " + t.claim, "seed's number": t.seed_number, "model": t.model, "protocol": t.protocol,
-        "ours": t.ours, "verdict": t.verdict, "test": t.compared.fillna("") + "; " + t.statistic.fillna(""),
-        "interval": _interval(t.estimate, t.ci_low, t.ci_high), "n": n, "MDE": t.mde, "n needed": t.n_needed,
-        "p (Holm)": t.p_holm, "source": t.source})
+    return pd.DataFrame(
+        {
+            "claim": t.origin + ": " + t.claim,
+            "seed's number": t.seed_number,
+            "model": t.model,
+            "protocol": t.protocol,
+            "ours": t.ours,
+            "verdict": t.verdict,
+            "test": t.compared.fillna("") + "; " + t.statistic.fillna(""),
+            "interval": _interval(t.estimate, t.ci_low, t.ci_high),
+            "n": n,
+            "MDE": t.mde,
+            "n needed": t.n_needed,
+            "p (Holm)": t.p_holm,
+            "source": t.source,
+        }
+    )
 
 
 def _recommendations(t: pd.DataFrame) -> pd.DataFrame:
     shown = ["scenario", "model", "protocol", "category", "bucket", "best", "interval", "best_n", "runner_up", "why"]
     return t.assign(interval=_interval(t.best_value, t.best_ci_low, t.best_ci_high))[shown].rename(
-        columns={"runner_up": "runner-up", "best_n": "n", "interval": "preferred value [interval]"})
+        columns={"runner_up": "runner-up", "best_n": "n", "interval": "preferred value [interval]"}
+    )
 
 
 def _costs(t: pd.DataFrame) -> pd.DataFrame:
@@ -80,8 +103,15 @@ def _costs(t: pd.DataFrame) -> pd.DataFrame:
     (far less on a machine other jobs share)."""
     t = t[t.level == "stage"]
     t = t.assign(share=(100 * t.share).round(1))[["stage", "jobs", "wall_s", "cpu_s", "span_s", "share", "max_rss_mb"]]
-    return t.rename(columns={"wall_s": "job-seconds", "cpu_s": "CPU seconds", "span_s": "span (s)", "share": "share %",
-                             "max_rss_mb": "max RSS (MB)"})
+    return t.rename(
+        columns={
+            "wall_s": "job-seconds",
+            "cpu_s": "CPU seconds",
+            "span_s": "span (s)",
+            "share": "share %",
+            "max_rss_mb": "max RSS (MB)",
+        }
+    )
 
 
 def _costs_total(t: pd.DataFrame) -> str:
@@ -90,36 +120,74 @@ def _costs_total(t: pd.DataFrame) -> str:
     if stages.empty:
         return "no stage ran"
     top = stages.loc[stages.wall_s.idxmax()]
-    return (f"the run's {int(stages.jobs.sum())} jobs took {fmt(stages.wall_s.sum())} job-seconds in all, "
-            f"the most in stage {top.stage} ({fmt(100 * top.share)} %)")
+    return (
+        f"the run's {int(stages.jobs.sum())} jobs took {fmt(stages.wall_s.sum())} job-seconds in all, "
+        f"the most in stage {top.stage} ({fmt(100 * top.share)} %)"
+    )
 
 
 def _corpus(t: pd.DataFrame) -> pd.DataFrame:
-    return t[["corpus", "domain", "docs", "tokens_mean", "diversity_pct_mean", "pooled_diversity_pct",
-              "entropy_bits_mean", "text_zstd_ratio_mean", "reference_diversity_pct"]]
+    return t[
+        [
+            "corpus",
+            "domain",
+            "docs",
+            "tokens_mean",
+            "diversity_pct_mean",
+            "pooled_diversity_pct",
+            "entropy_bits_mean",
+            "text_zstd_ratio_mean",
+            "reference_diversity_pct",
+        ]
+    ]
 
 
 def _kv(t: pd.DataFrame) -> pd.DataFrame:
     """Pooled raw / compressed ratios of the benchmark-style settings against realistic + real weights."""
     keep = t.comparison.isin(["dummy_vs_real", "synthetic_vs_realistic", "synthetic+dummy_vs_realistic+real"])
     t = t[keep & t.codec.isin(["zstd-3", "zstd-3+byteplane"])]
-    return t[["dtype", "codec", "benchmark_setting", "realistic_setting", "benchmark_ratio", "realistic_ratio",
-              "inflation", "layer_inflation", "benchmark_below_normal_pct"]].sort_values(
-        ["codec", "dtype", "benchmark_setting", "realistic_setting"])
+    return t[
+        [
+            "dtype",
+            "codec",
+            "benchmark_setting",
+            "realistic_setting",
+            "benchmark_ratio",
+            "realistic_ratio",
+            "inflation",
+            "layer_inflation",
+            "benchmark_below_normal_pct",
+        ]
+    ].sort_values(["codec", "dtype", "benchmark_setting", "realistic_setting"])
 
 
 def _system(t: pd.DataFrame) -> pd.DataFrame:
     t = t.assign(kv_mb_end=t.kv_bytes_end / 1e6, failed=t.error.notna())
     out = t.groupby(["model", "method"], sort=False).agg(
-        prompts=("prompt_id", "size"), failed=("failed", "sum"), ttft_s=("ttft_s", "median"),
-        tpot_s=("tpot_s", "median"), kv_mb_end=("kv_mb_end", "median"), ratio_end=("ratio_end", "median"))
+        prompts=("prompt_id", "size"),
+        failed=("failed", "sum"),
+        ttft_s=("ttft_s", "median"),
+        tpot_s=("tpot_s", "median"),
+        kv_mb_end=("kv_mb_end", "median"),
+        ratio_end=("ratio_end", "median"),
+    )
     return out.reset_index()
 
 
 def _quality(t: pd.DataFrame) -> pd.DataFrame:
     t = t[t.category == "all"]
-    cols = ["model", "method", "samples", "errors", "score_mean", "score_delta", "kl_mean", "top1_agreement",
-            "identical_outputs", "ratio_end_mean"]
+    cols = [
+        "model",
+        "method",
+        "samples",
+        "errors",
+        "score_mean",
+        "score_delta",
+        "kl_mean",
+        "top1_agreement",
+        "identical_outputs",
+        "ratio_end_mean",
+    ]
     return t[[c for c in cols if c in t.columns]]
 
 
@@ -138,14 +206,26 @@ def _cam_merge(t: pd.DataFrame) -> str:
     if not {"snapkv", "cam-prefill"} <= set(rows.index):
         return "not measured in this snapshot (the quality stage ran no `snapkv` and `cam-prefill` pair)"
     s, c = rows.loc["snapkv"], rows.loc["cam-prefill"]
-    return (f"the merge alone moves KL to full from {fmt(s.kl_mean)}{interval(s, 'kl_mean')} to "
-            f"{fmt(c.kl_mean)}{interval(c, 'kl_mean')}, and top-1 agreement from {fmt(s.top1_agreement)} to "
-            f"{fmt(c.top1_agreement)}")
+    return (
+        f"the merge alone moves KL to full from {fmt(s.kl_mean)}{interval(s, 'kl_mean')} to "
+        f"{fmt(c.kl_mean)}{interval(c, 'kl_mean')}, and top-1 agreement from {fmt(s.top1_agreement)} to "
+        f"{fmt(c.top1_agreement)}"
+    )
 
 
 def _serve(t: pd.DataFrame) -> pd.DataFrame:
-    cols = ["backend", "codec", "corpus", "status", "ratio", "predicted_ratio", "ttft_hit_mean_s",
-            "ttft_miss_mean_s", "query_hits", "outputs_identical_share"]
+    cols = [
+        "backend",
+        "codec",
+        "corpus",
+        "status",
+        "ratio",
+        "predicted_ratio",
+        "ttft_hit_mean_s",
+        "ttft_miss_mean_s",
+        "query_hits",
+        "outputs_identical_share",
+    ]
     return t[[c for c in cols if c in t.columns]]
 
 
@@ -166,6 +246,7 @@ STAGE_BLOCKS: dict[str, Block] = {
 
 # --- from the code ------------------------------------------------------------------------------
 
+
 def _method_kinds() -> str:
     """Every method kind: its doc, reference and settings, from kvbench.methods.kinds."""
     from kvbench.methods.kinds import methods_table
@@ -182,8 +263,15 @@ def _schema_rows(node: dict, path: str) -> list[dict]:
         shown = json.dumps(default)
         shown = "" if default is None or isinstance(default, dict) or len(shown) > 40 else f"`{shown}`"
         allowed = " / ".join(map(str, sub.get("enum") or sub.get("items", {}).get("enum", [])))
-        rows.append({"key": f"`{name}`", "type": kind if isinstance(kind, str) else "/".join(kind), "default": shown,
-                     "values": allowed, "description": " ".join(str(sub.get("description", "")).split())})
+        rows.append(
+            {
+                "key": f"`{name}`",
+                "type": kind if isinstance(kind, str) else "/".join(kind),
+                "default": shown,
+                "values": allowed,
+                "description": " ".join(str(sub.get("description", "")).split()),
+            }
+        )
         rows += _schema_rows(sub, name)
         if isinstance(sub.get("additionalProperties"), dict):
             rows += _schema_rows(sub["additionalProperties"], f"{name}.<name>")
@@ -216,6 +304,7 @@ CODE_BLOCKS: dict[str, Block] = {
 
 
 # --- the registry -------------------------------------------------------------------------------
+
 
 def bench_script(root: Path, name: str):
     """bench/<name>.py loaded as Python runs it (its folder first on sys.path while it imports, so

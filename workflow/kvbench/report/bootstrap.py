@@ -164,15 +164,19 @@ class Resample:
         n_sum, n_d = self._sums(num, ok)
         d_sum, d_d = self._sums(den, ok)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return Estimate(n_sum / d_sum if d_sum != 0 else math.nan, np.where(d_d != 0, n_d / d_d, np.nan),
-                            int(ok.sum()))
+            return Estimate(
+                n_sum / d_sum if d_sum != 0 else math.nan, np.where(d_d != 0, n_d / d_d, np.nan), int(ok.sum())
+            )
 
     def geometric_mean(self, logs: np.ndarray) -> Estimate:
         """exp(mean of `logs`) over the units that have one: with unit values log(method / baseline),
         the typical paired ratio."""
         log_mean = self.mean(logs)
-        return Estimate(math.exp(log_mean.estimate) if log_mean.estimate == log_mean.estimate else math.nan,
-                        np.exp(log_mean.draws), log_mean.n)
+        return Estimate(
+            math.exp(log_mean.estimate) if log_mean.estimate == log_mean.estimate else math.nan,
+            np.exp(log_mean.draws),
+            log_mean.n,
+        )
 
     def median(self, values: np.ndarray) -> Estimate:
         """The median over the units that have a value, per draw from the counts (the lower of the

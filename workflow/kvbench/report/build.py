@@ -32,8 +32,17 @@ class ReportTables:
     power: pd.DataFrame
 
 
-TABLES = ("methods", "corpora", "correlations", "claims", "recommendations", "stages", "differences", "system_ratios",
-          "power")
+TABLES = (
+    "methods",
+    "corpora",
+    "correlations",
+    "claims",
+    "recommendations",
+    "stages",
+    "differences",
+    "system_ratios",
+    "power",
+)
 
 
 def table_provenance(table: pd.DataFrame, prov: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,14 +61,17 @@ def stage_status(tables: Tables) -> pd.DataFrame:
         names = [n for n, c in CONTRACTS.items() if c.stage == stage]
         read = [n for n in names if tables.get(n) is not None]
         frames = [tables.get(n) for n in read]
-        rows.append({
-            "stage": stage, "status": "ran" if read else NOT_RUN,
-            "tables": ", ".join(CONTRACTS[n].path for n in (read or names)),
-            "rows": sum(len(f) for f in frames) if read else None,
-            # the provenance of what was read (the table's own provenance columns are the report's)
-            "source_config_hash": _distinct(frames, "config_hash"),
-            "source_git_commit": _distinct(frames, "git_commit"),
-        })
+        rows.append(
+            {
+                "stage": stage,
+                "status": "ran" if read else NOT_RUN,
+                "tables": ", ".join(CONTRACTS[n].path for n in (read or names)),
+                "rows": sum(len(f) for f in frames) if read else None,
+                # the provenance of what was read (the table's own provenance columns are the report's)
+                "source_config_hash": _distinct(frames, "config_hash"),
+                "source_git_commit": _distinct(frames, "git_commit"),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -71,15 +83,26 @@ def power_of(cfg: Mapping[str, Any]) -> float:
     return float((cfg.get("power") or {}).get("power", POWER))
 
 
-def power_tables(paired: pd.DataFrame | None, units: pd.DataFrame | None, baseline: str,
-                 effects: Mapping[str, float], level: float, power: float) -> pd.DataFrame:
+def power_tables(
+    paired: pd.DataFrame | None,
+    units: pd.DataFrame | None,
+    baseline: str,
+    effects: Mapping[str, float],
+    level: float,
+    power: float,
+) -> pd.DataFrame:
     """Per comparison: n, spread, MDE and the n a stated effect needs, for the quality stage's
     samples (per model x protocol x method x category x bucket, and pooled over categories) and
     the system stage's prompts (log ratios: the effects as log(1 + effect))."""
     frames = []
     if paired is not None and len(paired):
-        quality = power_table(paired[paired.method != baseline], effects, level, power,
-                              by=("model", "protocol", "method", "category", "bucket"))
+        quality = power_table(
+            paired[paired.method != baseline],
+            effects,
+            level,
+            power,
+            by=("model", "protocol", "method", "category", "bucket"),
+        )
         frames.append(quality.assign(stage="quality", unit="samples"))
     if units is not None and len(units):
         ratios = units[units.method != baseline].rename(columns={f"lr_{c}": f"d_{c}" for c in ("ttft_s", "tpot_s")})
@@ -87,8 +110,25 @@ def power_tables(paired: pd.DataFrame | None, units: pd.DataFrame | None, baseli
         logs = {k: math.log1p(v) for k, v in effects.items() if k in ("ttft_s", "tpot_s")}
         system = power_table(ratios, logs, level, power, by=("model", "method", "bucket"))
         frames.append(system.assign(stage="system", unit="prompts", quantity="log " + system.quantity))
-    columns = ["stage", "model", "protocol", "method", "category", "bucket", "quantity", "unit", "estimate", "n", "sd",
-               "se", "mde", "effect", "n_needed", "level", "power"]
+    columns = [
+        "stage",
+        "model",
+        "protocol",
+        "method",
+        "category",
+        "bucket",
+        "quantity",
+        "unit",
+        "estimate",
+        "n",
+        "sd",
+        "se",
+        "mde",
+        "effect",
+        "n_needed",
+        "level",
+        "power",
+    ]
     frames = [f for f in frames if len(f)]
     return pd.concat(frames, ignore_index=True).reindex(columns=columns) if frames else pd.DataFrame(columns=columns)
 
@@ -102,8 +142,20 @@ def build(tables: Tables, cfg: Mapping[str, Any], methods: Mapping[str, dict], s
     units, system_source, in_process = prompts
     joined = method_table(tables, baseline, n_boot, seed, level, paired=paired, prompts=prompts)
     corr = correlation_table(tables, n_boot, seed, level)
-    evidence = Evidence(tables, dict(methods), baseline, cfg["kv_dtype"], cfg["kv_codec"], joined, corr, paired, units,
-                        n_boot, seed, level)
+    evidence = Evidence(
+        tables,
+        dict(methods),
+        baseline,
+        cfg["kv_dtype"],
+        cfg["kv_codec"],
+        joined,
+        corr,
+        paired,
+        units,
+        n_boot,
+        seed,
+        level,
+    )
     return ReportTables(
         methods=joined,
         corpora=corpus_table(tables, cfg["kv_dtype"], cfg["kv_codec"]),
@@ -134,43 +186,97 @@ def claims_summary(claims: pd.DataFrame) -> pd.DataFrame:
         return claims
     interval = [_interval_text(e, lo, hi) for e, lo, hi in zip(claims.estimate, claims.ci_low, claims.ci_high)]
     n = [f"{v:.0f} {u}" if v == v else "" for v, u in zip(claims.n, claims.unit)]
-    return pd.DataFrame({"claim": claims.claim, "model": claims.model, "protocol": claims.protocol,
-                         "verdict": claims.verdict, "statistic": claims.statistic, "interval": interval, "n": n,
-                         "MDE": claims.mde, "p (Holm)": claims.p_holm})
+    return pd.DataFrame(
+        {
+            "claim": claims.claim,
+            "model": claims.model,
+            "protocol": claims.protocol,
+            "verdict": claims.verdict,
+            "statistic": claims.statistic,
+            "interval": interval,
+            "n": n,
+            "MDE": claims.mde,
+            "p (Holm)": claims.p_holm,
+        }
+    )
 
 
 def _claims_note(claims: pd.DataFrame) -> str:
     family = int(claims.family.max()) if "family" in claims and claims.family.notna().any() else 0
     level = float(claims.level.dropna().iloc[0]) if "level" in claims and claims.level.notna().any() else 0.95
-    return (f"{CONFIRMED} / {CONTRADICTED}: the Holm-adjusted p-value over the {family} claims with a test is below "
-            f"{1 - level:.2g} and the {level:.0%} interval (per claim, unadjusted) lies on that side of the null. "
-            f"{INCONCLUSIVE}: it does not; the interval, n and the minimum detectable effect (MDE, two-sided, 80 % "
-            f"power) say how far this run is from deciding. {NOT_MEASURABLE}: the run cannot test it at all; "
-            f"{NOT_RUN}: a stage or a method it needs is missing.")
+    return (
+        f"{CONFIRMED} / {CONTRADICTED}: the Holm-adjusted p-value over the {family} claims with a test is below "
+        f"{1 - level:.2g} and the {level:.0%} interval (per claim, unadjusted) lies on that side of the null. "
+        f"{INCONCLUSIVE}: it does not; the interval, n and the minimum detectable effect (MDE, two-sided, 80 % "
+        f"power) say how far this run is from deciding. {NOT_MEASURABLE}: the run cannot test it at all; "
+        f"{NOT_RUN}: a stage or a method it needs is missing."
+    )
 
 
 def claims_page(report: ReportTables) -> str:
-    columns = ["origin", "claim", "seed_number", "model", "protocol", "verdict", "ours", "compared", "statistic",
-               "estimate", "ci_low", "ci_high", "null", "n", "unit", "mde", "effect", "n_needed", "p_value", "p_holm",
-               "source", "rule"]
-    return html_page("Seed claims, checked against this run", [
-        ("Claims", _claims_note(report.claims) + " 'seed_number' quotes the seed, 'ours' is computed from the source "
-         "table; 'n_needed' is the n at which 'effect' becomes detectable at this run's spread.",
-         report.claims[columns]),
-        ("Stages this report read", _not_run_note(report.stages), report.stages),
-    ])
+    columns = [
+        "origin",
+        "claim",
+        "seed_number",
+        "model",
+        "protocol",
+        "verdict",
+        "ours",
+        "compared",
+        "statistic",
+        "estimate",
+        "ci_low",
+        "ci_high",
+        "null",
+        "n",
+        "unit",
+        "mde",
+        "effect",
+        "n_needed",
+        "p_value",
+        "p_holm",
+        "source",
+        "rule",
+    ]
+    return html_page(
+        "Seed claims, checked against this run",
+        [
+            (
+                "Claims",
+                _claims_note(report.claims) + " 'seed_number' quotes the seed, 'ours' is computed from the source "
+                "table; 'n_needed' is the n at which 'effect' becomes detectable at this run's spread.",
+                report.claims[columns],
+            ),
+            ("Stages this report read", _not_run_note(report.stages), report.stages),
+        ],
+    )
 
 
-PROTOCOL_NOTE = ("Each row reads one protocol of the quality stage: context-only compresses the context before the "
-                 "question is seen (the case of a context cached or offloaded once and reused for many questions: "
-                 "the one a serving user should read); query-aware compresses after the question (the favourable "
-                 "case). The system stage's columns are the same in both.")
+PROTOCOL_NOTE = (
+    "Each row reads one protocol of the quality stage: context-only compresses the context before the "
+    "question is seen (the case of a context cached or offloaded once and reused for many questions: "
+    "the one a serving user should read); query-aware compresses after the question (the favourable "
+    "case). The system stage's columns are the same in both."
+)
 
 
 def _recommendation_rows(recs: pd.DataFrame) -> pd.DataFrame:
     interval = [_interval_text(v, lo, hi) for v, lo, hi in zip(recs.best_value, recs.best_ci_low, recs.best_ci_high)]
-    return recs.assign(best_interval=interval)[["model", "protocol", "category", "bucket", "best", "best_interval",
-                                                "best_n", "runner_up", "undecided", "numbers", "why"]]
+    return recs.assign(best_interval=interval)[
+        [
+            "model",
+            "protocol",
+            "category",
+            "bucket",
+            "best",
+            "best_interval",
+            "best_n",
+            "runner_up",
+            "undecided",
+            "numbers",
+            "why",
+        ]
+    ]
 
 
 def recommendations_page(report: ReportTables, baseline: str) -> str:
@@ -178,87 +284,142 @@ def recommendations_page(report: ReportTables, baseline: str) -> str:
     sections = []
     for scenario, rows in recs.groupby("scenario", sort=False):
         first = rows.iloc[0]
-        note = (f"{first.description} Limits: {first.limits} (met only where the interval's unfavourable end meets "
-                f"them). Prefer: {first.prefer}. {PROTOCOL_NOTE}")
+        note = (
+            f"{first.description} Limits: {first.limits} (met only where the interval's unfavourable end meets "
+            f"them). Prefer: {first.prefer}. {PROTOCOL_NOTE}"
+        )
         rows = rows.assign(_first=rows.protocol != CONTEXT_ONLY).sort_values(["_first", "model", "category", "bucket"])
         sections.append((f"Scenario: {scenario}", note, _recommendation_rows(rows)))
     if not sections:
         sections.append(("No scenarios", "Add scenarios under report.scenarios in the config.", None))
-    shown = [c for c in ["model", "method", "protocol", "category", "bucket", "samples", "prompts", "quality_errors",
-                         "system_errors", *(p for c in MEASURED for p in (c, f"{c}_low", f"{c}_high", f"{c}_rel",
-                                                                             f"{c}_rel_low", f"{c}_rel_high"))]
-             if c in report.methods and report.methods[c].notna().any()]
-    sections.append((f"The numbers behind it (per method; *_rel = / {baseline}; *_low, *_high: bootstrap interval)",
-                     _not_run_note(report.stages), report.methods[shown] if shown else None))
+    shown = [
+        c
+        for c in [
+            "model",
+            "method",
+            "protocol",
+            "category",
+            "bucket",
+            "samples",
+            "prompts",
+            "quality_errors",
+            "system_errors",
+            *(p for c in MEASURED for p in (c, f"{c}_low", f"{c}_high", f"{c}_rel", f"{c}_rel_low", f"{c}_rel_high")),
+        ]
+        if c in report.methods and report.methods[c].notna().any()
+    ]
+    sections.append(
+        (
+            f"The numbers behind it (per method; *_rel = / {baseline}; *_low, *_high: bootstrap interval)",
+            _not_run_note(report.stages),
+            report.methods[shown] if shown else None,
+        )
+    )
     return html_page("Which KV method for which workload", sections)
 
 
 def correlations_page(report: ReportTables) -> str:
-    note = ("Spearman's rho between each method's measured compression ratio and the outcome, across methods, "
-            "with an expanded percentile bootstrap interval over samples (paired: every method resampled alike); "
-            "methods_differ_p: a bootstrap test that the methods differ in the outcome at all (where they do not, "
-            "no correlation with it can be told from noise).")
-    return html_page("Does compression ratio predict end-to-end behaviour?", [
-        ("Rank correlations", note, report.correlations if len(report.correlations) else None),
-    ])
+    note = (
+        "Spearman's rho between each method's measured compression ratio and the outcome, across methods, "
+        "with an expanded percentile bootstrap interval over samples (paired: every method resampled alike); "
+        "methods_differ_p: a bootstrap test that the methods differ in the outcome at all (where they do not, "
+        "no correlation with it can be told from noise)."
+    )
+    return html_page(
+        "Does compression ratio predict end-to-end behaviour?",
+        [
+            ("Rank correlations", note, report.correlations if len(report.correlations) else None),
+        ],
+    )
 
 
 def differences_page(report: ReportTables) -> str:
     diff, ratios = report.differences, report.system_ratios
-    note = ("Per method: its value and its difference from the reference on the same samples (paired), with "
-            "expanded percentile bootstrap intervals over samples (a pooled row resamples within each category and "
-            "bucket where each holds 20 samples or more, else all its samples together); per comparison, not adjusted (the claims are). score: task score; kl_mean, top1_agreement: "
-            "pooled over teacher-forced positions (the reference's: 0 and 1); first_divergence: identical outputs "
-            "count at the continuation's length; ratio: measured bytes. mde: the difference a two-sided paired test "
-            "detects with 80 % power at this n and spread; n_needed: the samples 'effect' needs.")
+    note = (
+        "Per method: its value and its difference from the reference on the same samples (paired), with "
+        "expanded percentile bootstrap intervals over samples (a pooled row resamples within each category and "
+        "bucket where each holds 20 samples or more, else all its samples together); per comparison, not adjusted (the claims are). score: task score; kl_mean, top1_agreement: "
+        "pooled over teacher-forced positions (the reference's: 0 and 1); first_divergence: identical outputs "
+        "count at the continuation's length; ratio: measured bytes. mde: the difference a two-sided paired test "
+        "detects with 80 % power at this n and spread; n_needed: the samples 'effect' needs."
+    )
     pooled = diff[(diff.category == "all") & (diff.bucket == "all")] if len(diff) else diff
-    ratio_note = ("Geometric mean over prompts of the ratio method / baseline on the same prompt and repeat "
-                  "('pairing' says how the runs were paired), with its interval over prompts; mde and effect are "
-                  "relative changes.")
-    return html_page("Each method against the reference, with intervals", [
-        ("Pooled over categories and buckets", note, pooled if len(pooled) else None),
-        ("TTFT, TPOT, decode speed and end-to-end time, paired with the baseline", ratio_note,
-         ratios if len(ratios) else None),
-        ("Every cell (protocol x category x bucket, and pooled)", "", diff if len(diff) else None),
-    ])
+    ratio_note = (
+        "Geometric mean over prompts of the ratio method / baseline on the same prompt and repeat "
+        "('pairing' says how the runs were paired), with its interval over prompts; mde and effect are "
+        "relative changes."
+    )
+    return html_page(
+        "Each method against the reference, with intervals",
+        [
+            ("Pooled over categories and buckets", note, pooled if len(pooled) else None),
+            (
+                "TTFT, TPOT, decode speed and end-to-end time, paired with the baseline",
+                ratio_note,
+                ratios if len(ratios) else None,
+            ),
+            ("Every cell (protocol x category x bucket, and pooled)", "", diff if len(diff) else None),
+        ],
+    )
 
 
 def power_page(report: ReportTables) -> str:
     claims = report.claims[report.claims.n.notna()] if len(report.claims) else report.claims
     columns = ["claim", "model", "protocol", "statistic", "n", "unit", "mde", "effect", "n_needed", "verdict"]
-    note = ("For each claim with a test: its n, the minimum detectable effect (MDE: two-sided, the report's level, "
-            "80 % power, at this run's spread) and the n at which the stated effect becomes detectable (the spread "
-            "held; under Holm's adjustment a claim may need more).")
-    table_note = ("Per comparison of a method with the reference: the spread of the per-sample (per-prompt) "
-                  "differences, the MDE at the observed n and the n that `report.power.effects` needs. "
-                  "kvbench.report.power.power_table computes it from any run's tables (a pilot).")
-    return html_page("How much evidence: minimum detectable effects and the n a run needs", [
-        ("Per claim", note, claims[columns] if len(claims) else None),
-        ("Per comparison", table_note, report.power if len(report.power) else None),
-    ])
+    note = (
+        "For each claim with a test: its n, the minimum detectable effect (MDE: two-sided, the report's level, "
+        "80 % power, at this run's spread) and the n at which the stated effect becomes detectable (the spread "
+        "held; under Holm's adjustment a claim may need more)."
+    )
+    table_note = (
+        "Per comparison of a method with the reference: the spread of the per-sample (per-prompt) "
+        "differences, the MDE at the observed n and the n that `report.power.effects` needs. "
+        "kvbench.report.power.power_table computes it from any run's tables (a pilot)."
+    )
+    return html_page(
+        "How much evidence: minimum detectable effects and the n a run needs",
+        [
+            ("Per claim", note, claims[columns] if len(claims) else None),
+            ("Per comparison", table_note, report.power if len(report.power) else None),
+        ],
+    )
 
 
 def overview_page(report: ReportTables) -> str:
     recs = report.recommendations
     glance = None
     if len(recs):
-        glance = recs.assign(_first=recs.protocol != CONTEXT_ONLY).sort_values(["scenario", "_first", "model"],
-                                                                              kind="stable")
+        glance = recs.assign(_first=recs.protocol != CONTEXT_ONLY).sort_values(
+            ["scenario", "_first", "model"], kind="stable"
+        )
         glance = _recommendation_rows(glance).assign(scenario=glance.scenario)[
-            ["scenario", "model", "protocol", "category", "bucket", "best", "best_interval", "best_n", "undecided"]]
+            ["scenario", "model", "protocol", "category", "bucket", "best", "best_interval", "best_n", "undecided"]
+        ]
     decided = report.claims.verdict.isin([CONFIRMED, CONTRADICTED]).sum() if len(report.claims) else 0
-    return html_page("kvbench report: the answer, the evidence, the stages", [
-        ("Recommendation per scenario", "The best method within every limit of the scenario (limits met by the "
-         "interval's unfavourable end), its preferred value with interval and n; `undecided at n = ...` where the "
-         f"intervals are too wide to tell. {PROTOCOL_NOTE} Details: page Recommendation.", glance),
-        (f"Claims: {decided} of {len(report.claims)} decided", _claims_note(report.claims) + " Details: page Seed "
-         "claims.", claims_summary(report.claims) if len(report.claims) else None),
-        ("Stages", _not_run_note(report.stages), report.stages),
-        ("Corpora: diversity, KV compressibility, bytes on the wire",
-         "Per corpus: mean token diversity, pooled KV compression ratio per weights variant at the report's "
-         "dtype and codec (kv stage), and bytes on the wire through the serve stage with the same codec.",
-         report.corpora.drop(columns="sources", errors="ignore") if len(report.corpora) else None),
-    ])
+    return html_page(
+        "kvbench report: the answer, the evidence, the stages",
+        [
+            (
+                "Recommendation per scenario",
+                "The best method within every limit of the scenario (limits met by the "
+                "interval's unfavourable end), its preferred value with interval and n; `undecided at n = ...` where the "
+                f"intervals are too wide to tell. {PROTOCOL_NOTE} Details: page Recommendation.",
+                glance,
+            ),
+            (
+                f"Claims: {decided} of {len(report.claims)} decided",
+                _claims_note(report.claims) + " Details: page Seed claims.",
+                claims_summary(report.claims) if len(report.claims) else None,
+            ),
+            ("Stages", _not_run_note(report.stages), report.stages),
+            (
+                "Corpora: diversity, KV compressibility, bytes on the wire",
+                "Per corpus: mean token diversity, pooled KV compression ratio per weights variant at the report's "
+                "dtype and codec (kv stage), and bytes on the wire through the serve stage with the same codec.",
+                report.corpora.drop(columns="sources", errors="ignore") if len(report.corpora) else None,
+            ),
+        ],
+    )
 
 
 def costs_page(costs: pd.DataFrame) -> str:
@@ -266,12 +427,16 @@ def costs_page(costs: pd.DataFrame) -> str:
         return html_page("Pipeline cost", [("No benchmark files", "benchmarks/ holds no TSV yet.", None)])
     costs = costs.assign(share_pct=100 * costs.share)
     shown = ["stage", "rule", "job", "jobs", "wall_s", "span_s", "share_pct", "max_rss_mb", "cpu_s", "mean_load"]
-    note = ("wall_s: job-seconds (summed over the jobs), span_s: first start to last end (from file times), "
-            "share_pct: of all job-seconds, max_rss_mb: the largest job. The report's own job is not in it: "
-            "its benchmark is written after it ends.")
-    return html_page("Pipeline cost (benchmarks/*.tsv)", [
-        ("Per stage", note, costs[costs.level == "stage"][shown].drop(columns=["rule", "job"])),
-        ("Per rule", "", costs[costs.level == "rule"][shown].drop(columns="job")),
-        ("Per job", "", costs[costs.level == "job"][shown].drop(columns=["jobs", "span_s"])),
-    ])
-
+    note = (
+        "wall_s: job-seconds (summed over the jobs), span_s: first start to last end (from file times), "
+        "share_pct: of all job-seconds, max_rss_mb: the largest job. The report's own job is not in it: "
+        "its benchmark is written after it ends."
+    )
+    return html_page(
+        "Pipeline cost (benchmarks/*.tsv)",
+        [
+            ("Per stage", note, costs[costs.level == "stage"][shown].drop(columns=["rule", "job"])),
+            ("Per rule", "", costs[costs.level == "rule"][shown].drop(columns="job")),
+            ("Per job", "", costs[costs.level == "job"][shown].drop(columns=["jobs", "span_s"])),
+        ],
+    )

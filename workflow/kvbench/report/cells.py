@@ -47,8 +47,9 @@ class Cell:
 class Panel:
     """Pivoted unit tables per group and the cells over them."""
 
-    def __init__(self, rows: pd.DataFrame, group: list[str], unit: list[str], strata: list[str], n_boot: int,
-                 seed: int, tag: str) -> None:
+    def __init__(
+        self, rows: pd.DataFrame, group: list[str], unit: list[str], strata: list[str], n_boot: int, seed: int, tag: str
+    ) -> None:
         self.rows, self.group, self.unit, self.strata = rows, group, unit, strata
         self.n_boot, self.seed, self.tag = n_boot, seed, tag
         self._pivots: dict[tuple, pd.DataFrame] = {}
@@ -59,8 +60,11 @@ class Panel:
         out = {}
         for key, rows in self.rows.groupby(self.group, sort=True):
             key = key if isinstance(key, tuple) else (key,)
-            units = (rows[[*self.strata, *self.unit]].drop_duplicates(self.unit)
-                     .sort_values([*self.strata, *self.unit], ignore_index=True))
+            units = (
+                rows[[*self.strata, *self.unit]]
+                .drop_duplicates(self.unit)
+                .sort_values([*self.strata, *self.unit], ignore_index=True)
+            )
             out[key] = (rows, units.assign(_row=np.arange(len(units))))
         return out
 
@@ -70,8 +74,7 @@ class Panel:
             rows, units = self.groups[gkey]
             table = rows.drop_duplicates([*self.unit, "method"]).set_index([*self.unit, "method"])[column]
             table = table.astype(float).unstack("method")
-            index = (pd.Index(units[self.unit[0]]) if len(self.unit) == 1
-                     else pd.MultiIndex.from_frame(units[self.unit]))
+            index = pd.Index(units[self.unit[0]]) if len(self.unit) == 1 else pd.MultiIndex.from_frame(units[self.unit])
             self._pivots[(gkey, column)] = table.reindex(index)
         return self._pivots[(gkey, column)]
 

@@ -50,45 +50,86 @@ def _same(*names: str) -> dict[str, str]:
 
 CONTRACTS: dict[str, Contract] = {
     "corpus_stats": Contract(
-        "corpus", "results/corpus/stats.parquet",
+        "corpus",
+        "results/corpus/stats.parquet",
         _same("corpus", "domain", "doc_id", "tokens", "unique_tokens", "diversity_pct"),
     ),
     "kv_compressibility": Contract(
-        "kv", "results/kv/compressibility.parquet",
+        "kv",
+        "results/kv/compressibility.parquet",
         _same("corpus", "weights", "doc_id", "dtype", "codec", "part", "raw_bytes", "compressed_bytes", "error"),
     ),
     "kv_summary": Contract(
-        "kv", "results/kv/summary.parquet",
+        "kv",
+        "results/kv/summary.parquet",
         _same("dtype", "codec", "comparison", "held_fixed", "benchmark_ratio", "realistic_ratio", "inflation"),
     ),
     "system": Contract(
-        "system", "results/system/metrics.parquet",
-        _same("model", "method", "prompt_id", "corpus", "target_context", "context_tokens", "bucket", "ttft_s",
-              "tpot_s", "decode_tok_s", "kv_bytes_end", "ratio_end", "peak_memory_mb", "error"),
+        "system",
+        "results/system/metrics.parquet",
+        _same(
+            "model",
+            "method",
+            "prompt_id",
+            "corpus",
+            "target_context",
+            "context_tokens",
+            "bucket",
+            "ttft_s",
+            "tpot_s",
+            "decode_tok_s",
+            "kv_bytes_end",
+            "ratio_end",
+            "peak_memory_mb",
+            "error",
+        ),
         optional=_same("ttft_s_std", "repeats"),
     ),
     # Issue 18 (paired timing): per model, one row per method x prompt x repeat; the runs of one
     # (prompt, repeat) ran in one process, interleaved, so they pair with the baseline's.
     "system_runs": Contract(
-        "system", "results/system/runs.parquet",
-        _same("model", "method", "prompt_id", "corpus", "repeat", "ttft_s", "tpot_s", "decode_tok_s", "kv_bytes_end",
-              "ratio_end", "error"),
+        "system",
+        "results/system/runs.parquet",
+        _same(
+            "model",
+            "method",
+            "prompt_id",
+            "corpus",
+            "repeat",
+            "ttft_s",
+            "tpot_s",
+            "decode_tok_s",
+            "kv_bytes_end",
+            "ratio_end",
+            "error",
+        ),
         optional=_same("job", "kind", "params", "e2e_s", "bucket", "target_context", "context_tokens"),
     ),
     # Issue 9 (quality): per model, one row per method x task x sample (categories: CATEGORY_* below).
     "quality_scores": Contract(
-        "quality", "results/quality/{model}/scores.parquet",
-        {**_same("model", "method", "task", "category", "metric", "bucket", "context_tokens", "score", "error"),
-         "sample": "sample_id"},
+        "quality",
+        "results/quality/{model}/scores.parquet",
+        {
+            **_same("model", "method", "task", "category", "metric", "bucket", "context_tokens", "score", "error"),
+            "sample": "sample_id",
+        },
         # Per-sample timings and bytes of the same pass (issue 9, item 3); "empty output" rows keep
         # their score (an empty answer scores 0): only a null score is a failed sample.
-        optional={"ttft_s": "ttft_s", "tpot_s": "tpot_s", "kv_bytes": "kv_bytes_end", "ratio": "ratio_end",
-                  **_same("protocol", "kind", "params")},
+        optional={
+            "ttft_s": "ttft_s",
+            "tpot_s": "tpot_s",
+            "kv_bytes": "kv_bytes_end",
+            "ratio": "ratio_end",
+            **_same("protocol", "kind", "params"),
+        },
     ),
     "quality_fidelity": Contract(
-        "quality", "results/quality/{model}/fidelity.parquet",
-        {**_same("model", "method", "category", "kl_mean", "top1_agreement", "first_divergence", "error"),
-         "sample": "sample_id"},
+        "quality",
+        "results/quality/{model}/fidelity.parquet",
+        {
+            **_same("model", "method", "category", "kl_mean", "top1_agreement", "first_divergence", "error"),
+            "sample": "sample_id",
+        },
         # first_divergence is null where the outputs are identical: the continuation's length then.
         # protocol: absent before issue 18 (one protocol, query-aware); kl_first: the first answer token.
         optional={"bucket": "bucket", "positions": "fidelity_positions", **_same("protocol", "task", "kl_first")},
@@ -96,13 +137,18 @@ CONTRACTS: dict[str, Contract] = {
     # Issue 11 (serve): per backend x codec x corpus. Bytes and ratio exist only for backends that
     # store through a codec (valkey), TTFT and hits only for rows that ran (not "unsupported").
     "serve_offload": Contract(
-        "serve", "results/serve/offload.parquet",
+        "serve",
+        "results/serve/offload.parquet",
         _same("backend", "codec", "corpus"),
         # status: "ok", "N requests failed" or "unsupported: ..." (a row that is no result)
-        optional={**_same("raw_bytes", "wire_bytes", "ratio", "status", "store_mb_s", "load_mb_s"),
-                  "ttft_warmup_s": "ttft_warmup_mean_s", "ttft_query_s": "ttft_query_mean_s",
-                  "ttft_hit_s": "ttft_hit_mean_s", "hits": "query_hits",
-                  "outputs_identical": "outputs_identical_share"},
+        optional={
+            **_same("raw_bytes", "wire_bytes", "ratio", "status", "store_mb_s", "load_mb_s"),
+            "ttft_warmup_s": "ttft_warmup_mean_s",
+            "ttft_query_s": "ttft_query_mean_s",
+            "ttft_hit_s": "ttft_hit_mean_s",
+            "hits": "query_hits",
+            "outputs_identical": "outputs_identical_share",
+        },
     ),
 }
 
@@ -134,8 +180,10 @@ def read_table(name: str, path: str | os.PathLike) -> pd.DataFrame:
             f"adapt CONTRACTS[{name!r}] in {Path(__file__).name} if the stage renamed them"
         )
     wanted = {**contract.columns, **contract.optional}
-    out = pd.DataFrame({ours: table[theirs] if theirs in table.columns else np.nan for ours, theirs in wanted.items()},
-                       index=table.index)
+    out = pd.DataFrame(
+        {ours: table[theirs] if theirs in table.columns else np.nan for ours, theirs in wanted.items()},
+        index=table.index,
+    )
     for col in PROVENANCE_COLUMNS:
         if col in table.columns and col not in out.columns:
             out[col] = table[col]

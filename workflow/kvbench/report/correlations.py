@@ -20,7 +20,6 @@ from kvbench.report.joined import SYSTEM_CATEGORY, workload_prompts
 from kvbench.report.samples import with_protocol
 from kvbench.report.stats import bootstrap_spearman
 
-OUTCOMES = ("quality", "ttft_s", "tpot_s")
 POOLED = "all categories (pooled)"
 SAMPLE = ["category", "task", "sample"]
 
@@ -31,8 +30,9 @@ def _matrix(rows: pd.DataFrame, sample: list[str], value: str) -> pd.DataFrame:
 
 
 def _broadcast(per_method: pd.Series, like: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame([per_method.reindex(like.columns).to_numpy()] * len(like), index=like.index,
-                        columns=like.columns)
+    return pd.DataFrame(
+        [per_method.reindex(like.columns).to_numpy()] * len(like), index=like.index, columns=like.columns
+    )
 
 
 def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
@@ -71,8 +71,15 @@ def _system_pairs(system: pd.DataFrame):
     for model, part in rows.groupby("model"):
         x = _matrix(part, ["prompt_id"], "ratio_end")
         for outcome in ("ttft_s", "tpot_s"):
-            yield (model, DEFAULT_PROTOCOL, SYSTEM_CATEGORY, outcome, CONTRACTS["system"].path, x,
-                   _matrix(part, ["prompt_id"], outcome))
+            yield (
+                model,
+                DEFAULT_PROTOCOL,
+                SYSTEM_CATEGORY,
+                outcome,
+                CONTRACTS["system"].path,
+                x,
+                _matrix(part, ["prompt_id"], outcome),
+            )
 
 
 def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.95) -> pd.DataFrame:
@@ -86,12 +93,41 @@ def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.9
     rows = []
     for model, protocol, category, outcome, source, x, y in pairs:
         r = bootstrap_spearman(x, y, n_boot, seed, level)
-        differ, _ = equal_means_test(y.to_numpy(float), n_boot, rng_for(seed, "correlations", model, protocol,
-                                                                          category, outcome))
-        rows.append({"model": model, "protocol": protocol, "category": category, "outcome": outcome, "rho": r.rho,
-                     "ci_low": r.ci_low, "ci_high": r.ci_high, "methods": r.n_items, "samples": r.n_samples,
-                     "methods_differ_p": differ, "level": level, "bootstrap": n_boot, "bootstrap_seed": seed,
-                     "source": source})
-    columns = ["model", "protocol", "category", "outcome", "rho", "ci_low", "ci_high", "methods", "samples",
-               "methods_differ_p", "level", "bootstrap", "bootstrap_seed", "source"]
+        differ, _ = equal_means_test(
+            y.to_numpy(float), n_boot, rng_for(seed, "correlations", model, protocol, category, outcome)
+        )
+        rows.append(
+            {
+                "model": model,
+                "protocol": protocol,
+                "category": category,
+                "outcome": outcome,
+                "rho": r.rho,
+                "ci_low": r.ci_low,
+                "ci_high": r.ci_high,
+                "methods": r.n_items,
+                "samples": r.n_samples,
+                "methods_differ_p": differ,
+                "level": level,
+                "bootstrap": n_boot,
+                "bootstrap_seed": seed,
+                "source": source,
+            }
+        )
+    columns = [
+        "model",
+        "protocol",
+        "category",
+        "outcome",
+        "rho",
+        "ci_low",
+        "ci_high",
+        "methods",
+        "samples",
+        "methods_differ_p",
+        "level",
+        "bootstrap",
+        "bootstrap_seed",
+        "source",
+    ]
     return pd.DataFrame(rows, columns=columns)

@@ -35,7 +35,9 @@ def rule_of(path: str, patterns: Mapping[str, str]) -> str:
 
 
 def read_benchmarks(
-    workdir: str | os.PathLike, patterns: Mapping[str, str], folder: str = "benchmarks",
+    workdir: str | os.PathLike,
+    patterns: Mapping[str, str],
+    folder: str = "benchmarks",
 ) -> pd.DataFrame:
     """One row per benchmark file (mean over its repeats). A file no rule of the workflow writes
     (left by a renamed or removed rule) is skipped and named: it would count a job twice."""
@@ -51,19 +53,34 @@ def read_benchmarks(
             continue
         wall = float(runs["s"].mean())
         end = path.stat().st_mtime
-        rows.append({
-            "level": "job", "stage": path.relative_to(root / folder).parts[0] if path.parent != root / folder else "-",
-            "rule": rule_of(rel, patterns), "job": rel[len(folder) + 1:-len(".tsv")], "jobs": 1, "wall_s": wall,
-            "max_rss_mb": float(runs["max_rss"].max()), "cpu_s": float(runs["cpu_time"].mean()),
-            "mean_load": float(runs["mean_load"].mean()), "start": end - wall, "end": end,
-        })
+        rows.append(
+            {
+                "level": "job",
+                "stage": path.relative_to(root / folder).parts[0] if path.parent != root / folder else "-",
+                "rule": rule_of(rel, patterns),
+                "job": rel[len(folder) + 1 : -len(".tsv")],
+                "jobs": 1,
+                "wall_s": wall,
+                "max_rss_mb": float(runs["max_rss"].max()),
+                "cpu_s": float(runs["cpu_time"].mean()),
+                "mean_load": float(runs["mean_load"].mean()),
+                "start": end - wall,
+                "end": end,
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def _summarize(jobs: pd.DataFrame, by: list[str], level: str) -> pd.DataFrame:
     agg = jobs.groupby(by, as_index=False).agg(
-        jobs=("job", "size"), wall_s=("wall_s", "sum"), max_rss_mb=("max_rss_mb", "max"), cpu_s=("cpu_s", "sum"),
-        mean_load=("mean_load", "mean"), start=("start", "min"), end=("end", "max"))
+        jobs=("job", "size"),
+        wall_s=("wall_s", "sum"),
+        max_rss_mb=("max_rss_mb", "max"),
+        cpu_s=("cpu_s", "sum"),
+        mean_load=("mean_load", "mean"),
+        start=("start", "min"),
+        end=("end", "max"),
+    )
     agg["span_s"] = agg.end - agg.start
     agg["level"] = level
     return agg

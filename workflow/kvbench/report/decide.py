@@ -57,15 +57,17 @@ class Test:
         return f"{self.statistic}: {iv.estimate:.3g} {ci}, n = {iv.n} {self.unit}"
 
 
-def no_interval(compared: str, statistic: str, estimate: float, n: int, level: float, unit: str,
-                effect: float, null: float = 0.0) -> Test:
+def no_interval(
+    compared: str, statistic: str, estimate: float, n: int, level: float, unit: str, effect: float, null: float = 0.0
+) -> Test:
     """A test that cannot run at this n (fewer units than an interval needs)."""
     iv = Interval(estimate, math.nan, math.nan, n, math.nan, math.nan, level, null)
     return Test(compared, statistic, iv, math.nan, 0, False, unit, effect)
 
 
-def threshold_test(compared: str, statistic: str, est: Estimate, threshold: float, level: float, unit: str,
-                   effect: float) -> Test:
+def threshold_test(
+    compared: str, statistic: str, est: Estimate, threshold: float, level: float, unit: str, effect: float
+) -> Test:
     """Confirmed if the statistic lies above `threshold`, contradicted if below."""
     iv = est.interval(level, null=threshold)
     if iv.p_value != iv.p_value:
@@ -74,8 +76,15 @@ def threshold_test(compared: str, statistic: str, est: Estimate, threshold: floa
     return Test(compared, statistic, iv, iv.p_value, direction, iv.direction == direction != 0, unit, effect)
 
 
-def family_threshold_test(compared: str, statistic: str, estimates: Mapping[str, Estimate], threshold: float,
-                          level: float, unit: str, effect: float) -> Test:
+def family_threshold_test(
+    compared: str,
+    statistic: str,
+    estimates: Mapping[str, Estimate],
+    threshold: float,
+    level: float,
+    unit: str,
+    effect: float,
+) -> Test:
     """Confirmed if some member lies above `threshold` (Bonferroni over the members), contradicted if
     every member lies below it (intersection-union)."""
     ivs = {name: est.interval(level, null=threshold) for name, est in estimates.items()}
@@ -98,8 +107,17 @@ def family_threshold_test(compared: str, statistic: str, estimates: Mapping[str,
     return Test(compared, statistic, ivs[down], p_down, -1, supports, unit, effect)
 
 
-def extreme_test(compared: str, statistic: str, estimates: Mapping[str, Estimate], family: Sequence[str],
-                 rivals: Sequence[str], higher: bool, level: float, unit: str, effect: float) -> Test:
+def extreme_test(
+    compared: str,
+    statistic: str,
+    estimates: Mapping[str, Estimate],
+    family: Sequence[str],
+    rivals: Sequence[str],
+    higher: bool,
+    level: float,
+    unit: str,
+    effect: float,
+) -> Test:
     """Is some member of `family` the highest (or lowest) of all, by paired differences of
     `estimates` (all on one cell's resamples)? See the module's text."""
     sign = 1 if higher else -1
@@ -124,8 +142,16 @@ def extreme_test(compared: str, statistic: str, estimates: Mapping[str, Estimate
     return Test(compared, statistic, ivs[(contradict[best_c][1], best_c)], p_contradict, -1, supports, unit, effect)
 
 
-def band_test(compared: str, statistic: str, est: Estimate, band: float, level: float, unit: str, effect: float,
-              also_needed: float = 0.0) -> Test:
+def band_test(
+    compared: str,
+    statistic: str,
+    est: Estimate,
+    band: float,
+    level: float,
+    unit: str,
+    effect: float,
+    also_needed: float = 0.0,
+) -> Test:
     """Confirmed if the statistic's interval lies inside (-band, band) (and `also_needed`, the p-value
     of a condition the confirmation also needs, is small: intersection-union), contradicted if it
     lies beyond band or beyond -band (Bonferroni over the two sides)."""

@@ -23,6 +23,7 @@ def finding(name: str, *tables: str) -> Callable[[Callable[..., str]], Callable[
     def register(render: Callable[..., str]) -> Callable[..., str]:
         FINDINGS[name] = Block(render, tables, inline=True)
         return render
+
     return register
 
 
@@ -35,14 +36,19 @@ def diversity(t: pd.DataFrame) -> str:
     rows = {f"{r.corpus} {r.domain}" if r.corpus != r.domain else r.corpus: r for r in t.itertuples()}
     if "synthetic" not in rows or len(rows) < 2:
         return "not measured in this snapshot (`corpus/stats_summary.parquet` lacks the synthetic or another corpus)"
-    shown = [f"{name} {fmt(r.diversity_pct_mean)} % ({fmt(r.tokens_mean)} tokens a document)"
-             for name, r in rows.items()]
+    shown = [
+        f"{name} {fmt(r.diversity_pct_mean)} % ({fmt(r.tokens_mean)} tokens a document)" for name, r in rows.items()
+    ]
     return "token diversity (distinct tokens ÷ tokens of a document, mean per corpus): " + ", ".join(shown)
 
 
 def _kv_row(t: pd.DataFrame, dtype: str, benchmark: str, realistic: str = "realistic+real") -> pd.Series | None:
-    found = t[(t.dtype == dtype) & (t.codec == "zstd-3") & (t.benchmark_setting == benchmark)
-              & (t.realistic_setting == realistic)]
+    found = t[
+        (t.dtype == dtype)
+        & (t.codec == "zstd-3")
+        & (t.benchmark_setting == benchmark)
+        & (t.realistic_setting == realistic)
+    ]
     return None if found.empty else found.iloc[0]
 
 
@@ -51,9 +57,11 @@ def kv_inflation(t: pd.DataFrame) -> str:
     dummy = _kv_row(t, "bf16", "realistic+dummy")
     if dummy is None:
         return "not measured in this snapshot (no bf16 zstd-3 dummy-vs-real row in `kv/summary.parquet`)"
-    text = (f"at bf16, zstd-3 compresses the KV cache of realistic documents {_times(dummy.realistic_ratio)} with real "
-            f"weights and {_times(dummy.benchmark_ratio)} with dummy weights: dummy weights inflate the ratio "
-            f"{_times(dummy.inflation)}")
+    text = (
+        f"at bf16, zstd-3 compresses the KV cache of realistic documents {_times(dummy.realistic_ratio)} with real "
+        f"weights and {_times(dummy.benchmark_ratio)} with dummy weights: dummy weights inflate the ratio "
+        f"{_times(dummy.inflation)}"
+    )
     if pd.notna(dummy.get("layer_inflation")):
         text += f" ({_times(dummy.layer_inflation)} with each layer compressed alone)"
     repetitive = _kv_row(t, "bf16", "synthetic+real")
@@ -77,9 +85,11 @@ def wire(t: pd.DataFrame) -> str:
         compared = rows.outputs_compared.fillna(0)
         return f"{int(round((rows.outputs_identical_share.fillna(0) * compared).sum()))} of {int(compared.sum())}"
 
-    text = (f"through vLLM and Valkey, every lossless codec's measured wire ratio lies within "
-            f"{fmt(100 * worst)} % of the kv stage's prediction ({len(lossless)} codec × corpus cells), and "
-            f"{same(lossless)} cache hits answered exactly as recompute did")
+    text = (
+        f"through vLLM and Valkey, every lossless codec's measured wire ratio lies within "
+        f"{fmt(100 * worst)} % of the kv stage's prediction ({len(lossless)} codec × corpus cells), and "
+        f"{same(lossless)} cache hits answered exactly as recompute did"
+    )
     if not lossy.empty:
         text += f"; through the lossy wire formats ({', '.join(dict.fromkeys(lossy.codec))}) {same(lossy)} did"
     return text
@@ -95,20 +105,31 @@ def fidelity(t: pd.DataFrame) -> str:
         t = t.assign(protocol="query-aware")
     for (model, protocol), rows in t[t.category == "all"].groupby(["model", "protocol"], sort=False):
         rows = rows.set_index("method")
-        pairs = [f"{a} {fmt(rows.loc[a].kl_mean)}{interval(rows.loc[a], 'kl_mean')} vs {b} "
-                 f"{fmt(rows.loc[b].kl_mean)}{interval(rows.loc[b], 'kl_mean')}"
-                 for a, b in FIDELITY_PAIRS if a in rows.index and b in rows.index]
+        pairs = [
+            f"{a} {fmt(rows.loc[a].kl_mean)}{interval(rows.loc[a], 'kl_mean')} vs {b} "
+            f"{fmt(rows.loc[b].kl_mean)}{interval(rows.loc[b], 'kl_mean')}"
+            for a, b in FIDELITY_PAIRS
+            if a in rows.index and b in rows.index
+        ]
         if not pairs:
             continue
         first = ""
         if "kl_first_mean" in rows:  # the first answer token: exact under query-aware by construction
             lossy = rows.kl_first_mean.dropna()
             if len(lossy):
-                first = (f"; KL at the first answer token from {fmt(lossy.min())} ({lossy.idxmin()}) to "
-                         f"{fmt(lossy.max())} ({lossy.idxmax()})")
+                first = (
+                    f"; KL at the first answer token from {fmt(lossy.min())} ({lossy.idxmin()}) to "
+                    f"{fmt(lossy.max())} ({lossy.idxmax()})"
+                )
         reference = rows.loc[rows.kl_mean.isna()]
-        scored = (f"; `{reference.index[0]}`'s own task score is {fmt(reference.score_mean.iloc[0])} over "
-                  f"{int(reference.samples.iloc[0])} samples") if len(reference) else ""
+        scored = (
+            (
+                f"; `{reference.index[0]}`'s own task score is {fmt(reference.score_mean.iloc[0])} over "
+                f"{int(reference.samples.iloc[0])} samples"
+            )
+            if len(reference)
+            else ""
+        )
         parts.append(f"{model}, {protocol}: KL(full ‖ method) per decode position, {'; '.join(pairs)}{first}{scored}")
     return " — ".join(parts) or "not measured in this snapshot (the quality summary has no pair of FIDELITY_PAIRS)"
 
@@ -129,5 +150,7 @@ def ratio_predicts(t: pd.DataFrame) -> str:
         parts.append(f"{protocol}with {r.outcome} ρ {r.rho:+.2f}{span} ({verdict})")
     first = rows.iloc[0]
     level = f"{fmt(100 * first.level)} % bootstrap intervals, " if "level" in rows else ""
-    return (f"Spearman's ρ of the measured ratio across {int(first.methods)} methods, pooled over categories "
-            f"({level}{int(first.samples)} samples): " + "; ".join(parts))
+    return (
+        f"Spearman's ρ of the measured ratio across {int(first.methods)} methods, pooled over categories "
+        f"({level}{int(first.samples)} samples): " + "; ".join(parts)
+    )

@@ -23,9 +23,20 @@ KEYS = ["model", "method", "protocol", "category", "bucket"]
 # Measured columns a scenario may limit or rank by; each also exists as <name>_rel (/ baseline),
 # and both with their interval (<name>_low, <name>_high, <name>_rel_low, <name>_rel_high) and the
 # units behind them (<name>_n: samples, or prompts for the system stage's columns).
-MEASURED = ["quality", "kl_mean", "top1_agreement", "first_divergence", "ttft_s", "tpot_s", "decode_tok_s",
-            "kv_bytes", "ratio", "peak_memory_mb"]
+MEASURED = [
+    "quality",
+    "kl_mean",
+    "top1_agreement",
+    "first_divergence",
+    "ttft_s",
+    "tpot_s",
+    "decode_tok_s",
+    "kv_bytes",
+    "ratio",
+    "peak_memory_mb",
+]
 BOUNDS = ["low", "high", "rel_low", "rel_high", "n"]
+
 
 def _sources(tables: Tables, *names: str) -> str:
     """Provenance of the stage tables a row was built from (JSON)."""
@@ -36,7 +47,8 @@ def _sources(tables: Tables, *names: str) -> str:
             continue
         out[CONTRACTS[name].path] = {
             col: sorted(map(str, frame[col].dropna().unique()))
-            for col in ("config_hash", "git_commit", "kvbench_version") if col in frame
+            for col in ("config_hash", "git_commit", "kvbench_version")
+            if col in frame
         }
     return json.dumps(out, sort_keys=True)
 
@@ -80,19 +92,37 @@ def quality_side(paired: pd.DataFrame, baseline: str, n_boot: int, seed: int, le
     timings and bytes)."""
     rows = []
     for cell in quality_panel(paired, n_boot, seed).cells(("leaf",)):
-        m = {c: cell.matrix(c) for c in ("score", "failed", "empty", "kl_mean", "top1_agreement", "first_divergence",
-                                         "positions", *PER_SAMPLE)}
+        m = {
+            c: cell.matrix(c)
+            for c in (
+                "score",
+                "failed",
+                "empty",
+                "kl_mean",
+                "top1_agreement",
+                "first_divergence",
+                "positions",
+                *PER_SAMPLE,
+            )
+        }
         positions = m["positions"].max(axis=1).to_numpy(float)  # the reference continuation's, for any method
         r = cell.resample
-        base = {c: m[c][baseline].to_numpy(float) if baseline in m[c] else np.full(cell.n_units, np.nan)
-                for c in ("score", *PER_SAMPLE)}
+        base = {
+            c: m[c][baseline].to_numpy(float) if baseline in m[c] else np.full(cell.n_units, np.nan)
+            for c in ("score", *PER_SAMPLE)
+        }
         for method in m["score"].columns:
             present = m["failed"][method].notna()
             if not present.any():
                 continue
             col = {c: m[c][method].to_numpy(float) for c in m}
-            out = {**cell.key, "method": method, "samples": int(present.sum()),
-                   "quality_errors": int(np.nansum(col["failed"])), "empty_outputs": int(np.nansum(col["empty"]))}
+            out = {
+                **cell.key,
+                "method": method,
+                "samples": int(present.sum()),
+                "quality_errors": int(np.nansum(col["failed"])),
+                "empty_outputs": int(np.nansum(col["empty"])),
+            }
             _put(out, "quality", r.mean(col["score"]), r.ratio(col["score"], base["score"]), level)
             if method == baseline:
                 known = np.isfinite(positions)
@@ -105,8 +135,13 @@ def quality_side(paired: pd.DataFrame, baseline: str, n_boot: int, seed: int, le
             _put(out, "kl_mean", kl_est, None, level)
             _put(out, "top1_agreement", top1_est, top1_est, level)  # the baseline's is 1
             fd_known = np.isfinite(fd).any()
-            _put(out, "first_divergence", r.mean(fd) if fd_known else None,
-                 r.ratio(fd, positions) if fd_known else None, level)
+            _put(
+                out,
+                "first_divergence",
+                r.mean(fd) if fd_known else None,
+                r.ratio(fd, positions) if fd_known else None,
+                level,
+            )
             for c in PER_SAMPLE:
                 measured = np.isfinite(col[c]).any()
                 rel = r.geometric_mean(_log_ratio(col[c], base[c])) if measured and np.isfinite(base[c]).any() else None
@@ -127,26 +162,48 @@ def system_side(units: pd.DataFrame, baseline: str, n_boot: int, seed: int, leve
         for method in runs.columns:
             if not runs[method].notna().any():
                 continue
-            out = {**cell.key, "method": method, "prompts": int(runs[method].notna().sum()),
-                   "system_errors": int(failed[method].fillna(0).sum())}
+            out = {
+                **cell.key,
+                "method": method,
+                "prompts": int(runs[method].notna().sum()),
+                "system_errors": int(failed[method].fillna(0).sum()),
+            }
             for c in ("ttft_s", "tpot_s", "decode_tok_s", "kv_bytes", "ratio"):
                 values, logs = cell.matrix(c)[method].to_numpy(float), cell.matrix(f"lr_{c}")[method].to_numpy(float)
                 measured = np.isfinite(values).any()
-                _put(out, c, cell.resample.median(values) if measured else None,
-                     cell.resample.geometric_mean(logs) if np.isfinite(logs).any() else None, level)
+                _put(
+                    out,
+                    c,
+                    cell.resample.median(values) if measured else None,
+                    cell.resample.geometric_mean(logs) if np.isfinite(logs).any() else None,
+                    level,
+                )
             value = float(peak[method].max()) if peak[method].notna().any() else math.nan
             base = float(peak[baseline].max()) if baseline in peak and peak[baseline].notna().any() else math.nan
             rel = value / base if base and base == base else math.nan
-            out |= {"peak_memory_mb": value, "peak_memory_mb_low": value, "peak_memory_mb_high": value,
-                    "peak_memory_mb_rel": rel, "peak_memory_mb_rel_low": rel, "peak_memory_mb_rel_high": rel,
-                    "peak_memory_mb_n": out["prompts"]}
+            out |= {
+                "peak_memory_mb": value,
+                "peak_memory_mb_low": value,
+                "peak_memory_mb_high": value,
+                "peak_memory_mb_rel": rel,
+                "peak_memory_mb_rel_low": rel,
+                "peak_memory_mb_rel_high": rel,
+                "peak_memory_mb_n": out["prompts"],
+            }
             rows.append(out)
     return pd.DataFrame(rows)
 
 
 def _block(column: str) -> list[str]:
-    return [column, f"{column}_low", f"{column}_high", f"{column}_rel", f"{column}_rel_low", f"{column}_rel_high",
-            f"{column}_n"]
+    return [
+        column,
+        f"{column}_low",
+        f"{column}_high",
+        f"{column}_rel",
+        f"{column}_rel_low",
+        f"{column}_rel_high",
+        f"{column}_n",
+    ]
 
 
 def _skeleton(quality: pd.DataFrame | None, system: pd.DataFrame | None) -> pd.DataFrame:
@@ -159,8 +216,11 @@ def _skeleton(quality: pd.DataFrame | None, system: pd.DataFrame | None) -> pd.D
         parts.append(quality[KEYS])
     if system is not None:
         leaf = system[system.bucket != ALL] if (system.bucket != ALL).any() else system
-        cats = (quality[["model", "bucket", "protocol", "category"]].drop_duplicates() if quality is not None
-                else pd.DataFrame(columns=["model", "bucket", "protocol", "category"]))
+        cats = (
+            quality[["model", "bucket", "protocol", "category"]].drop_duplicates()
+            if quality is not None
+            else pd.DataFrame(columns=["model", "bucket", "protocol", "category"])
+        )
         sys_keys = leaf[["model", "method", "bucket"]].merge(cats, on=["model", "bucket"], how="left")
         parts.append(sys_keys.fillna({"category": SYSTEM_CATEGORY, "protocol": DEFAULT_PROTOCOL})[KEYS])
         if quality is not None:  # quality buckets the system stage did not run: its methods still get a row
@@ -205,8 +265,15 @@ def _pick_source(table: pd.DataFrame, quality_path: str, system_path: str, paire
     return out.assign(**chosen)
 
 
-def method_table(tables: Tables, baseline: str, n_boot: int = 1000, seed: int = 0, level: float = 0.95,
-                 paired: pd.DataFrame | None = None, prompts: tuple | None = None) -> pd.DataFrame:
+def method_table(
+    tables: Tables,
+    baseline: str,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    paired: pd.DataFrame | None = None,
+    prompts: tuple | None = None,
+) -> pd.DataFrame:
     """One row per model x method x protocol x category x bucket that any method stage measured
     (`paired`, `prompts`: the units of kvbench.report.samples, built here when not given)."""
     paired = paired if paired is not None else paired_quality(tables, baseline)
@@ -215,20 +282,41 @@ def method_table(tables: Tables, baseline: str, n_boot: int = 1000, seed: int = 
     quality = quality if quality is not None and len(quality) else None
     system = system_side(units, baseline, n_boot, seed, level) if units is not None and len(units) else None
     system = system if system is not None and len(system) else None
-    columns = [*KEYS, "samples", "quality_errors", "empty_outputs", "prompts", "system_errors", *MEASURED,
-               *(f"{c}_rel" for c in MEASURED), *(f"{c}_{b}" for c in MEASURED for b in BOUNDS), "timing_source",
-               "bytes_source", "system_bucket", "sources"]
+    columns = [
+        *KEYS,
+        "samples",
+        "quality_errors",
+        "empty_outputs",
+        "prompts",
+        "system_errors",
+        *MEASURED,
+        *(f"{c}_rel" for c in MEASURED),
+        *(f"{c}_{b}" for c in MEASURED for b in BOUNDS),
+        "timing_source",
+        "bytes_source",
+        "system_bucket",
+        "sources",
+    ]
     if quality is None and system is None:
         return pd.DataFrame(columns=columns)
     table = _skeleton(quality, system)
     if quality is not None:
-        table = table.merge(quality.rename(columns={p: f"q_{p}" for c in PER_SAMPLE for p in _block(c)}), on=KEYS,
-                            how="left")
+        table = table.merge(
+            quality.rename(columns={p: f"q_{p}" for c in PER_SAMPLE for p in _block(c)}), on=KEYS, how="left"
+        )
     if system is not None:
         table = _with_system(table, system)
-    for col in [*(f"q_{p}" for c in PER_SAMPLE for p in _block(c)), "samples", "quality_errors", "empty_outputs",
-                *(p for c in QUALITY_COLUMNS for p in _block(c)), "s_prompts", "s_system_errors", "system_bucket",
-                *(f"s_{p}" for c in [*PER_SAMPLE, *SYSTEM_ONLY] for p in _block(c))]:
+    for col in [
+        *(f"q_{p}" for c in PER_SAMPLE for p in _block(c)),
+        "samples",
+        "quality_errors",
+        "empty_outputs",
+        *(p for c in QUALITY_COLUMNS for p in _block(c)),
+        "s_prompts",
+        "s_system_errors",
+        "system_bucket",
+        *(f"s_{p}" for c in [*PER_SAMPLE, *SYSTEM_ONLY] for p in _block(c)),
+    ]:
         if col not in table:
             table[col] = np.nan
     table = table.rename(columns={"s_prompts": "prompts", "s_system_errors": "system_errors"})
@@ -244,14 +332,22 @@ def corpus_table(tables: Tables, dtype: str, codec: str) -> pd.DataFrame:
     stats = tables.get("corpus_stats")
     frames = []
     if stats is not None:
-        frames.append(stats.groupby("corpus").agg(
-            docs=("doc_id", "nunique"), tokens_mean=("tokens", "mean"), unique_tokens_mean=("unique_tokens", "mean"),
-            diversity_pct_mean=("diversity_pct", "mean")))
+        frames.append(
+            stats.groupby("corpus").agg(
+                docs=("doc_id", "nunique"),
+                tokens_mean=("tokens", "mean"),
+                unique_tokens_mean=("unique_tokens", "mean"),
+                diversity_pct_mean=("diversity_pct", "mean"),
+            )
+        )
     kv = tables.get("kv_compressibility")
     if kv is not None:
         ratios = pooled_ratios(kv[(kv.dtype == dtype) & (kv.codec == codec)], by=["corpus", "weights"])
-        frames.append(ratios.pivot(index="corpus", columns="weights", values="ratio")
-                      .add_prefix("kv_ratio_").rename_axis(columns=None))
+        frames.append(
+            ratios.pivot(index="corpus", columns="weights", values="ratio")
+            .add_prefix("kv_ratio_")
+            .rename_axis(columns=None)
+        )
     offload = tables.get("serve_offload")
     if offload is not None:
         # min_count: a corpus with no stored bytes (no valkey backend) has none, not 0

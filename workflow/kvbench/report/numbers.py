@@ -32,8 +32,10 @@ NOT_PROSE = (
 NUMBER = re.compile(r"(?<![\w.\-/#+@])\d+(?:[.,]\d+)*")
 # A unit right after a number: what measured figures come in. A ratio's `×` or `x` is glued to its
 # number ("1.2×"; "2 × 64" is a product); a time or speed may follow a space.
-MEASURED_UNIT = re.compile(r"×|x(?!\w)|[ \u00a0]?(?:ms|s|sec|min|minutes?|seconds?|hours?|h|job-seconds|tok/s|"
-                           r"tokens/s|MB/s|GB/s)(?![\w/])")
+MEASURED_UNIT = re.compile(
+    r"×|x(?!\w)|[ \u00a0]?(?:ms|s|sec|min|minutes?|seconds?|hours?|h|job-seconds|tok/s|"
+    r"tokens/s|MB/s|GB/s)(?![\w/])"
+)
 BOUND = re.compile(r"[≤≥<>][ \u00a0]*$")
 
 
@@ -53,11 +55,11 @@ def hand_typed(text: str, results: bool) -> list[tuple[int, str]]:
     found = []
     body = prose(text)
     for match in NUMBER.finditer(body):
-        after = body[match.end():]
+        after = body[match.end() :]
         unit = MEASURED_UNIT.match(after)
         if after[:1].isalpha() and not unit:
             continue  # part of a name or a size: 4K, 135M, 2nd
-        if BOUND.search(body[max(0, match.start() - 3):match.start()]) or (not results and not unit):
+        if BOUND.search(body[max(0, match.start() - 3) : match.start()]) or (not results and not unit):
             continue
         line = body.count("\n", 0, match.start()) + 1
         found.append((line, match.group(0) + (unit.group(0) if unit else "")))

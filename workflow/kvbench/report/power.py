@@ -24,8 +24,17 @@ POWER = 0.80
 # task score 0.05 (5 points of F1 / ROUGE-L / accuracy), KL 0.01 nats per position, top-1
 # agreement 2 points, first divergence 2 tokens, TTFT / TPOT / decode speed / end-to-end 5 % (a paired
 # ratio of 1.05).
-DEFAULT_EFFECTS = {"score": 0.05, "kl_mean": 0.01, "kl_first": 0.01, "top1_agreement": 0.02, "first_divergence": 2.0,
-                   "ttft_s": 0.05, "tpot_s": 0.05, "decode_tok_s": 0.05, "e2e_s": 0.05}
+DEFAULT_EFFECTS = {
+    "score": 0.05,
+    "kl_mean": 0.01,
+    "kl_first": 0.01,
+    "top1_agreement": 0.02,
+    "first_divergence": 2.0,
+    "ttft_s": 0.05,
+    "tpot_s": 0.05,
+    "decode_tok_s": 0.05,
+    "e2e_s": 0.05,
+}
 MAX_N = 10_000_000
 
 
@@ -75,16 +84,30 @@ def spread(differences: np.ndarray, weights: np.ndarray | None = None) -> tuple[
     return theta, float(resid.std(ddof=1) / math.sqrt(n)), n
 
 
-def power_row(differences: np.ndarray, weights: np.ndarray | None, effect: float, level: float,
-              power: float = POWER) -> dict[str, float]:
+def power_row(
+    differences: np.ndarray, weights: np.ndarray | None, effect: float, level: float, power: float = POWER
+) -> dict[str, float]:
     estimate, se, n = spread(differences, weights)
-    return {"estimate": estimate, "n": n, "sd": se * math.sqrt(n) if n >= 2 else math.nan, "se": se,
-            "mde": mde(se, n, level, power), "effect": effect, "n_needed": n_needed(se, n, effect, level, power),
-            "level": level, "power": power}
+    return {
+        "estimate": estimate,
+        "n": n,
+        "sd": se * math.sqrt(n) if n >= 2 else math.nan,
+        "se": se,
+        "mde": mde(se, n, level, power),
+        "effect": effect,
+        "n_needed": n_needed(se, n, effect, level, power),
+        "level": level,
+        "power": power,
+    }
 
 
-def power_table(paired: pd.DataFrame, effects: Mapping[str, float] | None = None, level: float = 0.95,
-                power: float = POWER, by: Iterable[str] = ("model", "protocol", "method", "category")) -> pd.DataFrame:
+def power_table(
+    paired: pd.DataFrame,
+    effects: Mapping[str, float] | None = None,
+    level: float = 0.95,
+    power: float = POWER,
+    by: Iterable[str] = ("model", "protocol", "method", "category"),
+) -> pd.DataFrame:
     """Per group of `by` (and `pooled` over categories when `category` is in it) and per compared
     quantity with a stated effect: n, sd, se of the unit differences, the MDE at n, and the n the
     effect needs.
@@ -103,8 +126,9 @@ def power_table(paired: pd.DataFrame, effects: Mapping[str, float] | None = None
         key = key if isinstance(key, tuple) else (key,)
         for quantity in quantities:
             weights = part[f"w_{quantity}"].to_numpy(float) if f"w_{quantity}" in part else None
-            row = power_row(part[f"d_{quantity}"].to_numpy(float), weights, effects.get(quantity, math.nan), level,
-                            power)
+            row = power_row(
+                part[f"d_{quantity}"].to_numpy(float), weights, effects.get(quantity, math.nan), level, power
+            )
             if row["n"]:
                 rows.append({**dict(zip(by, key)), "quantity": quantity, **row})
     columns = [*by, "quantity", "estimate", "n", "sd", "se", "mde", "effect", "n_needed", "level", "power"]

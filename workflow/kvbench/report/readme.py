@@ -90,8 +90,9 @@ def check(root: Path, blocks: dict[str, Block]) -> list[str]:
     data = root / SNAPSHOT
     for name, docs in sorted(where.items()):
         if name not in blocks:
-            problems.append(f"{', '.join(map(str, docs))}: region `{name}` is declared by no registry "
-                            "(kvbench.report.blocks)")
+            problems.append(
+                f"{', '.join(map(str, docs))}: region `{name}` is declared by no registry (kvbench.report.blocks)"
+            )
         elif len(docs) > 1:
             problems.append(f"block `{name}` is placed twice: {', '.join(map(str, docs))}")
     problems += [f"block `{name}` is placed in no document" for name in sorted(set(blocks) - set(where))]
@@ -103,12 +104,17 @@ def check(root: Path, blocks: dict[str, Block]) -> list[str]:
             problems.append(f"{rel}: stale generated region(s) {', '.join(stale)} (run `make readme`)")
         results = rel in RESULTS_DOCUMENTS
         for line, figure in hand_typed(text, results):
-            where_ = "results documents quote figures only through generated regions" if results else \
-                "a time, speed or ratio typed by hand is a measurement: generate it or put a setting in `code`"
+            where_ = (
+                "results documents quote figures only through generated regions"
+                if results
+                else "a time, speed or ratio typed by hand is a measurement: generate it or put a setting in `code`"
+            )
             problems.append(f"{rel}:{line}: hand-typed number {figure!r} ({where_})")
     patterns = {p for name in where if name in blocks for p in blocks[name].tables}
-    problems += [f"{p.relative_to(root)}: no generated region reads this snapshot table (run `make readme`)"
-                 for p in unread(data, patterns)]
+    problems += [
+        f"{p.relative_to(root)}: no generated region reads this snapshot table (run `make readme`)"
+        for p in unread(data, patterns)
+    ]
     return problems
 
 

@@ -104,7 +104,7 @@ class Scenario:
             if not bounds:
                 raise ValueError(f"report.scenarios.{name}.limits.{column}: give min and/or max")
             limits += [Limit(column, b, float(spec[b]), bool(spec.get("relative", False))) for b in bounds]
-        (order, prefer), = cfg["prefer"].items()
+        ((order, prefer),) = cfg["prefer"].items()
         if prefer not in MEASURED:
             raise ValueError(f"report.scenarios.{name}.prefer: unknown column {prefer!r} (one of {MEASURED})")
         return cls(name, cfg.get("description", ""), tuple(limits), prefer, order)
@@ -196,59 +196,98 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dic
     def numbers(row: Mapping[str, Any]) -> str:
         return "; ".join(_value(row, column, baseline) for column in shown)
 
-    out = {"qualifying": len(ok), "candidates": len(rows), "best": NONE, "runner_up": None,
-           "best_value": math.nan, "best_ci_low": math.nan, "best_ci_high": math.nan, "best_n": math.nan,
-           "runner_up_value": math.nan, "tied": None, "undecided": ", ".join(r["method"] for r in maybe) or None}
-    unjudged = sorted(row["method"] for row in rows if any(
-        pd.isna(row.get(limit.column)) for limit in scenario.limits if limit.column in QUALITY_LIMITS))
-    note = (f"; quality not measured for {', '.join(unjudged)} (the quality stage did not run them here), "
-            "so they cannot meet its limits" if unjudged else "")
+    out = {
+        "qualifying": len(ok),
+        "candidates": len(rows),
+        "best": NONE,
+        "runner_up": None,
+        "best_value": math.nan,
+        "best_ci_low": math.nan,
+        "best_ci_high": math.nan,
+        "best_n": math.nan,
+        "runner_up_value": math.nan,
+        "tied": None,
+        "undecided": ", ".join(r["method"] for r in maybe) or None,
+    }
+    unjudged = sorted(
+        row["method"]
+        for row in rows
+        if any(pd.isna(row.get(limit.column)) for limit in scenario.limits if limit.column in QUALITY_LIMITS)
+    )
+    note = (
+        f"; quality not measured for {', '.join(unjudged)} (the quality stage did not run them here), "
+        "so they cannot meet its limits"
+        if unjudged
+        else ""
+    )
     if ok:
         best = ok[0]
         tied = [r for r in ok[1:] if key(r, scenario.prefer) == key(best, scenario.prefer)]
         unresolved = [r["method"] for r in tied if preference(r) == preference(best)]
         word = "highest" if scenario.order == "max" else "lowest"
         name = " = ".join([best["method"], *unresolved]) if unresolved else best["method"]
-        out |= {"best": f"tie: {name}" if unresolved else name, "best_value": best.get(scenario.prefer),
-                "best_ci_low": _num(best, f"{scenario.prefer}_low"),
-                "best_ci_high": _num(best, f"{scenario.prefer}_high"),
-                "best_n": _num(best, f"{scenario.prefer}_n"), "numbers": numbers(best),
-                "tied": ", ".join(r["method"] for r in tied) or None}
-        why = (f"{name}: {word} {_value(best, scenario.prefer, baseline)} of {len(ok)} method(s) whose intervals meet "
-               "every limit")
+        out |= {
+            "best": f"tie: {name}" if unresolved else name,
+            "best_value": best.get(scenario.prefer),
+            "best_ci_low": _num(best, f"{scenario.prefer}_low"),
+            "best_ci_high": _num(best, f"{scenario.prefer}_high"),
+            "best_n": _num(best, f"{scenario.prefer}_n"),
+            "numbers": numbers(best),
+            "tied": ", ".join(r["method"] for r in tied) or None,
+        }
+        why = (
+            f"{name}: {word} {_value(best, scenario.prefer, baseline)} of {len(ok)} method(s) whose intervals meet "
+            "every limit"
+        )
         if unresolved:
             why += f" (a tie on {scenario.prefer} and {second})"
         elif tied:
-            why += (f" (tied on {scenario.prefer} with {', '.join(r['method'] for r in tied)}; "
-                    f"the smaller {second} decides)")
+            why += (
+                f" (tied on {scenario.prefer} with {', '.join(r['method'] for r in tied)}; "
+                f"the smaller {second} decides)"
+            )
         rest = [r for r in ok[1:] if r["method"] not in unresolved]
         if rest:
             runner = rest[0]
             out |= {"runner_up": runner["method"], "runner_up_value": runner.get(scenario.prefer)}
             why += f"; runner-up {runner['method']} ({_value(runner, scenario.prefer, baseline)})"
             low, high = _num(runner, f"{scenario.prefer}_low"), _num(runner, f"{scenario.prefer}_high")
-            if low == low and out["best_ci_low"] == out["best_ci_low"] and low <= out["best_ci_high"] \
-                    and out["best_ci_low"] <= high:
+            if (
+                low == low
+                and out["best_ci_low"] == out["best_ci_low"]
+                and low <= out["best_ci_high"]
+                and out["best_ci_low"] <= high
+            ):
                 why += " (their intervals overlap: not separated at this n)"
         better = [r for r in maybe if preference(r) < preference(best)]
         if better:
-            why += (f"; {', '.join(r['method'] for r in better)} might do better but "
-                    f"{'is' if len(better) == 1 else 'are'} undecided at n = {_undecided_n(better, scenario)}")
+            why += (
+                f"; {', '.join(r['method'] for r in better)} might do better but "
+                f"{'is' if len(better) == 1 else 'are'} undecided at n = {_undecided_n(better, scenario)}"
+            )
         out["why"] = why + note
         return out
     if maybe:
         top = maybe[0]
         n = _undecided_n(maybe, scenario)
         open_ = next(o for r, _, o in judged if r is top)
-        out |= {"best": UNDECIDED.format(n=n), "numbers": numbers(top),
-                "why": f"no method's interval meets every limit at n = {n}; undecided: "
-                       + ", ".join(r["method"] for r in maybe) + f"; {top['method']} (best {scenario.prefer}) on "
-                       + "; ".join(open_) + note}
+        out |= {
+            "best": UNDECIDED.format(n=n),
+            "numbers": numbers(top),
+            "why": f"no method's interval meets every limit at n = {n}; undecided: "
+            + ", ".join(r["method"] for r in maybe)
+            + f"; {top['method']} (best {scenario.prefer}) on "
+            + "; ".join(open_)
+            + note,
+        }
         return out
     closest, fails, _ = min(judged, key=lambda j: (len(j[1]), preference(j[0])))
-    out |= {"numbers": numbers(closest),
-            "why": f"none of {len(rows)} method(s) meets every limit; closest {closest['method']} misses "
-                   + "; ".join(fails) + note}
+    out |= {
+        "numbers": numbers(closest),
+        "why": f"none of {len(rows)} method(s) meets every limit; closest {closest['method']} misses "
+        + "; ".join(fails)
+        + note,
+    }
     return out
 
 
@@ -256,16 +295,56 @@ def recommendations(table: pd.DataFrame, scenarios: list[Scenario], baseline: st
     rows = []
     cells = ["model", "protocol", "category", "bucket"]
     for scenario in scenarios:
-        common = {"limits": "; ".join(limit.label(baseline) for limit in scenario.limits),
-                  "prefer": f"{scenario.order} {scenario.prefer}", "description": scenario.description}
+        common = {
+            "limits": "; ".join(limit.label(baseline) for limit in scenario.limits),
+            "prefer": f"{scenario.order} {scenario.prefer}",
+            "description": scenario.description,
+        }
         if table.empty:
-            rows.append({"model": "-", "scenario": scenario.name, "protocol": "-", "category": "-", "bucket": "-",
-                         "best": NONE, "why": "no method was measured (stages system and quality not run)",
-                         "qualifying": 0, "candidates": 0, **common})
+            rows.append(
+                {
+                    "model": "-",
+                    "scenario": scenario.name,
+                    "protocol": "-",
+                    "category": "-",
+                    "bucket": "-",
+                    "best": NONE,
+                    "why": "no method was measured (stages system and quality not run)",
+                    "qualifying": 0,
+                    "candidates": 0,
+                    **common,
+                }
+            )
         for key, cell in table.groupby(cells, sort=True):
-            rows.append({"scenario": scenario.name, **dict(zip(cells, key)), **recommend_cell(cell, scenario, baseline),
-                         **common})
-    columns = ["model", "scenario", "protocol", "category", "bucket", "best", "runner_up", "best_value", "best_ci_low",
-               "best_ci_high", "best_n", "runner_up_value", "tied", "undecided", "numbers", "why", "qualifying",
-               "candidates", "limits", "prefer", "description"]
+            rows.append(
+                {
+                    "scenario": scenario.name,
+                    **dict(zip(cells, key)),
+                    **recommend_cell(cell, scenario, baseline),
+                    **common,
+                }
+            )
+    columns = [
+        "model",
+        "scenario",
+        "protocol",
+        "category",
+        "bucket",
+        "best",
+        "runner_up",
+        "best_value",
+        "best_ci_low",
+        "best_ci_high",
+        "best_n",
+        "runner_up_value",
+        "tied",
+        "undecided",
+        "numbers",
+        "why",
+        "qualifying",
+        "candidates",
+        "limits",
+        "prefer",
+        "description",
+    ]
     return pd.DataFrame(rows, columns=columns)

@@ -38,8 +38,13 @@ def _css_class(value: object, numeric: bool) -> str:
         return "not-measurable"
     if text.startswith("undecided at n"):
         return "undecided"
-    return {"confirmed": "confirmed", "contradicted": "contradicted", "inconclusive": "inconclusive",
-            "not run": "not-run", "none qualifies": "none-qualifies"}.get(text, "")
+    return {
+        "confirmed": "confirmed",
+        "contradicted": "contradicted",
+        "inconclusive": "inconclusive",
+        "not run": "not-run",
+        "none qualifies": "none-qualifies",
+    }.get(text, "")
 
 
 def html_table(df: pd.DataFrame, table_id: str) -> str:
@@ -58,8 +63,10 @@ def html_table(df: pd.DataFrame, table_id: str) -> str:
 
 def html_page(title: str, sections: Iterable[tuple[str, str, pd.DataFrame | None]]) -> str:
     """A page of (heading, note, table) sections; a None table prints the note alone."""
-    parts = [f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"]
+    parts = [
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+    ]
     for i, (heading, note, table) in enumerate(sections):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
         if note:

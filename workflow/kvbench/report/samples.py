@@ -32,8 +32,14 @@ QUANTITIES = {
 UNIT = ["task", "sample"]
 TIMED = ["ttft_s", "tpot_s", "kv_bytes", "ratio"]  # per-sample columns of the quality pass
 FIDELITY = ["kl_mean", "kl_first", "top1_agreement", "first_divergence", "positions"]
-SYSTEM_COLUMNS = {"ttft_s": "ttft_s", "tpot_s": "tpot_s", "decode_tok_s": "decode_tok_s", "e2e_s": "e2e_s",
-                  "kv_bytes": "kv_bytes_end", "ratio": "ratio_end"}
+SYSTEM_COLUMNS = {
+    "ttft_s": "ttft_s",
+    "tpot_s": "tpot_s",
+    "decode_tok_s": "decode_tok_s",
+    "e2e_s": "e2e_s",
+    "kv_bytes": "kv_bytes_end",
+    "ratio": "ratio_end",
+}
 CONTROL_CORPUS = "synthetic"  # the "hi hi hi" control: not a workload
 
 
@@ -139,10 +145,15 @@ def system_units(tables: Tables, baseline: str) -> tuple[pd.DataFrame | None, st
     rows["failed"] = (~ok).astype(int)
     rows["paired"] = rows["lr_ttft_s"].notna().astype(int)
     keys = ["model", "method", "bucket", "prompt_id"]
-    agg = {**{c: (c, "mean") for c in SYSTEM_COLUMNS}, **{f"{p}_{c}": (f"{p}_{c}", "mean") for p in ("lr", "lg")
-                                                           for c in SYSTEM_COLUMNS},
-           "runs": ("repeat", "size"), "failed": ("failed", "sum"), "paired": ("paired", "sum"),
-           "peak_memory_mb": ("peak_memory_mb", "max"), "target_context": ("target_context", "max"),
-           "corpus": ("corpus", "first")}
+    agg = {
+        **{c: (c, "mean") for c in SYSTEM_COLUMNS},
+        **{f"{p}_{c}": (f"{p}_{c}", "mean") for p in ("lr", "lg") for c in SYSTEM_COLUMNS},
+        "runs": ("repeat", "size"),
+        "failed": ("failed", "sum"),
+        "paired": ("paired", "sum"),
+        "peak_memory_mb": ("peak_memory_mb", "max"),
+        "target_context": ("target_context", "max"),
+        "corpus": ("corpus", "first"),
+    }
     units = rows.groupby(keys, as_index=False, sort=True).agg(**agg)
     return units, source, in_process

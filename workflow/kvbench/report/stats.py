@@ -46,7 +46,11 @@ def _means(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 def bootstrap_spearman(
-    x: pd.DataFrame, y: pd.DataFrame, n_boot: int, seed: int, level: float = 0.95,
+    x: pd.DataFrame,
+    y: pd.DataFrame,
+    n_boot: int,
+    seed: int,
+    level: float = 0.95,
     strata: Sequence[int] | None = None,
 ) -> RankCorrelation:
     """rho between per-item means of x and y (items = columns, samples = rows, paired: the same

@@ -32,8 +32,11 @@ def _names(token: str) -> list[str]:
         return []  # code, not a column name: `text[char_start:char_end]`, `doc@context`
     braces = re.search(r"\{([^}]*)\}", token)
     if braces:
-        return [n for alt in braces.group(1).split(",")
-                for n in _names(token[:braces.start()] + alt + token[braces.end():])]
+        return [
+            n
+            for alt in braces.group(1).split(",")
+            for n in _names(token[: braces.start()] + alt + token[braces.end() :])
+        ]
     first, *more = token.split("|")
     stem = first.rsplit("_", 1)[0] + "_" if "_" in first else ""
     return [first, *(stem + alt for alt in more)]

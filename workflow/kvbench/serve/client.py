@@ -18,13 +18,22 @@ def chat_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     """The prompt as the user's message; greedy, exactly `max_tokens` output tokens (EOS ignored),
     usage in the last chunk. Special tokens stay in the text, so that a first token such as an
     end-of-turn (what the instruct model answers to a "hi hi hi" document) is a non-empty delta."""
-    return {"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.0, "skip_special_tokens": False,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            **{k: v for k, v in extra.items() if v is not None}}
+    return {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "skip_special_tokens": False,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **{k: v for k, v in extra.items() if v is not None},
+    }
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], gate: asyncio.Semaphore) -> dict[str, Any]:
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], gate: asyncio.Semaphore
+) -> dict[str, Any]:
     async with gate:
         row: dict[str, Any] = {"start": time.time(), "ttft_s": None, "error": None}
         start = time.perf_counter()
@@ -56,7 +65,9 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], g
         return row
 
 
-async def _all(base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float) -> list[dict[str, Any]]:
+async def _all(
+    base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float
+) -> list[dict[str, Any]]:
     gate = asyncio.Semaphore(max_inflight)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -64,6 +75,8 @@ async def _all(base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: in
         return list(await asyncio.gather(*(_one(session, url, body, gate) for body in bodies)))
 
 
-def send_all(base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float = 900) -> list[dict[str, Any]]:
+def send_all(
+    base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float = 900
+) -> list[dict[str, Any]]:
     """One row per body, in order; a failed request is a row with its error, never dropped."""
     return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s))

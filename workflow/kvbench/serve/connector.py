@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import valkey
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
 
 @dataclass
 class Transfer:
@@ -78,17 +79,22 @@ class ValkeyConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.scheduler_config.enable_chunked_prefill:
-            raise ValueError("ValkeyConnector stores a prompt's chunks in the step that computes them: "
-                             "start vLLM with --no-enable-chunked-prefill")
+            raise ValueError(
+                "ValkeyConnector stores a prompt's chunks in the step that computes them: "
+                "start vLLM with --no-enable-chunked-prefill"
+            )
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.block_size = vllm_config.cache_config.block_size
         self.codecs: dict[str, Any] = dict(extra["codecs"])
         self.default_codec = str(extra["default_codec"])
         self.seed = int(extra.get("seed", 0))
         cache_dtype = vllm_config.cache_config.cache_dtype
-        self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
-        self.spaces = {name: namespace(extra["run"], extra["model"], self.dtype, self.block_size, name)
-                       for name in self.codecs}
+        self.dtype = (
+            str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+        )
+        self.spaces = {
+            name: namespace(extra["run"], extra["model"], self.dtype, self.block_size, name) for name in self.codecs
+        }
         self.client = valkey.Valkey.from_url(extra["url"], socket_timeout=5, socket_connect_timeout=2)
         self.events = EventLog(extra["events_dir"], "scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         # scheduler side
@@ -135,8 +141,15 @@ class ValkeyConnector(KVConnectorBase_V1):
         if plan.load is None and plan.error is None:
             return  # nothing looked up (recompute, prefix and warm requests): no event
         self.events.write(
-            event="lookup", tag=plan.tag, codec=plan.load, chunks=len(plan.keys), hit_chunks=plan.hit_chunks,
-            local_chunks=plan.local_chunks, load_tokens=num_external_tokens, seconds=plan.lookup_s, error=plan.error,
+            event="lookup",
+            tag=plan.tag,
+            codec=plan.load,
+            chunks=len(plan.keys),
+            hit_chunks=plan.hit_chunks,
+            local_chunks=plan.local_chunks,
+            load_tokens=num_external_tokens,
+            seconds=plan.lookup_s,
+            error=plan.error,
             time=time.time(),
         )
 
@@ -152,8 +165,13 @@ class ValkeyConnector(KVConnectorBase_V1):
             computed = new.num_computed_tokens  # local and loaded tokens
             whole = len(prompt) // self.block_size
             if computed + scheduler_output.num_scheduled_tokens.get(new.req_id, 0) < whole * self.block_size:
-                self.events.write(event="store", tag=plan.tag, codec=None, error="prefill split across steps: not stored",
-                                  time=time.time())
+                self.events.write(
+                    event="store",
+                    tag=plan.tag,
+                    codec=None,
+                    error="prefill split across steps: not stored",
+                    time=time.time(),
+                )
                 continue
             first = computed // self.block_size
             for codec in plan.store if whole > first else []:
@@ -192,14 +210,17 @@ class ValkeyConnector(KVConnectorBase_V1):
         if first.device.type != "cpu" or first.dim() != 4 or first.shape[2] != self.block_size:
             raise ValueError(
                 f"ValkeyConnector reads vLLM's CPU attention layout [blocks, kv_heads, block_size, 2*head_size]; "
-                f"got {tuple(first.shape)} on {first.device} (on GPU use the lmcache backend)")
+                f"got {tuple(first.shape)} on {first.device} (on GPU use the lmcache backend)"
+            )
         spec = ChunkSpec(len(self._layers), first.shape[1], self.block_size, first.shape[3] // 2, first.dtype)
         lossy = [name for name in self.codecs if not is_lossless(name)]
         if lossy:
             isa = self._attention_isa(spec)
             if isa not in TOKEN_ROW_ISAS:
-                raise ValueError(f"lossy wire formats {lossy} unpack K and V for the CPU attention ISAs "
-                                 f"{TOKEN_ROW_ISAS}; this server uses {isa!r}")
+                raise ValueError(
+                    f"lossy wire formats {lossy} unpack K and V for the CPU attention ISAs "
+                    f"{TOKEN_ROW_ISAS}; this server uses {isa!r}"
+                )
         self._wires = {name: wire_format(name, spec, method, self.seed) for name, method in self.codecs.items()}
         self.spec = spec
 
@@ -207,7 +228,9 @@ class ValkeyConnector(KVConnectorBase_V1):
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         config = self._vllm_config
-        return _get_attn_isa(config.model_config.dtype, self.block_size, spec.head_size, config.cache_config.cache_dtype)
+        return _get_attn_isa(
+            config.model_config.dtype, self.block_size, spec.head_size, config.cache_config.cache_dtype
+        )
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -222,8 +245,9 @@ class ValkeyConnector(KVConnectorBase_V1):
         self._failed_blocks.update(failed)
         if failed:
             self._failed_tags.add(load.tag)
-        self.events.write(event="load", tag=load.tag, codec=load.codec, failed_chunks=len(failed), **stats,
-                          time=time.time())
+        self.events.write(
+            event="load", tag=load.tag, codec=load.codec, failed_chunks=len(failed), **stats, time=time.time()
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -241,8 +265,14 @@ class ValkeyConnector(KVConnectorBase_V1):
             if store.tag in self._failed_tags:
                 # computed while attending to blocks the load never filled: vLLM discards this
                 # step and recomputes, and these chunks must not reach the store either
-                self.events.write(event="store", tag=store.tag, codec=store.codec, chunks=len(store.keys),
-                                  error="skipped: load failed", time=time.time())
+                self.events.write(
+                    event="store",
+                    tag=store.tag,
+                    codec=store.codec,
+                    chunks=len(store.keys),
+                    error="skipped: load failed",
+                    time=time.time(),
+                )
                 continue
             blocks = tuple(store.block_ids)
             if blocks not in gathered:  # one copy out of the cache, whatever the number of codecs
@@ -250,8 +280,9 @@ class ValkeyConnector(KVConnectorBase_V1):
                 gathered[blocks] = (gather(self._layers, blocks), time.perf_counter() - start)
             chunks, gather_s = gathered[blocks]
             stats = store_chunks(self.client, self._wires[store.codec], self.spec, store.keys, chunks)
-            self.events.write(event="store", tag=store.tag, codec=store.codec, gather_s=gather_s, **stats,
-                              time=time.time())
+            self.events.write(
+                event="store", tag=store.tag, codec=store.codec, gather_s=gather_s, **stats, time=time.time()
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -26,8 +26,9 @@ def exact_length(text: str, tokens: int, encode: Callable[[str], list[int]], dec
     raise ValueError(f"no prefix of the text encodes to exactly {tokens} tokens")
 
 
-def serve_documents(docs: pd.DataFrame, n: int, tokens: int, encode: Callable[[str], list[int]],
-                    decode: Callable[[list[int]], str]) -> dict[str, str]:
+def serve_documents(
+    docs: pd.DataFrame, n: int, tokens: int, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]
+) -> dict[str, str]:
     """`n` documents of exactly `tokens` tokens, picked round-robin over domains and doc types;
     a document that is too short is joined with the next ones (in doc_id order, cyclically)."""
     ordered = docs.sort_values("doc_id").reset_index(drop=True)
@@ -48,8 +49,16 @@ def serve_documents(docs: pd.DataFrame, n: int, tokens: int, encode: Callable[[s
     return out
 
 
-def serve_prompts(doc_tables: dict[str, pd.DataFrame], n: int, tokens: int, question: str,
-                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]) -> dict[str, dict[str, str]]:
+def serve_prompts(
+    doc_tables: dict[str, pd.DataFrame],
+    n: int,
+    tokens: int,
+    question: str,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+) -> dict[str, dict[str, str]]:
     """Per corpus, `n` prompts: a document of exactly `tokens` tokens followed by the question."""
-    return {corpus: {doc: text + question for doc, text in serve_documents(docs, n, tokens, encode, decode).items()}
-            for corpus, docs in doc_tables.items()}
+    return {
+        corpus: {doc: text + question for doc, text in serve_documents(docs, n, tokens, encode, decode).items()}
+        for corpus, docs in doc_tables.items()
+    }

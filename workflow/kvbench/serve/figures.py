@@ -25,14 +25,21 @@ def ttft_figure(offload: pd.DataFrame, path: str | os.PathLike) -> None:
     bar, not any codec's."""
     ok = offload[offload.status == "ok"] if "status" in offload else offload
     corpora = sorted(set(ok.corpus))
-    fig, axes = plt.subplots(len(corpora), 1, figsize=(max(8, 0.9 * ok.groupby(["backend", "codec"]).ngroups + 3),
-                                                          3.6 * len(corpora)), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        len(corpora),
+        1,
+        figsize=(max(8, 0.9 * ok.groupby(["backend", "codec"]).ngroups + 3), 3.6 * len(corpora)),
+        squeeze=False,
+        sharey=True,
+    )
     for ax, corpus in zip(axes[:, 0], corpora):
         sel = ok[ok.corpus == corpus].reset_index(drop=True)
         x = np.arange(len(sel))
-        for offset, column, label, color in ((-0.27, "ttft_warmup_mean_s", "warm-up", "#bbbbbb"),
-                                             (0.0, "ttft_miss_mean_s", "query miss", "#d95f02"),
-                                             (0.27, "ttft_hit_mean_s", "query hit", "#1b9e77")):
+        for offset, column, label, color in (
+            (-0.27, "ttft_warmup_mean_s", "warm-up", "#bbbbbb"),
+            (0.0, "ttft_miss_mean_s", "query miss", "#d95f02"),
+            (0.27, "ttft_hit_mean_s", "query hit", "#1b9e77"),
+        ):
             ax.bar(x + offset, sel[column], width=0.27, label=label, color=color)
         ax.set_xticks(x, [_label(b, c) for b, c in zip(sel.backend, sel.codec)], fontsize=7)
         ax.set_ylabel("mean TTFT (s)")
@@ -54,11 +61,20 @@ def wire_figure(offload: pd.DataFrame, path: str | os.PathLike) -> None:
     for i, corpus in enumerate(corpora):
         rows = sel[sel.corpus == corpus].set_index("codec").reindex(codecs)
         x = np.arange(len(codecs)) + (i - (len(corpora) - 1) / 2) * width
-        bars = ax.bar(x, rows.ratio, width=width, color=CORPUS_COLORS.get(corpus), label=f"{corpus}: measured on the wire")
+        bars = ax.bar(
+            x, rows.ratio, width=width, color=CORPUS_COLORS.get(corpus), label=f"{corpus}: measured on the wire"
+        )
         ax.bar_label(bars, labels=[f"{r:.3g}" for r in rows.ratio], fontsize=6)
         if "predicted_ratio" in rows:
-            ax.scatter(x, rows.predicted_ratio, marker="D", color="black", s=22, zorder=3,
-                       label="kv stage prediction" if i == 0 else None)
+            ax.scatter(
+                x,
+                rows.predicted_ratio,
+                marker="D",
+                color="black",
+                s=22,
+                zorder=3,
+                label="kv stage prediction" if i == 0 else None,
+            )
     ax.set_xticks(np.arange(len(codecs)), codecs, rotation=20, fontsize=8)
     ax.set_yscale("log")
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -72,8 +88,13 @@ def hit_path_figure(offload: pd.DataFrame, path: str | os.PathLike) -> None:
     """Where a valkey hit's TTFT goes: lookup, GET, decode, copy into the cache, and the rest
     (the forward pass over the uncached tail, queueing, HTTP), per codec and corpus."""
     sel = offload[(offload.backend == "valkey") & offload.get("hit_get_mean_s", pd.Series(dtype=float)).notna()]
-    parts = [("hit_lookup_mean_s", "lookup"), ("hit_get_mean_s", "GET"), ("hit_decode_mean_s", "decode"),
-             ("hit_copy_mean_s", "copy into cache"), ("hit_rest_mean_s", "forward + rest")]
+    parts = [
+        ("hit_lookup_mean_s", "lookup"),
+        ("hit_get_mean_s", "GET"),
+        ("hit_decode_mean_s", "decode"),
+        ("hit_copy_mean_s", "copy into cache"),
+        ("hit_rest_mean_s", "forward + rest"),
+    ]
     labels = [f"{c}\n{corpus}" for c, corpus in zip(sel.codec, sel.corpus)]
     fig, ax = plt.subplots(figsize=(0.8 * len(labels) + 3, 4.5))
     bottom = np.zeros(len(sel))
@@ -81,7 +102,9 @@ def hit_path_figure(offload: pd.DataFrame, path: str | os.PathLike) -> None:
         values = sel[column].fillna(0).to_numpy()
         ax.bar(range(len(sel)), values, bottom=bottom, label=name)
         bottom += values
-    recompute = offload[(offload.backend == "recompute") & offload.get("ttft_hit_mean_s", pd.Series(dtype=float)).notna()]
+    recompute = offload[
+        (offload.backend == "recompute") & offload.get("ttft_hit_mean_s", pd.Series(dtype=float)).notna()
+    ]
     for corpus, ttft in zip(recompute.corpus, recompute.ttft_hit_mean_s):
         ax.axhline(ttft, ls="--", lw=1, color=CORPUS_COLORS.get(corpus), label=f"recompute TTFT, {corpus}")
     ax.set_xticks(range(len(sel)), labels, fontsize=7)

@@ -21,5 +21,7 @@ def check_codec(name: str, methods: Mapping[str, Mapping[str, Any]]) -> None:
     if kind is None:
         raise ValueError(f"{name!r} is neither a codec ({', '.join(codec_names())}) nor a key of methods")
     if kind not in LOSSY_KINDS:
-        raise ValueError(f"method {name!r} (kind {kind}) is not a wire format: only {', '.join(LOSSY_KINDS)} "
-                         "keep the token count (eviction and merging do not fit vLLM's paged cache)")
+        raise ValueError(
+            f"method {name!r} (kind {kind}) is not a wire format: only {', '.join(LOSSY_KINDS)} "
+            "keep the token count (eviction and merging do not fit vLLM's paged cache)"
+        )

@@ -46,8 +46,9 @@ def repeat(doc_ids: list[str], count: int, mode: str, rng: random.Random) -> lis
     raise ValueError(f"repeat mode {mode!r}; known: {', '.join(REPEAT_MODES)}")
 
 
-def query_round(prompts: dict[str, str], count: int, mode: str, ratio: str, seed: int,
-                name: str = "query") -> list[Planned]:
+def query_round(
+    prompts: dict[str, str], count: int, mode: str, ratio: str, seed: int, name: str = "query"
+) -> list[Planned]:
     """As long_doc_qa: repeat, then every request at position i with i % (hit+miss) >= hit misses
     (its prompt gets a random integer and a space in front)."""
     hit, miss = parse_ratio(ratio)

@@ -54,7 +54,9 @@ class ServeSettings:
 
     @classmethod
     def of(cls, cfg: Mapping[str, Any]) -> "ServeSettings":
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in cls.__dataclass_fields__})
+        return cls(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in cls.__dataclass_fields__}
+        )
 
 
 def note(message: str) -> None:
@@ -69,8 +71,15 @@ class Rounds:
         self.requests: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
 
-    def run(self, backend: str, codec: str, corpus: str, planned: list[Planned],
-            params: Callable[[Planned, str, str], dict[str, Any]], between: Callable[[], None] | None = None) -> None:
+    def run(
+        self,
+        backend: str,
+        codec: str,
+        corpus: str,
+        planned: list[Planned],
+        params: Callable[[Planned, str, str], dict[str, Any]],
+        between: Callable[[], None] | None = None,
+    ) -> None:
         """One round; `between` runs after the first half of the requests (fault injection)."""
         tags = [f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.{p.index}" for p in planned]
         bodies = [chat_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
@@ -85,22 +94,47 @@ class Rounds:
             results += send_all(self.base_url, bodies[half:], self.s.max_inflight)
         round_s = time.monotonic() - start
         server = delta(before, scrape(self.base_url))
-        key = {"run_id": self.run_id, "server": self.server, "backend": backend, "codec": codec, "corpus": corpus,
-               "round": planned[0].round}
+        key = {
+            "run_id": self.run_id,
+            "server": self.server,
+            "backend": backend,
+            "codec": codec,
+            "corpus": corpus,
+            "round": planned[0].round,
+        }
         for p, tag, body, result in zip(planned, tags, bodies, results):
-            self.requests.append({**key, "index": p.index, "doc_id": p.doc_id, "miss": p.miss, "tag": tag,
-                                  "cache_salt": body.get("cache_salt"), **result})
+            self.requests.append(
+                {
+                    **key,
+                    "index": p.index,
+                    "doc_id": p.doc_id,
+                    "miss": p.miss,
+                    "tag": tag,
+                    "cache_salt": body.get("cache_salt"),
+                    **result,
+                }
+            )
         ok = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
-        self.metrics.append({**key, "requests": len(planned), "round_s": round_s,
-                             "client_ttft_mean_s": sum(ok) / len(ok) if ok else float("nan"), **server})
+        self.metrics.append(
+            {
+                **key,
+                "requests": len(planned),
+                "round_s": round_s,
+                "client_ttft_mean_s": sum(ok) / len(ok) if ok else float("nan"),
+                **server,
+            }
+        )
         errors = sum(r["error"] is not None for r in results)
-        note(f"{backend:<9} {codec:<17} {corpus:<9} {planned[0].round:<6} {len(planned)} requests in {round_s:6.1f} s, "
-             f"client TTFT {self.metrics[-1]['client_ttft_mean_s']:.2f} s, server {server['server_ttft_mean_s']:.2f} s"
-             + (f", {errors} errors" if errors else ""))
+        note(
+            f"{backend:<9} {codec:<17} {corpus:<9} {planned[0].round:<6} {len(planned)} requests in {round_s:6.1f} s, "
+            f"client TTFT {self.metrics[-1]['client_ttft_mean_s']:.2f} s, server {server['server_ttft_mean_s']:.2f} s"
+            + (f", {errors} errors" if errors else "")
+        )
 
     def params(self, backend: str, load: str | None, store: list[str]) -> Callable[[Planned, str, str], dict[str, Any]]:
         """cache_salt: one per corpus where a backend reuses vLLM's prefix cache, else one per
         request (so only the backend's own store can hit); the connector's choice per request."""
+
         def make(p: Planned, tag: str, corpus: str) -> dict[str, Any]:
             salt = f"{backend}-{self.run_id}-{corpus}" if backend in SHARED_SALT else f"{backend}-{tag}"
             out: dict[str, Any] = {"cache_salt": salt}
@@ -111,10 +145,13 @@ class Rounds:
         return make
 
 
-def rounds_for(prompts: dict[str, str], settings: ServeSettings, seed: int, n_docs: int) -> tuple[list[Planned], list[Planned]]:
+def rounds_for(
+    prompts: dict[str, str], settings: ServeSettings, seed: int, n_docs: int
+) -> tuple[list[Planned], list[Planned]]:
     chosen = dict(list(prompts.items())[:n_docs])
-    return warmup_round(chosen), query_round(chosen, settings.repeat_count, settings.repeat_mode,
-                                             settings.hit_miss_ratio, seed)
+    return warmup_round(chosen), query_round(
+        chosen, settings.repeat_count, settings.repeat_mode, settings.hit_miss_ratio, seed
+    )
 
 
 def warm_server(base_url: str, max_tokens: int, connector: bool) -> None:
@@ -139,14 +176,29 @@ def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
 def chunk_bytes(model_dir: str | Path, block_size: int, dtype_bytes: int) -> int:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * block_size * 2 * head * dtype_bytes
+    return (
+        cfg["num_hidden_layers"]
+        * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        * block_size
+        * 2
+        * head
+        * dtype_bytes
+    )
 
 
 Tables = tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]
 
 
-def serve_job(server: str, settings: ServeSettings, docs: Mapping[str, pd.DataFrame], methods: Mapping[str, Any],
-              vllm: Mapping[str, Any], model_dir: str, seed: int, logs: Mapping[str, str]) -> Tables:
+def serve_job(
+    server: str,
+    settings: ServeSettings,
+    docs: Mapping[str, pd.DataFrame],
+    methods: Mapping[str, Any],
+    vllm: Mapping[str, Any],
+    model_dir: str,
+    seed: int,
+    logs: Mapping[str, str],
+) -> Tables:
     """All rows of one server job: requests, metric deltas per round, connector transfers. A
     backend this machine cannot serve gets one row per corpus with its reason, and nothing starts."""
     run_id = uuid.uuid4().hex[:10]
@@ -154,22 +206,48 @@ def serve_job(server: str, settings: ServeSettings, docs: Mapping[str, pd.DataFr
     reason = bk.unsupported(server, vllm["device"])
     if reason is not None:
         note(f"{server}: {reason}")
-        rows = [{"run_id": run_id, "server": server, "backend": b, "codec": NO_CODEC, "corpus": c, "round": None,
-                 "error": reason} for b in backends for c in settings.corpora]
+        rows = [
+            {
+                "run_id": run_id,
+                "server": server,
+                "backend": b,
+                "codec": NO_CODEC,
+                "corpus": c,
+                "round": None,
+                "error": reason,
+            }
+            for b in backends
+            for c in settings.corpora
+        ]
         return pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame()
     from kvbench.models import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     n = max(settings.docs_per_corpus, settings.reference_docs_per_corpus)
-    prompts = serve_prompts(dict(docs), n, settings.doc_tokens, settings.question,
-                            lambda text: tokenizer(text, add_special_tokens=False).input_ids, tokenizer.decode)
+    prompts = serve_prompts(
+        dict(docs),
+        n,
+        settings.doc_tokens,
+        settings.question,
+        lambda text: tokenizer(text, add_special_tokens=False).input_ids,
+        tokenizer.decode,
+    )
     with tempfile.TemporaryDirectory(prefix="kvbench-serve-") as work:
         return run_server(server, settings, prompts, methods, vllm, model_dir, seed, Path(work), logs, run_id)
 
 
-def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str, str]], methods: Mapping[str, Any],
-               vllm: Mapping[str, Any], model_dir: str, seed: int, workdir: Path, logs: Mapping[str, str],
-               run_id: str) -> Tables:
+def run_server(
+    server: str,
+    settings: ServeSettings,
+    prompts: dict[str, dict[str, str]],
+    methods: Mapping[str, Any],
+    vllm: Mapping[str, Any],
+    model_dir: str,
+    seed: int,
+    workdir: Path,
+    logs: Mapping[str, str],
+    run_id: str,
+) -> Tables:
     backends = [b for b in settings.backends if bk.SERVER_OF[b] == server]
     events = workdir / "events"
     with _servers(server, settings, methods, vllm, model_dir, seed, workdir, logs, run_id, events) as (base, valkey):
@@ -185,15 +263,26 @@ def run_server(server: str, settings: ServeSettings, prompts: dict[str, dict[str
 
 
 @contextlib.contextmanager
-def _servers(server: str, settings: ServeSettings, methods: Mapping[str, Any], vllm: Mapping[str, Any], model_dir: str,
-             seed: int, workdir: Path, logs: Mapping[str, str], run_id: str, events: Path) -> Iterator[tuple[str, Any]]:
+def _servers(
+    server: str,
+    settings: ServeSettings,
+    methods: Mapping[str, Any],
+    vllm: Mapping[str, Any],
+    model_dir: str,
+    seed: int,
+    workdir: Path,
+    logs: Mapping[str, str],
+    run_id: str,
+    events: Path,
+) -> Iterator[tuple[str, Any]]:
     with contextlib.ExitStack() as stack:
         valkey, transfer, env = None, None, bk.kvbench_pythonpath()
         if (server == "main" and "valkey" in settings.backends) or server == "lmcache":
             url = settings.valkey.get("url")
             if url is None:
                 mb = settings.valkey.get("maxmemory_mb") or store_bound_mb(
-                    settings, chunk_bytes(model_dir, settings.block_size, DTYPE_BYTES[vllm["dtype"]]))
+                    settings, chunk_bytes(model_dir, settings.block_size, DTYPE_BYTES[vllm["dtype"]])
+                )
                 note(f"starting valkey (maxmemory {mb} MB)")
                 url, proc = stack.enter_context(valkey_server(mb, logs["valkey"], settings.valkey["startup_timeout_s"]))
                 note(f"valkey pid {proc.pid} at {url}")
@@ -202,7 +291,9 @@ def _servers(server: str, settings: ServeSettings, methods: Mapping[str, Any], v
                 valkey = url  # the user's own store: never stopped or killed by us
             if server == "main":
                 codecs = {c: methods.get(c) for c in settings.codecs}
-                transfer = bk.valkey_transfer(url, run_id, settings.model, codecs, settings.codecs[0], str(events), seed)
+                transfer = bk.valkey_transfer(
+                    url, run_id, settings.model, codecs, settings.codecs[0], str(events), seed
+                )
             else:
                 transfer, env = bk.lmcache_transfer(), env | bk.lmcache_env(url, vllm["cpu_kvcache_space_gb"])
         if server == "example":
@@ -217,8 +308,9 @@ def _servers(server: str, settings: ServeSettings, methods: Mapping[str, Any], v
         yield client.base_url, valkey
 
 
-def _main_rounds(rounds: Rounds, backends: list[str], s: ServeSettings, prompts: dict[str, dict[str, str]], seed: int,
-                 valkey: Any) -> None:
+def _main_rounds(
+    rounds: Rounds, backends: list[str], s: ServeSettings, prompts: dict[str, dict[str, str]], seed: int, valkey: Any
+) -> None:
     plans = {c: rounds_for(prompts[c], s, seed, s.docs_per_corpus) for c in s.corpora}
     for backend in [b for b in ("recompute", "prefix") if b in backends]:
         for corpus in s.corpora:
@@ -243,7 +335,9 @@ def _main_rounds(rounds: Rounds, backends: list[str], s: ServeSettings, prompts:
 
         def kill() -> None:
             if isinstance(valkey, str):
-                raise ValueError("serve.fault_round kills Valkey: it needs the stage's own server (serve.valkey.url: null)")
+                raise ValueError(
+                    "serve.fault_round kills Valkey: it needs the stage's own server (serve.valkey.url: null)"
+                )
             note("fault: killing valkey (SIGKILL) in the middle of the round")
             os.killpg(valkey.pid, signal.SIGKILL)
             valkey.wait(timeout=30)
@@ -251,14 +345,26 @@ def _main_rounds(rounds: Rounds, backends: list[str], s: ServeSettings, prompts:
         rounds.run("valkey", codec, corpus, fault, rounds.params("valkey", codec, [codec]), between=kill)
 
 
-def _reference_rounds(rounds: Rounds, server: str, backend: str, s: ServeSettings, prompts: dict[str, dict[str, str]],
-                      seed: int, workdir: Path) -> None:
+def _reference_rounds(
+    rounds: Rounds,
+    server: str,
+    backend: str,
+    s: ServeSettings,
+    prompts: dict[str, dict[str, str]],
+    seed: int,
+    workdir: Path,
+) -> None:
     storage = workdir / "example-kv"
     for corpus in s.corpora:
         for planned in rounds_for(prompts[corpus], s, seed, s.reference_docs_per_corpus):
             before = _dir_bytes(storage)
-            rounds.run(backend, "safetensors" if server == "example" else NO_CODEC, corpus, planned,
-                       rounds.params(backend, None, []))
+            rounds.run(
+                backend,
+                "safetensors" if server == "example" else NO_CODEC,
+                corpus,
+                planned,
+                rounds.params(backend, None, []),
+            )
             if server == "example":
                 rounds.metrics[-1]["disk_bytes_written"] = _dir_bytes(storage) - before
 

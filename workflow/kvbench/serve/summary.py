@@ -27,9 +27,18 @@ def _last(events: pd.DataFrame, kind: str, columns: dict[str, str]) -> pd.DataFr
 def join_transfers(requests: pd.DataFrame, transfers: pd.DataFrame) -> pd.DataFrame:
     """Per request: its lookup and load (the hit path) and the sum of its stores over codecs."""
     lookup = _last(transfers, "lookup", {"seconds": "lookup_s", "hit_chunks": "hit_chunks", "error": "lookup_error"})
-    load = _last(transfers, "load", {"get_s": "load_get_s", "decode_s": "load_decode_s", "copy_s": "load_copy_s",
-                                     "loaded_chunks": "loaded_chunks", "failed_chunks": "failed_chunks",
-                                     "error": "load_error"})
+    load = _last(
+        transfers,
+        "load",
+        {
+            "get_s": "load_get_s",
+            "decode_s": "load_decode_s",
+            "copy_s": "load_copy_s",
+            "loaded_chunks": "loaded_chunks",
+            "failed_chunks": "failed_chunks",
+            "error": "load_error",
+        },
+    )
     out = requests.merge(lookup, on="tag", how="left").merge(load, on="tag", how="left")
     if not transfers.empty and "event" in transfers:
         stores = transfers[transfers.event == "store"].copy()
@@ -40,7 +49,9 @@ def join_transfers(requests: pd.DataFrame, transfers: pd.DataFrame) -> pd.DataFr
         if col not in out:
             out[col] = np.nan
     # what the hit path leaves for the forward pass, queueing and HTTP
-    out["ttft_rest_s"] = out.ttft_s - out[["lookup_s", "load_get_s", "load_decode_s", "load_copy_s"]].fillna(0).sum(axis=1)
+    out["ttft_rest_s"] = out.ttft_s - out[["lookup_s", "load_get_s", "load_decode_s", "load_copy_s"]].fillna(0).sum(
+        axis=1
+    )
     out["lookup_failed"] = out.lookup_error.notna()
     out["load_failed"] = out.load_error.notna() | (out.failed_chunks.fillna(0) > 0)
     out["kv_failed"] = out.lookup_failed | out.load_failed
@@ -53,13 +64,17 @@ def compare_outputs(requests: pd.DataFrame) -> pd.DataFrame:
     """`output_matches_recompute`: the output equals recompute's for the same prompt (the same
     document without a miss prefix) on the same run; NA where there is no reference."""
     ok = requests[requests.error.isna()] if "error" in requests else requests
-    ref = ok[(ok.backend == "recompute") & ~ok.miss.astype(bool)].groupby(["corpus", "doc_id"]).output.agg(
-        lambda s: s.iloc[0] if s.nunique() == 1 else None)
+    ref = (
+        ok[(ok.backend == "recompute") & ~ok.miss.astype(bool)]
+        .groupby(["corpus", "doc_id"])
+        .output.agg(lambda s: s.iloc[0] if s.nunique() == 1 else None)
+    )
     out = requests.copy()
     misses = out.miss.astype("boolean").fillna(True)
     refs = [ref.get((c, d)) if not m else None for c, d, m in zip(out.corpus, out.doc_id, misses)]
     out["output_matches_recompute"] = pd.array(
-        [None if r is None or o is None else o == r for o, r in zip(out.output, refs)], dtype="boolean")
+        [None if r is None or o is None else o == r for o, r in zip(out.output, refs)], dtype="boolean"
+    )
     return out
 
 
@@ -70,7 +85,8 @@ def prediction(kv: pd.DataFrame, dtype: str) -> pd.DataFrame:
         return pd.DataFrame(columns=["corpus", "codec", "predicted_ratio", "predicted_docs"])
     pooled = pooled_ratios(sel, by=["corpus", "codec"])
     return pooled.rename(columns={"ratio": "predicted_ratio", "docs": "predicted_docs"})[
-        ["corpus", "codec", "predicted_ratio", "predicted_docs"]]
+        ["corpus", "codec", "predicted_ratio", "predicted_docs"]
+    ]
 
 
 def _mean(series: pd.Series) -> float:
@@ -103,21 +119,26 @@ def _wire(events: pd.DataFrame, hits: pd.DataFrame) -> dict:
     raw, wire = stores.raw_bytes.sum(), stores.wire_bytes.sum()
     loaded = loads.raw_bytes.sum()
     return {
-        "stored_chunks": int(stores.chunks.sum()), "raw_bytes": int(raw), "wire_bytes": int(wire),
+        "stored_chunks": int(stores.chunks.sum()),
+        "raw_bytes": int(raw),
+        "wire_bytes": int(wire),
         "ratio": raw / wire if wire else float("nan"),
         "encode_mb_s": _mb_s(raw, stores.encode_s.sum()),
         "store_mb_s": _mb_s(raw, (stores.encode_s + stores.set_s).sum()),
         "decode_mb_s": _mb_s(loaded, loads.decode_s.sum()),
         "load_mb_s": _mb_s(loaded, (loads.get_s + loads.decode_s + loads.copy_s).sum()),
         "warmup_store_mean_s": _mean(warm_store_s),
-        "hit_lookup_mean_s": _mean(hits.lookup_s), "hit_get_mean_s": _mean(hits.load_get_s),
-        "hit_decode_mean_s": _mean(hits.load_decode_s), "hit_copy_mean_s": _mean(hits.load_copy_s),
+        "hit_lookup_mean_s": _mean(hits.lookup_s),
+        "hit_get_mean_s": _mean(hits.load_get_s),
+        "hit_decode_mean_s": _mean(hits.load_decode_s),
+        "hit_copy_mean_s": _mean(hits.load_copy_s),
         "hit_rest_mean_s": _mean(hits.ttft_rest_s),
     }
 
 
-def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.DataFrame, kv: pd.DataFrame,
-                  dtype: str) -> pd.DataFrame:
+def offload_table(
+    requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.DataFrame, kv: pd.DataFrame, dtype: str
+) -> pd.DataFrame:
     """One row per backend x codec x corpus. The valkey warm-up stored every codec at once: its TTFT
     is one row of its own (codec `all`), not any codec's; each codec's row carries its share of
     that warm-up's store cost, and the warm-up's stores count towards each codec's bytes."""
@@ -130,8 +151,12 @@ def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.D
         if group["round"].isna().all():  # a backend this machine cannot run
             rows.append({**row, "status": group.error.iloc[0]})
             continue
-        warm = requests[(requests.backend == backend) & (requests.corpus == corpus) & (requests["round"] == "warmup")
-                        & (requests.codec == codec)]
+        warm = requests[
+            (requests.backend == backend)
+            & (requests.corpus == corpus)
+            & (requests["round"] == "warmup")
+            & (requests.codec == codec)
+        ]
         query = group[group["round"] == "query"]
         hit = effective_hits(query, backend)
         hits, misses = query[hit], query[query.miss.astype(bool)]
@@ -139,13 +164,20 @@ def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.D
         failed = int(group.error.notna().sum())
         row |= {
             "status": "ok" if not failed else f"{failed} requests failed",
-            "requests": len(group), "query_hits": len(hits), "hits_not_loaded": int((~hit & ~query.miss.astype(bool)).sum()),
-            "query_misses": len(misses), "fault_requests": int((group["round"] == "fault").sum()),
-            "ttft_warmup_mean_s": _mean(warm.ttft_s), "ttft_query_mean_s": _mean(query.ttft_s),
-            "ttft_hit_mean_s": _mean(hits.ttft_s), "ttft_miss_mean_s": _mean(misses.ttft_s),
+            "requests": len(group),
+            "query_hits": len(hits),
+            "hits_not_loaded": int((~hit & ~query.miss.astype(bool)).sum()),
+            "query_misses": len(misses),
+            "fault_requests": int((group["round"] == "fault").sum()),
+            "ttft_warmup_mean_s": _mean(warm.ttft_s),
+            "ttft_query_mean_s": _mean(query.ttft_s),
+            "ttft_hit_mean_s": _mean(hits.ttft_s),
+            "ttft_miss_mean_s": _mean(misses.ttft_s),
             "cached_tokens_hit_mean": _mean(hits.cached_tokens),
-            "outputs_identical_share": _mean(identical), "outputs_compared": int(identical.notna().sum()),
-            "lookup_errors": int(group.lookup_failed.sum()), "load_failures": int(group.load_failed.sum()),
+            "outputs_identical_share": _mean(identical),
+            "outputs_compared": int(identical.notna().sum()),
+            "lookup_errors": int(group.lookup_failed.sum()),
+            "load_failures": int(group.load_failed.sum()),
         }
         if backend == "valkey":
             mine = events[(events.backend == "valkey") & (events.corpus == corpus) & (events.codec == codec)]
@@ -162,8 +194,9 @@ def offload_table(requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.D
         table["ratio_vs_16bit"] = table.ratio * 2 / DTYPE_BYTES[dtype]
         table["ratio_vs_prediction"] = table.ratio / table.predicted_ratio
         gap = (table.ratio_vs_prediction - 1).abs()
-        table["within_20pct"] = pd.array([None if np.isnan(g) else bool(g <= PREDICTION_TOLERANCE) for g in gap],
-                                         dtype="boolean")
+        table["within_20pct"] = pd.array(
+            [None if np.isnan(g) else bool(g <= PREDICTION_TOLERANCE) for g in gap], dtype="boolean"
+        )
     return table
 
 
@@ -175,8 +208,10 @@ def summary_text(offload: pd.DataFrame, metrics: pd.DataFrame) -> str:
             lines.append(f"  {row.backend:<9} {row.codec:<17} {row.corpus:<9} {row.status}")
             continue
         if row.codec == "all":
-            lines.append(f"  {row.backend:<9} {'(all codecs)':<17} {row.corpus:<9} shared warm-up that stored every "
-                         f"codec: {row.ttft_warmup_mean_s:6.2f}")
+            lines.append(
+                f"  {row.backend:<9} {'(all codecs)':<17} {row.corpus:<9} shared warm-up that stored every "
+                f"codec: {row.ttft_warmup_mean_s:6.2f}"
+            )
             continue
         ratio = getattr(row, "ratio", float("nan"))
         pred = getattr(row, "predicted_ratio", float("nan"))
@@ -185,12 +220,15 @@ def summary_text(offload: pd.DataFrame, metrics: pd.DataFrame) -> str:
             f"hit {row.ttft_hit_mean_s:6.2f} ({row.query_hits:.0f} loaded, {row.hits_not_loaded:.0f} not)  "
             f"miss {row.ttft_miss_mean_s:6.2f}  ratio {ratio:6.2f} (kv stage {pred:5.2f})  "
             f"identical {row.outputs_identical_share:.2f} of {row.outputs_compared:.0f}  "
-            f"lookup errors {row.lookup_errors:.0f}  load failures {row.load_failures:.0f}  [{row.status}]")
+            f"lookup errors {row.lookup_errors:.0f}  load failures {row.load_failures:.0f}  [{row.status}]"
+        )
     if not metrics.empty and "server_ttft_mean_s" in metrics:
         gap = (metrics.client_ttft_mean_s / metrics.server_ttft_mean_s - 1).abs()
         pooled = client_vs_server(metrics)
-        lines.append(f"client vs server mean TTFT: {pooled:+.1%} over all {int(metrics.requests.sum())} requests; "
-                     f"per round at most {gap.max():.1%} ({len(metrics)} rounds)")
+        lines.append(
+            f"client vs server mean TTFT: {pooled:+.1%} over all {int(metrics.requests.sum())} requests; "
+            f"per round at most {gap.max():.1%} ({len(metrics)} rounds)"
+        )
     return "\n".join(lines)
 
 

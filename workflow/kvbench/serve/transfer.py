@@ -23,13 +23,26 @@ def exists_run(store: valkey.Valkey, keys: Sequence[str]) -> int:
     return next((i for i, hit in enumerate(found) if not hit), len(found))
 
 
-def load_chunks(store: valkey.Valkey, wire: WireFormat, spec: ChunkSpec, keys: Sequence[str],
-                block_ids: Sequence[int], layers: Sequence[torch.Tensor]) -> dict[str, Any]:
+def load_chunks(
+    store: valkey.Valkey,
+    wire: WireFormat,
+    spec: ChunkSpec,
+    keys: Sequence[str],
+    block_ids: Sequence[int],
+    layers: Sequence[torch.Tensor],
+) -> dict[str, Any]:
     """GET the chunks, decode each and copy it into its block of every layer, in order. The first
     chunk that is gone, or does not decode, ends the load: it and every later block are returned as
     `failed_blocks` (vLLM recomputes them under kv_load_failure_policy=recompute)."""
-    stats: dict[str, Any] = {"chunks": len(keys), "loaded_chunks": 0, "wire_bytes": 0, "get_s": 0.0,
-                             "decode_s": 0.0, "copy_s": 0.0, "error": None}
+    stats: dict[str, Any] = {
+        "chunks": len(keys),
+        "loaded_chunks": 0,
+        "wire_bytes": 0,
+        "get_s": 0.0,
+        "decode_s": 0.0,
+        "copy_s": 0.0,
+        "error": None,
+    }
     start = time.perf_counter()
     try:
         values = store.mget(list(keys))
@@ -53,7 +66,7 @@ def load_chunks(store: valkey.Valkey, wire: WireFormat, spec: ChunkSpec, keys: S
         stats["decode_s"] += t1 - t0
         stats["loaded_chunks"] += 1
         stats["wire_bytes"] += len(data)
-    stats["failed_blocks"] = list(block_ids[stats["loaded_chunks"]:])
+    stats["failed_blocks"] = list(block_ids[stats["loaded_chunks"] :])
     stats["raw_bytes"] = stats["loaded_chunks"] * spec.nbytes()
     return stats
 
@@ -63,8 +76,9 @@ def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[tor
     return [torch.stack([cache[block] for cache in layers]) for block in block_ids]
 
 
-def store_chunks(store: valkey.Valkey, wire: WireFormat, spec: ChunkSpec, keys: Sequence[str],
-                 chunks: Sequence[torch.Tensor]) -> dict[str, Any]:
+def store_chunks(
+    store: valkey.Valkey, wire: WireFormat, spec: ChunkSpec, keys: Sequence[str], chunks: Sequence[torch.Tensor]
+) -> dict[str, Any]:
     """Encode and SET the chunks in one pipelined round trip."""
     t0 = time.perf_counter()
     encoded = [wire.encode(chunk) for chunk in chunks]
@@ -77,5 +91,11 @@ def store_chunks(store: valkey.Valkey, wire: WireFormat, spec: ChunkSpec, keys: 
         pipe.execute()
     except STORE_ERRORS as err:
         error = f"store: {type(err).__name__}: {err}"
-    return {"chunks": len(chunks), "raw_bytes": len(chunks) * spec.nbytes(), "wire_bytes": sum(map(len, encoded)),
-            "encode_s": t1 - t0, "set_s": time.perf_counter() - t1, "error": error}
+    return {
+        "chunks": len(chunks),
+        "raw_bytes": len(chunks) * spec.nbytes(),
+        "wire_bytes": sum(map(len, encoded)),
+        "encode_s": t1 - t0,
+        "set_s": time.perf_counter() - t1,
+        "error": error,
+    }

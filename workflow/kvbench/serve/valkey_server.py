@@ -26,8 +26,25 @@ def valkey_binary() -> str:
 
 def valkey_command(binary: str, port: int, maxmemory_mb: int) -> list[str]:
     # The package's ValkeyServer wrapper daemonizes and keeps RDB saves: run the binary itself.
-    return [binary, "--bind", HOST, "--port", str(port), "--protected-mode", "yes", "--save", "", "--appendonly", "no",
-            "--daemonize", "no", "--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "noeviction"]
+    return [
+        binary,
+        "--bind",
+        HOST,
+        "--port",
+        str(port),
+        "--protected-mode",
+        "yes",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--daemonize",
+        "no",
+        "--maxmemory",
+        f"{maxmemory_mb}mb",
+        "--maxmemory-policy",
+        "noeviction",
+    ]
 
 
 def pings(url: str) -> Callable[[], bool]:
@@ -41,8 +58,9 @@ def pings(url: str) -> Callable[[], bool]:
 
 
 @contextmanager
-def valkey_server(maxmemory_mb: int, log_path: str | Path, timeout_s: float = 30.0,
-                  binary: str | None = None) -> Iterator[tuple[str, object]]:
+def valkey_server(
+    maxmemory_mb: int, log_path: str | Path, timeout_s: float = 30.0, binary: str | None = None
+) -> Iterator[tuple[str, object]]:
     """Yields (url, process). `maxmemory-policy noeviction`: a cap too small shows up as failed
     stores in the rows, never as silently evicted chunks."""
     port = free_port()

@@ -20,9 +20,9 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from kvbench.kv.codecs import get_codec
-from kvbench.methods.fp8 import to_fp8_bytes
 from kvbench.methods.base import ModelShape
 from kvbench.methods.catalog import build_cache
+from kvbench.methods.fp8 import to_fp8_bytes
 from kvbench.methods.kinds import settings_of
 from kvbench.methods.kivi import QuantizedBlock
 from kvbench.methods.turboquant import TurboBlock
@@ -139,8 +139,12 @@ class KiviWire:
 
     def encode(self, chunk: torch.Tensor) -> bytes:
         keys, values = layout.split(chunk.float())
-        return save_blocks({"k": [QuantizedBlock(keys, self.bits, self.group, True)],
-                            "v": [QuantizedBlock(values, self.bits, self.group, False)]})
+        return save_blocks(
+            {
+                "k": [QuantizedBlock(keys, self.bits, self.group, True)],
+                "v": [QuantizedBlock(values, self.bits, self.group, False)],
+            }
+        )
 
     def decode(self, data: bytes) -> torch.Tensor:
         blocks = load_blocks(data, {"k": QuantizedBlock, "v": QuantizedBlock})
@@ -161,10 +165,12 @@ class TurboWire:
 
     def encode(self, chunk: torch.Tensor) -> bytes:
         keys, values = layout.split(chunk.float())
-        return save_blocks({
-            "k": [TurboBlock(keys[i], layer.key_mse, layer.sketch) for i, layer in enumerate(self.layers)],
-            "v": [TurboBlock(values[i], layer.value_mse, None) for i, layer in enumerate(self.layers)],
-        })
+        return save_blocks(
+            {
+                "k": [TurboBlock(keys[i], layer.key_mse, layer.sketch) for i, layer in enumerate(self.layers)],
+                "v": [TurboBlock(values[i], layer.value_mse, None) for i, layer in enumerate(self.layers)],
+            }
+        )
 
     def decode(self, data: bytes) -> torch.Tensor:
         blocks = load_blocks(data, {"k": TurboBlock, "v": TurboBlock})

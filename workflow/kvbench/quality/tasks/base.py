@@ -21,7 +21,6 @@ from kvbench.prompts import middle_truncate
 from kvbench.quality.kinds import TASK_SETTINGS
 
 SURROUNDING_CHARS = 12  # about two words either side of an answer that a truncation must keep
-CATEGORIES = ("single_doc_qa", "multi_doc_qa", "few_shot", "summarization", "retrieval", "code")
 
 
 @dataclass(frozen=True)
@@ -86,15 +85,20 @@ class Sources:
         """Where in `doc.text` the located fact stands for itself, with its unit or label
         (kvbench.corpus.realistic.mention_spans): the spans a truncation must keep."""
         info = vocabulary(doc.domain)["facts"][fact.fact]
-        return [(start, end) for _, start, end in mention_spans(doc.text, fact.value, str(info["label"]), info.get("unit"))]
+        return [
+            (start, end) for _, start, end in mention_spans(doc.text, fact.value, str(info["label"]), info.get("unit"))
+        ]
 
     def survives(self, doc: Any, fact: Any, kept: list[tuple[int, int]]) -> bool:
         """The presence check after a cut: one of the fact's located spans, with SURROUNDING_CHARS on
         each side (so the cut splices no other sentence onto it: "Case number| was March 30"), lies
         wholly in a kept range. A whole-word match elsewhere ("24 hours" for an age of 24) does not count."""
         size = len(doc.text)
-        return any(a <= max(0, start - SURROUNDING_CHARS) and min(size, end + SURROUNDING_CHARS) <= b
-                   for start, end in self.evidence(doc, fact) for a, b in kept)
+        return any(
+            a <= max(0, start - SURROUNDING_CHARS) and min(size, end + SURROUNDING_CHARS) <= b
+            for start, end in self.evidence(doc, fact)
+            for a, b in kept
+        )
 
     def doc_facts(self, doc_id: str) -> list[Any]:
         """A document's located, unambiguous facts, in the facts table's order."""
@@ -123,15 +127,25 @@ def simple_task(name: str, spec: TaskSpec, make: SampleMaker) -> Builder:
 
     @register(name)
     def build(sources: Sources, settings: dict[str, Any], seed: int) -> list[TaskFile]:
-        task = TaskFile(f"kvbench_{name}", replace(spec, max_gen_tokens=settings.get("max_gen_tokens", spec.max_gen_tokens)))
+        task = TaskFile(
+            f"kvbench_{name}", replace(spec, max_gen_tokens=settings.get("max_gen_tokens", spec.max_gen_tokens))
+        )
         for target in settings["context_tokens"]:
             rng = random.Random(f"{seed}/{name}/{target}")
             made = make(sources, target, settings["samples"], rng, settings)
             task.requested += settings["samples"]
             for i, sample in enumerate(made):
-                task.samples.append({"_id": f"{name}-{target}-{i:03d}", "dataset": name, "category": spec.category,
-                                     "target_tokens": target, "all_classes": None, **sample,
-                                     "length": len(sample["context"].split())})
+                task.samples.append(
+                    {
+                        "_id": f"{name}-{target}-{i:03d}",
+                        "dataset": name,
+                        "category": spec.category,
+                        "target_tokens": target,
+                        "all_classes": None,
+                        **sample,
+                        "length": len(sample["context"].split()),
+                    }
+                )
         return [task]
 
     return build
@@ -148,10 +162,16 @@ def contains(text: str, answer: str) -> bool:
 # hypertension). Kinds whose vocabulary (kvbench/data/<domain>.yaml) lists every value the fact
 # sheets draw: any other listed value counts (kind: list, field of its entries).
 LISTED_KINDS: dict[str, tuple[str, str | None]] = {
-    "hospital": ("hospitals", None), "symptom": ("symptoms", None), "comorbidity": ("comorbidities", None),
+    "hospital": ("hospitals", None),
+    "symptom": ("symptoms", None),
+    "comorbidity": ("comorbidities", None),
     **{kind: ("conditions", kind) for kind in ("diagnosis", "drug", "dose", "test", "finding")},
-    "contract_kind": ("contract_kinds", "kind"), "subject": ("contract_kinds", "subject"), "clause": ("clauses", None),
-    "claim": ("case_kinds", "claim"), "remedy": ("case_kinds", "remedy"), "court": ("courts", None),
+    "contract_kind": ("contract_kinds", "kind"),
+    "subject": ("contract_kinds", "subject"),
+    "clause": ("clauses", None),
+    "claim": ("case_kinds", "claim"),
+    "remedy": ("case_kinds", "remedy"),
+    "court": ("courts", None),
     "governing_state": ("governing_states", None),
 }
 # People asked for by a role that a title marks: any other person with that title counts.
@@ -214,7 +234,7 @@ def section_bodies(doc: Any) -> list[str]:
     bodies = []
     for _, start, end in json.loads(doc.sections):
         heading_end = doc.text.find("\n", start, end)
-        body = doc.text[heading_end + 1:end].strip() if heading_end >= 0 else ""
+        body = doc.text[heading_end + 1 : end].strip() if heading_end >= 0 else ""
         if body:
             bodies.append(body)
     return bodies

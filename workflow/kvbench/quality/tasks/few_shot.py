@@ -10,9 +10,13 @@ from typing import Any
 from kvbench.quality.tasks.base import Sources, TaskSpec, doc_label, prompt_overhead, section_bodies, simple_task
 
 SPEC = TaskSpec(
-    category="few_shot", metric="classification_first_line", max_gen_tokens=64, chat=False, longbench="trec",
+    category="few_shot",
+    metric="classification_first_line",
+    max_gen_tokens=64,
+    chat=False,
+    longbench="trec",
     template="Please determine the type of the document excerpt below. Here are some examples of document "
-             "excerpts.\n\n{{context}}\n{{question}}",
+    "excerpts.\n\n{{context}}\n{{question}}",
     until=("\n",),
 )
 
@@ -21,7 +25,7 @@ def excerpt(sources: Sources, doc: Any, tokens: int, rng: random.Random) -> str:
     """A window of about `tokens` tokens from one of the document's section bodies, on one line."""
     ids = sources.ids(rng.choice(section_bodies(doc)))
     start = rng.randrange(max(1, len(ids) - tokens))
-    return " ".join(sources.decode(ids[start:start + tokens]).split())
+    return " ".join(sources.decode(ids[start : start + tokens]).split())
 
 
 def make(sources: Sources, target: int, n: int, rng: random.Random, settings: dict[str, Any]) -> list[dict[str, Any]]:
@@ -53,8 +57,16 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
             while len(shots) > 1 and sources.count("\n".join(s for s, _ in shots)) > budget:
                 shots.pop(-1 if at < len(shots) - 1 else -2)
         if any(s.endswith(f"Type: {label}") for s, _ in shots):
-            samples.append({"context": "\n".join(s for s, _ in shots), "question": question, "answers": [label],
-                            "all_classes": classes, "doc_ids": [query.doc_id] + [d for _, d in shots], "fact": None})
+            samples.append(
+                {
+                    "context": "\n".join(s for s, _ in shots),
+                    "question": question,
+                    "answers": [label],
+                    "all_classes": classes,
+                    "doc_ids": [query.doc_id] + [d for _, d in shots],
+                    "fact": None,
+                }
+            )
     return samples
 
 

@@ -20,8 +20,10 @@ EXTRACTIVE = ("single_doc_qa", "multi_doc_qa", "retrieval")
 def build(sources: Sources, settings: dict[str, Any], seed: int) -> list[TaskFile]:
     rows = sources.imported
     if rows is None or "answers" not in rows or rows["answers"].isna().all():
-        raise ValueError("quality.tasks.longbench: the imported corpus has no LongBench lines "
-                         "(JSONL with context, input, answers, dataset in corpus.imported.path)")
+        raise ValueError(
+            "quality.tasks.longbench: the imported corpus has no LongBench lines "
+            "(JSONL with context, input, answers, dataset in corpus.imported.path)"
+        )
     rows = rows[rows["answers"].notna()]
     wanted = settings.get("datasets") or sorted(set(rows.doc_type))
     limit = max(settings["context_tokens"])
@@ -39,11 +41,21 @@ def build(sources: Sources, settings: dict[str, Any], seed: int) -> list[TaskFil
             if sources.count(row.text) > limit:
                 continue
             classes = json.loads(row.all_classes) if getattr(row, "all_classes", None) else None
-            task.samples.append({
-                "_id": str(row.doc_id), "dataset": dataset, "category": task_spec.category, "target_tokens": limit,
-                "context": row.text, "question": row.question or "", "answers": answers, "all_classes": classes,
-                "length": len(row.text.split()), "doc_ids": [str(row.doc_id)], "fact": None,
-            })
+            task.samples.append(
+                {
+                    "_id": str(row.doc_id),
+                    "dataset": dataset,
+                    "category": task_spec.category,
+                    "target_tokens": limit,
+                    "context": row.text,
+                    "question": row.question or "",
+                    "answers": answers,
+                    "all_classes": classes,
+                    "length": len(row.text.split()),
+                    "doc_ids": [str(row.doc_id)],
+                    "fact": None,
+                }
+            )
             if len(task.samples) == settings["samples"]:
                 break
         files.append(task)

@@ -11,10 +11,14 @@ from typing import Any
 from kvbench.quality.tasks.base import Sources, TaskSpec, contains, prompt_overhead, second_answer, simple_task
 
 SPEC = TaskSpec(
-    category="multi_doc_qa", metric="qa_f1", max_gen_tokens=32, chat=True, longbench="hotpotqa",
+    category="multi_doc_qa",
+    metric="qa_f1",
+    max_gen_tokens=32,
+    chat=True,
+    longbench="hotpotqa",
     template="Answer the question based on the given passages. Only give me the answer and do not output any other "
-             "words.\n\nThe following are given passages.\n{{context}}\n\nAnswer the question based on the given "
-             "passages. Only give me the answer and do not output any other words.\n\nQuestion: {{question}}\nAnswer:",
+    "words.\n\nThe following are given passages.\n{{context}}\n\nAnswer the question based on the given "
+    "passages. Only give me the answer and do not output any other words.\n\nQuestion: {{question}}\nAnswer:",
 )
 # Facts that name a document's people, parties or case: what a reader would use to pick it out.
 ANCHORS = ("patient_name", "case_number", "party_a", "party_b", "witness", "mrn", "attending", "judge")
@@ -50,12 +54,24 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
             # the located answer and anchor survive the cut of their passage, which states no second answer
             # of the kind (the distractors hold other documents' values by design: the anchor picks the
             # passage); no distractor names either
-            if (sources.survives(doc, fact, kept) and sources.survives(doc, anchor, kept)
-                    and second_answer(doc.domain, fact.fact, fact.value, mine) is None
-                    and not any(contains(p, v) for j, p in enumerate(passages) if j != slot for v in (fact.value, anchor.value))):
+            if (
+                sources.survives(doc, fact, kept)
+                and sources.survives(doc, anchor, kept)
+                and second_answer(doc.domain, fact.fact, fact.value, mine) is None
+                and not any(
+                    contains(p, v) for j, p in enumerate(passages) if j != slot for v in (fact.value, anchor.value)
+                )
+            ):
                 context = "\n".join(f"Passage {i}:\n{p}" for i, p in enumerate(passages, start=1))
-                samples.append({"context": context, "question": question, "answers": [fact.value],
-                                "doc_ids": [d.doc_id for d in order], "fact": fact.fact})
+                samples.append(
+                    {
+                        "context": context,
+                        "question": question,
+                        "answers": [fact.value],
+                        "doc_ids": [d.doc_id for d in order],
+                        "fact": fact.fact,
+                    }
+                )
                 break
         if len(samples) == n:
             break

@@ -12,11 +12,15 @@ from typing import Any
 from kvbench.quality.tasks.base import Sources, TaskSpec, contains, prompt_overhead, section_bodies, simple_task
 
 SPEC = TaskSpec(
-    category="retrieval", metric="retrieval", max_gen_tokens=32, chat=True, longbench="passage_retrieval_en",
+    category="retrieval",
+    metric="retrieval",
+    max_gen_tokens=32,
+    chat=True,
+    longbench="passage_retrieval_en",
     template="Here are {{paragraphs}} paragraphs from documents, along with a sentence. Please determine which "
-             "paragraph the sentence is from.\n\n{{context}}\n\nThe following is a sentence.\n\n{{question}}\n\n"
-             "Please enter the number of the paragraph that the sentence is from. The answer format must be like "
-             "\"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: ",
+    "paragraph the sentence is from.\n\n{{context}}\n\nThe following is a sentence.\n\n{{question}}\n\n"
+    "Please enter the number of the paragraph that the sentence is from. The answer format must be like "
+    '"Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: ',
 )
 
 
@@ -29,7 +33,7 @@ def paragraph(sources: Sources, body: str, tokens: int) -> str:
     """The head of a section body, at most `tokens` tokens, ending at a sentence end, on one line."""
     head = " ".join(sources.decode(sources.ids(body)[:tokens]).split())
     cut = max(head.rfind(". "), head.rfind("? "), head.rfind("! "))
-    return head if head[-1:] in ".!?" or cut < 0 else head[:cut + 1]
+    return head if head[-1:] in ".!?" or cut < 0 else head[: cut + 1]
 
 
 def make(sources: Sources, target: int, n: int, rng: random.Random, settings: dict[str, Any]) -> list[dict[str, Any]]:
@@ -51,13 +55,22 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
         if len(paragraphs) < 2:
             continue
         k = rng.randrange(len(paragraphs))
-        unique = [s for s in sentences(paragraphs[k]) if not any(contains(p, s) for j, p in enumerate(paragraphs) if j != k)]
+        unique = [
+            s for s in sentences(paragraphs[k]) if not any(contains(p, s) for j, p in enumerate(paragraphs) if j != k)
+        ]
         if not unique:
             continue
         context = "\n\n".join(f"Paragraph {i}: {p}" for i, p in enumerate(paragraphs, start=1))
-        samples.append({"context": context, "question": rng.choice(unique), "answers": [f"Paragraph {k + 1}"],
-                        "paragraphs": len(paragraphs), "doc_ids": [d.doc_id for d in docs[:len(paragraphs)]],
-                        "fact": None})
+        samples.append(
+            {
+                "context": context,
+                "question": rng.choice(unique),
+                "answers": [f"Paragraph {k + 1}"],
+                "paragraphs": len(paragraphs),
+                "doc_ids": [d.doc_id for d in docs[: len(paragraphs)]],
+                "fact": None,
+            }
+        )
     return samples
 
 

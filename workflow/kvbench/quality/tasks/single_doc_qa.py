@@ -10,10 +10,14 @@ from typing import Any
 from kvbench.quality.tasks.base import Sources, TaskSpec, prompt_overhead, second_answer, simple_task
 
 SPEC = TaskSpec(
-    category="single_doc_qa", metric="qa_f1", max_gen_tokens=64, chat=True, longbench="multifieldqa_en",
+    category="single_doc_qa",
+    metric="qa_f1",
+    max_gen_tokens=64,
+    chat=True,
+    longbench="multifieldqa_en",
     template="Read the following text and answer briefly.\n\n{{context}}\n\nNow, answer the following question based "
-             "on the above text, only give me the answer and do not output any other words.\n\nQuestion: "
-             "{{question}}\nAnswer:",
+    "on the above text, only give me the answer and do not output any other words.\n\nQuestion: "
+    "{{question}}\nAnswer:",
 )
 
 
@@ -34,8 +38,15 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
             context, kept = sources.trim_kept(doc.text, budget)
             # the presence check (no sample whose located answer is cut) and the uniqueness check
             if sources.survives(doc, fact, kept) and second_answer(doc.domain, fact.fact, fact.value, context) is None:
-                samples.append({"context": context, "question": fact.question, "answers": [fact.value],
-                                "doc_ids": [doc.doc_id], "fact": fact.fact})
+                samples.append(
+                    {
+                        "context": context,
+                        "question": fact.question,
+                        "answers": [fact.value],
+                        "doc_ids": [doc.doc_id],
+                        "fact": fact.fact,
+                    }
+                )
                 break
         if len(samples) == n:
             break

@@ -11,17 +11,24 @@ from kvbench.corpus.factsheets import vocabulary
 from kvbench.quality.tasks.base import Sources, TaskSpec, prompt_overhead, simple_task
 
 SPEC = TaskSpec(
-    category="summarization", metric="rouge", max_gen_tokens=512, chat=True, longbench="gov_report",
+    category="summarization",
+    metric="rouge",
+    max_gen_tokens=512,
+    chat=True,
+    longbench="gov_report",
     template="You are given a document. Write a one-page summary of the document.\n\nDocument:\n{{context}}\n\n"
-             "Now, write a one-page summary of the document.\n\nSummary:",
+    "Now, write a one-page summary of the document.\n\nSummary:",
 )
 
 
 def reference_summary(sources: Sources, doc: Any, kept: list[tuple[int, int]]) -> str:
     """The document's type and title, then each located, unambiguous fact whose span the cut kept."""
     labels = vocabulary(doc.domain)["facts"]
-    stated = [f"The {labels[f.fact]['label'].lower()} is {f.value}." for f in sources.doc_facts(doc.doc_id)
-              if sources.survives(doc, f, kept)]
+    stated = [
+        f"The {labels[f.fact]['label'].lower()} is {f.value}."
+        for f in sources.doc_facts(doc.doc_id)
+        if sources.survives(doc, f, kept)
+    ]
     return " ".join([f"This {doc.doc_type.replace('_', ' ')} is a {doc.title}."] + stated)
 
 
@@ -31,8 +38,15 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
     samples = []
     for doc in docs[:n]:
         context, kept = sources.trim_kept(doc.text, target - prompt_overhead(sources, SPEC))
-        samples.append({"context": context, "question": "", "answers": [reference_summary(sources, doc, kept)],
-                        "doc_ids": [doc.doc_id], "fact": None})
+        samples.append(
+            {
+                "context": context,
+                "question": "",
+                "answers": [reference_summary(sources, doc, kept)],
+                "doc_ids": [doc.doc_id],
+                "fact": None,
+            }
+        )
     return samples
 
 
