@@ -8,7 +8,7 @@ REPORT_HTML := results/report.html
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run report readme readme-check test test-unit lint dry-run-gpu prefetch lock bench bench-core bench-peers \
+.PHONY: setup run report readme readme-check test test-unit lint ruff dry-run-gpu prefetch lock bench bench-prefill bench-core bench-peers \
 	bench-kill bench-refactor bench-report clean
 
 setup: $(STAMP)
@@ -44,15 +44,20 @@ readme-check: setup
 
 # Unbuffered, with the fault handler on for the whole interpreter (exit included): a crash shows
 # how far the run got and where.
-test: setup readme-check
+test: setup readme-check ruff
 	PYTHONUNBUFFERED=1 $(BIN)/python -X faulthandler -m pytest
 
 # Fast: no workflow runs, no servers (the real model still loads in some unit tests).
 test-unit: setup
 	$(BIN)/python -m pytest -m "not integration and not servers"
 
-lint: setup
+lint: setup ruff
 	$(BIN)/snakemake --lint
+
+# House style (pyproject.toml [tool.ruff]): lint and formatting, checked in `make test`.
+ruff: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 dry-run-gpu: setup
 	$(BIN)/snakemake -n --workflow-profile workflow/profiles/slurm --configfile config/gpu.yaml
@@ -83,6 +88,10 @@ bench: bench-core bench-peers bench-kill
 
 # Memory bound for an 8K document, codec overhead vs direct library calls, the Valkey connector vs
 # the raw client on the same bytes, TurboQuant's score errors, decode cost per token vs full.
+# The quality stage's shared prefill side by side with the per-method path (after `make run`).
+bench-prefill: setup
+	$(BIN)/python bench/shared_prefill.py
+
 bench-core: setup
 	$(BIN)/snakemake --cores $(CORES) results/kv/memory_probe.parquet
 	$(BIN)/python bench/codec_overhead.py

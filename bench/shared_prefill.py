@@ -45,7 +45,7 @@ forced row to its end before its branch (the same one-row passes, in another ord
 shared: other work lands in whichever path runs at the time; the paired per-round ratios cancel only
 drift slower than a round, so the spread over rounds is printed with the ratio.
 
-    .venv/bin/python bench/shared_prefill.py [--samples 4] [--rounds 2] [--tasks results/quality/tasks]
+    .venv/bin/python bench/shared_prefill.py [--samples 4] [--rounds 2] [--tasks results/quality/smollm2-135m/tasks]
     .venv/bin/python bench/shared_prefill.py --build-from ../other/results/corpus/realistic --tasks /tmp/tasks
 """
 
@@ -64,6 +64,8 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import pandas as pd
 import torch
 import yaml
+
+from kvbench.report.blocks import Block
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "results" / "bench" / "shared_prefill.parquet"
@@ -426,10 +428,13 @@ def render(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+BLOCKS = {"shared-prefill": Block(render, ("bench/shared_prefill.parquet",), make="make bench-prefill")}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "config" / "config.yaml"))
-    parser.add_argument("--tasks", default="results/quality/tasks", help="a quality task folder")
+    parser.add_argument("--tasks", help="a quality task folder (default: results/quality/<first quality model>/tasks)")
     parser.add_argument(
         "--build-from",
         type=Path,
@@ -464,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     reference = quality["reference"]
     methods = {m: config["methods"][m] for m in [reference, *(m for m in names if m != reference)]}
     model_name = quality["models"][0]
-    folder = Path(args.tasks)
+    folder = Path(args.tasks or f"results/quality/{model_name}/tasks")
     if args.build_from:
         build_task_folder(args.build_from, folder, config, model_dir(config, model_name))
     chosen, plain = requests(folder, args.samples)  # before the model loads: a short folder fails fast

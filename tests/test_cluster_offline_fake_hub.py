@@ -144,6 +144,7 @@ def cluster(hub, tmp_path_factory):
     # Targets first: --configfile (and --forcerun) take every word up to the next option.
     refused = snakemake(workdir, None, *TARGETS, "--configfile", str(config_path), slurm=True, timeout=600)
     refused_jobs = fake_slurm_jobs(workdir)
+    refused_made_model = (workdir / "resources" / "models" / "smol").exists()
     fetched = prefetch(config_path, endpoint)
     requests_after_prefetch = (root / "requests.log").read_text()
     # The jobs get the endpoint too: any request they made would reach the fake hub's log.
@@ -158,6 +159,7 @@ def cluster(hub, tmp_path_factory):
         "config_path": config_path,
         "refused": refused,
         "refused_jobs": refused_jobs,
+        "refused_made_model": refused_made_model,
         "prefetch": fetched,
         "ran": ran,
         "hub_requests_during_run": (root / "requests.log").read_text()[len(requests_after_prefetch) :],
@@ -168,7 +170,7 @@ def test_without_a_prefetch_the_run_stops_before_any_job_naming_the_command(clus
     refused = cluster["refused"]
     assert refused.returncode != 0
     assert cluster["refused_jobs"] == []  # nothing submitted
-    assert not (cluster["workdir"] / "resources" / "models" / "smol").exists()
+    assert not cluster["refused_made_model"]
     err = refused.stderr
     assert f"make prefetch CONFIG={cluster['config_path']}" in err, err[-3000:]
     assert f"models.smol: model {MODEL_REPO} was never prefetched" in err
@@ -205,8 +207,8 @@ def test_the_run_is_offline_and_reads_the_prefetched_model_and_dataset(cluster):
 
     expected = sample_ids("longbench_qasper", QASPER_ROWS, LIMIT, cluster["config"]["seed"])
     assert expected != list(range(LIMIT))
-    for method in ("full", "snapkv"):
-        rows = table[table.method == method].sort_values("lm_eval_doc_id")
+    for (method, protocol), rows in table.groupby(["method", "protocol"]):
+        rows = rows.sort_values("lm_eval_doc_id")
         assert list(rows.lm_eval_doc_id) == expected
         assert list(rows.sample_id) == [f"fake-{i}" for i in expected]
 

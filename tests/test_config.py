@@ -107,8 +107,8 @@ CASES = [
     (lambda c: c["kv"].update(figure_codec="zstd-19"), "kv.figure_codec: 'zstd-19' is not in kv.codecs"),
     (lambda c: c["kv"].update(docs_per_corpus=7), "kv.docs_per_corpus: 7 exceeds the 6 synthetic documents"),
     (
-        lambda c: c["system"]["prompts_per_corpus"].update(realistic=13),
-        "system.prompts_per_corpus.realistic: 13 exceeds the 12 realistic documents",
+        lambda c: c["system"]["prompts_per_corpus"].update(realistic=25),
+        "system.prompts_per_corpus.realistic: 25 exceeds the 24 realistic documents",
     ),
     (
         lambda c: c["corpus"]["realistic"].update(min_section_tokens=300),
@@ -118,10 +118,10 @@ CASES = [
     (lambda c: c["system"].update(methods=["full", "kivi3"]), "system.methods: 'kivi3' is not a key of methods"),
     (lambda c: c["kv"].update(corpora=["imported"]), "kv.corpora: 'imported' needs corpus.imported.path to be set"),
     (lambda c: c["corpus"].update(generator="gpt-9"), "corpus.generator: 'gpt-9' is not a key of models"),
-    (lambda c: c["serve"].update(docs_per_corpus=13), "serve.docs_per_corpus: 13 exceeds the 12 realistic documents"),
+    (lambda c: c["serve"].update(docs_per_corpus=25), "serve.docs_per_corpus: 25 exceeds the 24 realistic documents"),
     (
-        lambda c: c["serve"].update(reference_docs_per_corpus=13),
-        "serve.reference_docs_per_corpus: 13 exceeds the 12 realistic documents",
+        lambda c: c["serve"].update(reference_docs_per_corpus=25),
+        "serve.reference_docs_per_corpus: 25 exceeds the 24 realistic documents",
     ),
     (
         lambda c: c["serve"].update(doc_tokens=8190),

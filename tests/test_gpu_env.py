@@ -3,6 +3,7 @@ on faked nvidia-smi answers and torch builds)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -53,8 +54,10 @@ def test_vllm_torch_and_lmcache_pins_are_the_checked_triple():
     assert (locked["vllm"], locked["torch"], locked["lmcache"]) == ("0.32.0", "2.13.0", "0.5.6")
 
 
-def test_the_container_installs_the_lock_and_nothing_else():
+def test_the_container_installs_the_lock_and_imports_kvbench_from_the_bound_checkout():
     definition = (REPO / "envs" / "gpu.def").read_text()
+    # The workflow refuses a kvbench from elsewhere (kvbench.checkout): the image imports the checkout's.
+    assert 'export PYTHONPATH="${KVBENCH_CHECKOUT:-$PWD}/workflow' in definition
     assert "envs/gpu.lock.txt /opt/kvbench/gpu.lock.txt" in definition
     installs = [line.strip() for line in definition.splitlines() if "pip install" in line and not line.startswith("#")]
     assert installs == ["python -m pip install --no-cache-dir --no-deps --require-hashes -r /opt/kvbench/gpu.lock.txt"]
@@ -142,3 +145,20 @@ def test_torch_cuda_reads_the_installed_build_without_importing_torch():
 
     assert out == [str(torch.version.cuda), "False"]
     assert "+cpu" in importlib.metadata.version("torch")  # this machine's build: version.cuda is None
+
+
+def test_a_job_drops_the_hub_token_and_goes_offline_before_anything_else():
+    # What every workflow script's first import does, in a process standing for a job: Snakemake's
+    # `snakemake` object in __main__, a token in the environment the login node passed on.
+    import subprocess
+    import sys
+
+    script = (
+        "import os, types, __main__\n"
+        "__main__.snakemake = types.SimpleNamespace(config={'hf_offline': True}, resources={})\n"
+        "import kvbench.jobstart\n"
+        "print(os.environ.get('HF_TOKEN'), os.environ.get('HUGGING_FACE_HUB_TOKEN'), os.environ['HF_HUB_OFFLINE'])\n"
+    )
+    env = {**os.environ, "HF_TOKEN": "hf_secret", "HUGGING_FACE_HUB_TOKEN": "hf_secret", "HF_HUB_OFFLINE": "0"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["None", "None", "1"]

@@ -311,7 +311,7 @@ def test_ttft_pairs_runs_of_one_round_so_drift_cancels():
     overheads = {"full": 1.0, "kivi4": 1.0, "turboquant3": 1.06, "snapkv": 1.0}
     row = verdict({"system_runs": _runs(overheads, drift=0.4)}, "turboquant-ttft-overhead")
     # a drift of 40 % between rounds, a 6 % overhead: decided, because each run divides by its round's baseline
-    assert row.verdict == C.CONFIRMED and "system/{model}/runs.parquet" in row.source
+    assert row.verdict == C.CONFIRMED and "results/system/runs.parquet" in row.source
     assert row.estimate == pytest.approx(math.log(1.06), abs=0.01)
 
 

@@ -116,7 +116,7 @@ def test_system_ratios_pair_runs_of_one_round():
     # a 50 % drift between rounds, cancelled: the paired ratio is exact
     assert ttft.ratio == pytest.approx(1.07) and ttft.ci_high - ttft.ci_low < 1e-9
     assert (ttft.prompts, ttft.pairs, ttft.failed) == (6, 18, 0) and "one process" in ttft.pairing
-    assert ttft.source == "results/system/{model}/runs.parquet"
+    assert ttft.source == "results/system/runs.parquet"
     assert _row(table, bucket="all", metric="tpot_s").ratio == 1
     # unpaired (another prompt's rounds, as separate jobs would be), the same drift swamps 7 %
     shuffled = runs.assign(

@@ -116,26 +116,28 @@ def test_kendall_tau_values():
     assert math.isnan(kendall_tau(a.iloc[:2], a.iloc[:2])[0])
 
 
-def test_correlations_use_per_sample_timings_when_the_quality_stage_records_them():
+def test_correlations_take_latency_from_the_system_stage_even_where_the_quality_pass_timed_samples():
+    # The quality pass decodes every method's rows in shared steps: its per-sample timings are shares
+    # of those steps, not a method's latency, so latency pairs come from the system stage only.
     methods = ["full", "kivi2", "kivi4", "snapkv"]
     scores = quality({m: {"qa": 0.5 - 0.05 * i} for i, m in enumerate(methods)}, samples=6)
     sys_rows = system({m: {"ratio_end": 1.0 + i, "ttft_s": 1.0 + i} for i, m in enumerate(methods)})
-    corr = correlation_table(tables(system=sys_rows, quality_scores=scores), n_boot=200, seed=1)
-    assert set(zip(corr.category, corr.outcome)) == {
-        ("qa", "quality"),
-        ("system prompts", "ttft_s"),
-        ("system prompts", "tpot_s"),
-    }
-    assert corr.set_index("outcome").loc["quality", "rho"] == pytest.approx(-1.0)  # more compression, less quality
     timed = scores.assign(
-        ttft_s=scores.method.map({m: 1.0 + i for i, m in enumerate(methods)}),
+        ttft_s=scores.method.map({m: 5.0 - i for i, m in enumerate(methods)}),
         tpot_s=0.1,
         ratio=scores.method.map({m: 1.0 + i for i, m in enumerate(methods)}),
     )
-    corr = correlation_table(tables(system=sys_rows, quality_scores=timed), n_boot=200, seed=1).set_index("outcome")
-    assert set(corr.category) == {"qa"} and corr.loc["ttft_s", "rho"] == pytest.approx(1.0)
-    assert math.isnan(corr.loc["tpot_s", "rho"])  # equal TPOT everywhere: no ranking
-    assert corr.loc["quality", "source"] == "results/quality/m/scores.parquet"
+    for quality_scores in (scores, timed):
+        corr = correlation_table(tables(system=sys_rows, quality_scores=quality_scores), n_boot=200, seed=1)
+        assert set(zip(corr.category, corr.outcome)) == {
+            ("qa", "quality"),
+            ("system prompts", "ttft_s"),
+            ("system prompts", "tpot_s"),
+        }
+        corr = corr.set_index("outcome")
+        assert corr.loc["quality", "rho"] == pytest.approx(-1.0)  # more compression, less quality
+        assert corr.loc["ttft_s", "rho"] == pytest.approx(1.0)  # the system stage's, not the quality pass's -1
+        assert corr.loc["quality", "source"].startswith("results/quality/m/scores.parquet")
 
 
 # --- joined tables -------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def job_log(path: str | os.PathLike, config: Mapping[str, Any]) -> Iterator[Text
     """Send prints and tracebacks to the rule's log (line-buffered, so progress is live).
 
     Also points the job at the hub cache and keeps it off the hub when the config says so (every
-    stage, every machine; workflow/scripts/_kvbench_path.py did so before the heavy imports), fails
+    stage, every machine; kvbench.jobstart does so before the heavy imports), fails
     it with the prefetch command when something the config reads from the hub is not in that cache
     as this node sees it, and turns SIGTERM/SIGHUP, or the death of the parent process, into an
     exception that unwinds every `finally` (servers are stopped) before the job exits with 128 + signal.

@@ -20,4 +20,7 @@ if _job is not None:
     from kvbench.hub import hub_env
 
     os.environ.update(hub_env(_job.config))
+    # Jobs never download (the prefetch did): no hub token reaches them or the servers they start.
+    for _secret in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        os.environ.pop(_secret, None)
     assign_gpus(int(_job.resources.get("gpu", 0)), os.environ)

@@ -123,8 +123,16 @@ def _heatmap(ax: plt.Axes, grid: pd.DataFrame, text: pd.DataFrame, cmap: str, ti
     plt.colorbar(image, ax=ax, shrink=0.8)
 
 
+def _by_protocol(summary: pd.DataFrame) -> pd.DataFrame:
+    """One heatmap column per category x protocol (`category` relabelled where there are two)."""
+    if "protocol" not in summary or summary.protocol.nunique() < 2:
+        return summary
+    return summary.assign(category=summary.category + "\n" + summary.protocol)
+
+
 def quality_score_figure(summary: pd.DataFrame, reference: str, path: str | os.PathLike) -> None:
-    """Score per method x category: colour = difference to the reference, text = the score."""
+    """Score per method x category (x protocol): colour = difference to the reference, text = the score."""
+    summary = _by_protocol(summary)
     score = summary.pivot(index="method", columns="category", values="score_mean")
     delta = summary.pivot(index="method", columns="category", values="score_delta")
     order = [reference] + [m for m in summary.method.drop_duplicates() if m != reference]
@@ -145,8 +153,9 @@ def quality_score_figure(summary: pd.DataFrame, reference: str, path: str | os.P
 
 
 def quality_fidelity_figure(summary: pd.DataFrame, path: str | os.PathLike) -> None:
-    """Mean next-token KL(full || method) and top-1 agreement, teacher-forced, per method x category."""
-    sel = summary[summary.kl_mean.notna()]
+    """Mean next-token KL(full || method) and top-1 agreement, teacher-forced, per method x category
+    (x protocol)."""
+    sel = _by_protocol(summary[summary.kl_mean.notna()])
     kl = sel.pivot(index="method", columns="category", values="kl_mean")
     top1 = sel.pivot(index="method", columns="category", values="top1_agreement")
     kl, top1 = kl.loc[sel.method.drop_duplicates()], top1.loc[sel.method.drop_duplicates(), kl.columns]
@@ -169,13 +178,19 @@ def quality_fidelity_figure(summary: pd.DataFrame, path: str | os.PathLike) -> N
 def quality_ratio_figure(summary: pd.DataFrame, reference: str, path: str | os.PathLike) -> None:
     """Mean score over categories and mean KL vs the measured compression ratio, one point per method."""
     overall = summary[summary.category == "all"]
+    if "protocol" not in overall:
+        overall = overall.assign(protocol="query-aware")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = dict(zip(sorted(overall.protocol.unique()), ("#1f3b73", "#c4512d", "#4a8c3f")))
     for ax, column, label in (
         (axes[0], "score_mean", "mean task score over all samples"),
         (axes[1], "kl_mean", "mean KL(full || method), nats"),
     ):
         sel = overall[overall[column].notna() & (overall[column] > 0 if column == "kl_mean" else True)]
-        ax.scatter(sel.ratio_end_mean, sel[column], color="#1f3b73")
+        for protocol, part in sel.groupby("protocol"):
+            ax.scatter(part.ratio_end_mean, part[column], color=colours[protocol], label=protocol)
+        if len(colours) > 1:
+            ax.legend(fontsize=8)
         for row in sel.itertuples():
             ax.annotate(
                 row.method,

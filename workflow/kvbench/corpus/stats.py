@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import zstandard
 
-# Reference figures (DESIGN.md, from the seed blog): ~10K-token documents, Qwen3-8B-FP8 tokenizer.
+# Reference figures (the seed blog, ../shared/seeds/): ~10K-token documents, Qwen3-8B-FP8 tokenizer.
 # Diversity shrinks as documents grow, so compare at similar lengths.
 REFERENCE_DIVERSITY_PCT = {
     ("synthetic", "synthetic"): 0.02,

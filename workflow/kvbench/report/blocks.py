@@ -28,6 +28,7 @@ from kvbench.report.render import fmt, markdown_table
 Shown = Union[pd.DataFrame, str]  # a table, or markdown (a sentence) already rendered
 # Benchmarks whose scripts declare blocks (bench/<name>.py, `BLOCKS`).
 BENCH_SCRIPTS = (
+    "shared_prefill",
     "decode_overhead",
     "decode_side_by_side",
     "kill_resume",

@@ -20,7 +20,6 @@ from kvbench.report.joined import SYSTEM_CATEGORY, workload_prompts
 from kvbench.report.samples import with_protocol
 from kvbench.report.stats import bootstrap_spearman
 
-OUTCOMES = ("quality", "ttft_s", "tpot_s")
 POOLED = "all categories (pooled)"
 SAMPLE = ["category", "task", "sample"]
 

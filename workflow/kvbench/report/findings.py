@@ -101,7 +101,9 @@ FIDELITY_PAIRS = (("kivi2", "kivi4"), ("turboquant3", "turboquant4"), ("snapkv",
 @finding("finding-fidelity", "quality/*/summary.parquet")
 def fidelity(t: pd.DataFrame) -> str:
     parts = []
-    for model, rows in t[t.category == "all"].groupby("model", sort=False):
+    if "protocol" not in t:
+        t = t.assign(protocol="query-aware")
+    for (model, protocol), rows in t[t.category == "all"].groupby(["model", "protocol"], sort=False):
         rows = rows.set_index("method")
         pairs = [
             f"{a} {fmt(rows.loc[a].kl_mean)}{interval(rows.loc[a], 'kl_mean')} vs {b} "
@@ -109,17 +111,26 @@ def fidelity(t: pd.DataFrame) -> str:
             for a, b in FIDELITY_PAIRS
             if a in rows.index and b in rows.index
         ]
-        if pairs:
-            reference = rows.loc[rows.kl_mean.isna()]
-            scored = (
-                (
-                    f"; `{reference.index[0]}`'s own task score is {fmt(reference.score_mean.iloc[0])} over "
-                    f"{int(reference.samples.iloc[0])} samples"
+        if not pairs:
+            continue
+        first = ""
+        if "kl_first_mean" in rows:  # the first answer token: exact under query-aware by construction
+            lossy = rows.kl_first_mean.dropna()
+            if len(lossy):
+                first = (
+                    f"; KL at the first answer token from {fmt(lossy.min())} ({lossy.idxmin()}) to "
+                    f"{fmt(lossy.max())} ({lossy.idxmax()})"
                 )
-                if len(reference)
-                else ""
+        reference = rows.loc[rows.kl_mean.isna()]
+        scored = (
+            (
+                f"; `{reference.index[0]}`'s own task score is {fmt(reference.score_mean.iloc[0])} over "
+                f"{int(reference.samples.iloc[0])} samples"
             )
-            parts.append(f"{model}: KL(full ‖ method) per decode position, {'; '.join(pairs)}{scored}")
+            if len(reference)
+            else ""
+        )
+        parts.append(f"{model}, {protocol}: KL(full ‖ method) per decode position, {'; '.join(pairs)}{first}{scored}")
     return " — ".join(parts) or "not measured in this snapshot (the quality summary has no pair of FIDELITY_PAIRS)"
 
 
@@ -135,7 +146,8 @@ def ratio_predicts(t: pd.DataFrame) -> str:
         else:
             verdict = "inconclusive" if r.ci_low <= 0 <= r.ci_high else "the interval excludes 0"
         span = "" if pd.isna(r.ci_low) else f" [{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
-        parts.append(f"with {r.outcome} ρ {r.rho:+.2f}{span} ({verdict})")
+        protocol = f"{r.protocol}, " if "protocol" in rows and rows.protocol.nunique() > 1 else ""
+        parts.append(f"{protocol}with {r.outcome} ρ {r.rho:+.2f}{span} ({verdict})")
     first = rows.iloc[0]
     level = f"{fmt(100 * first.level)} % bootstrap intervals, " if "level" in rows else ""
     return (

@@ -21,7 +21,6 @@ from kvbench.prompts import middle_truncate
 from kvbench.quality.kinds import TASK_SETTINGS
 
 SURROUNDING_CHARS = 12  # about two words either side of an answer that a truncation must keep
-CATEGORIES = ("single_doc_qa", "multi_doc_qa", "few_shot", "summarization", "retrieval", "code")
 
 
 @dataclass(frozen=True)
