@@ -84,7 +84,7 @@ clean:
 
 # Benchmarks (not tests; bench/README.md), after `make run` (they read its corpus). `make bench`
 # runs every one whose table feeds a generated block of the docs (tests/test_docs.py checks it).
-bench: bench-core bench-peers bench-kill
+bench: bench-prefill bench-core bench-peers bench-kill
 
 # Memory bound for an 8K document, codec overhead vs direct library calls, the Valkey connector vs
 # the raw client on the same bytes, TurboQuant's score errors, decode cost per token vs full.

@@ -307,8 +307,21 @@ def test_fidelity_pairs_show_an_interval_where_the_summary_has_one():
         ]
     )
     assert say("finding-fidelity", rows) == (
-        "m: KL(full ‖ method) per decode position, kivi2 0.3 vs kivi4 0.015; "
+        "m, query-aware: KL(full ‖ method) per decode position, kivi2 0.3 vs kivi4 0.015; "
         "`full`'s own task score is 0.17 over 7 samples"
+    )
+    # Both protocols: one part each, the first answer token's KL only where it is not exact by construction.
+    both = pd.concat(
+        [
+            rows.assign(protocol="query-aware", kl_first_mean=[None, 0.0, 0.0]),
+            rows.assign(protocol="context-only", kl_first_mean=[None, 0.5, 0.02]),
+        ]
+    )
+    said = say("finding-fidelity", both)
+    assert said.count("KL(full ‖ method)") == 2 and said.count("first answer token") == 1
+    assert (
+        "context-only: KL(full ‖ method) per decode position, kivi2 0.3 vs kivi4 0.015; KL at the first answer token from 0.02 (kivi4) to 0.5 (kivi2)"
+        in said
     )
     with_ci = rows.assign(kl_mean_ci_low=[None, 0.2, 0.01], kl_mean_ci_high=[None, 0.4, 0.02])
     assert "kivi2 0.3 [0.2, 0.4] vs kivi4 0.015 [0.01, 0.02]" in say("finding-fidelity", with_ci)

@@ -54,7 +54,22 @@ def test_differences_pair_each_sample_with_the_reference():
     pooled = _row(diff, method="kivi2", category="all", bucket="all", quantity="score")
     assert pooled.n == 11 and pooled.difference == pytest.approx(-0.1)
     assert set(diff.protocol) == {"query-aware"} and "full" not in set(diff.method)
-    assert diff.p_value.notna().all() and (diff.level == 0.95).all() and (diff.bootstrap_seed == 1).all()
+    assert (diff.level == 0.95).all() and (diff.bootstrap_seed == 1).all()
+    assert diff[diff.method == "kivi2"].p_value.notna().all()
+    # kivi4 scores as full on every sample: a difference of 0 everywhere has no interval to read
+    assert diff[(diff.method == "kivi4") & (diff.quantity == "score")].ci_low.isna().all()
+
+
+def test_a_difference_on_four_samples_of_a_hundred_gets_no_interval():
+    # 0/1 scores that change on 4 samples of 100, all the same way: a bootstrap interval would exclude 0
+    # (the chance of drawing none of the 4 is about e^-4), an exact sign test gives p = 0.125.
+    scores = quality({"full": {"qa": 1.0}, "kivi2": {"qa": 1.0}}, samples=100)
+    drop = (scores.method == "kivi2") & (scores["sample"] < 4)
+    scores.loc[drop, "score"] = 0.0
+    diff = quality_differences(paired_quality(tables(quality_scores=scores), "full"), "full", 500, 1, 0.95)
+    row = _row(diff, method="kivi2", category="qa", bucket="0-4k", quantity="score")
+    assert row.difference == pytest.approx(-0.04) and row.n == 100
+    assert math.isnan(row.ci_low) and math.isnan(row.p_value)
 
 
 def test_a_table_without_protocol_is_one_group_and_two_protocols_are_two():
@@ -240,7 +255,7 @@ def test_the_tradeoff_figure_draws_every_interval_and_names_methods_in_a_legend_
 
 def test_a_pooled_cell_of_one_sample_categories_is_not_falsely_narrow():
     # the default run's shape: 7 categories of one sample each, method - reference from -0.34 to +1
-    diffs = [-0.34, 0.0, 0.0, 0.5, 1.0, 0.0, 0.5]
+    diffs = [-0.34, 0.05, -0.05, 0.5, 1.0, 0.02, 0.5]
     rows = []
     for i, d in enumerate(diffs):
         for method, score in (("full", 0.3), ("fp8", 0.3 + d)):

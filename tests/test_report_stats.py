@@ -358,3 +358,21 @@ def test_the_schemas_effects_are_the_power_modules():
     schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
     effects = schema["properties"]["report"]["properties"]["power"]["properties"]["effects"]
     assert effects["propertyNames"]["enum"] == list(DEFAULT_EFFECTS)
+
+
+def test_a_difference_of_means_that_differ_on_few_units_has_no_interval():
+    # 0/1 scores equal on 96 of 100 samples: the bootstrap's interval of the paired difference would
+    # exclude 0 (drawing none of the 4 is rare), an exact sign test gives p = 0.125. No interval below
+    # MIN_UNITS changed units; from there on, the usual one.
+    from kvbench.report.bootstrap import MIN_UNITS, Resample
+
+    r = Resample.of([100], 2000, np.random.default_rng(3))
+    full = np.ones(100)
+    few, many = full.copy(), full.copy()
+    few[: MIN_UNITS - 1] = 0.0
+    many[:30] = 0.0
+    sparse = (r.mean(few) - r.mean(full)).interval(0.95)
+    assert sparse.estimate == pytest.approx(-(MIN_UNITS - 1) / 100) and sparse.n == 100
+    assert math.isnan(sparse.low) and math.isnan(sparse.p_value)
+    dense = (r.mean(many) - r.mean(full)).interval(0.95)
+    assert dense.high < 0 and dense.p_value < 0.05 and dense.n == 100

@@ -34,7 +34,7 @@ from kvbench.report.tabledocs import undocumented
 from kvbench.serve.backends import SERVER_OF
 from kvbench.serve.backends import servers as serve_servers
 from kvbench.serve.summary import client_vs_server
-from kvbench.tinyrun import REPO, SNAKEMAKE, snakemake, tiny_config, write_config
+from kvbench.tinyrun import REPO, checkout_python, snakemake, tiny_config, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -292,7 +292,7 @@ def test_changing_the_seed_reruns_exactly_the_jobs_it_affects(run):
         "system_summary",
         *(serve(s) for s in serve_servers(config["serve"]["backends"])),
         "serve_summary",
-        "quality_tasks",
+        "quality_tasks[model=smol]",
         *(quality(m, config) for m in config["quality"]["methods"]),
         "quality_summary[model=smol]",
         "report_tables",
@@ -383,12 +383,16 @@ def test_changing_library_code_reruns_the_rules_that_import_it(run, tmp_path):
     workdir, config = run
     copy = tmp_path / "kvbench-copy"
     shutil.copytree(REPO / "workflow", copy / "workflow", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "Snakefile", copy / "Snakefile")
+    for file in ("Snakefile", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / file, copy / file)
     prompts = copy / "workflow" / "kvbench" / "prompts.py"
     prompts.write_text(prompts.read_text() + "# changed\n")
+    python = checkout_python(copy, tmp_path / "venv")  # the workflow imports kvbench from its own checkout
     result = subprocess.run(
         [
-            SNAKEMAKE,
+            str(python),
+            "-m",
+            "snakemake",
             "-s",
             str(copy / "Snakefile"),
             "-d",
@@ -403,7 +407,7 @@ def test_changing_library_code_reruns_the_rules_that_import_it(run, tmp_path):
         timeout=600,
     )
     jobs = planned(result)
-    imports = {SYSTEM_JOB, "quality_tasks"}
+    imports = {SYSTEM_JOB, "quality_tasks[model=smol]"}
     downstream = {
         *(quality(m, config) for m in config["quality"]["methods"]),
         "quality_summary[model=smol]",
@@ -527,19 +531,22 @@ def test_quality_rows_for_every_method_and_built_sample(run):
     built = {t["task"]: t["samples"] for t in json.loads(manifest.read_text())}
     assert built["kvbench_few_shot"] == 0 and built["kvbench_retrieval"] == 1 and built["kvbench_summarization"] == 1
     scores = read(workdir, "results/quality/smol/scores.parquet")
-    # Every built sample of every method has a row; none failed.
-    assert len(scores) == len(methods) * sum(built.values()) and set(scores.method) == set(methods)
+    # Every built sample of every method under each protocol has a row; none failed.
+    protocols = config["quality"].get("protocols") or ["query-aware", "context-only"]  # the schema default
+    assert len(scores) == len(methods) * len(protocols) * sum(built.values()) and set(scores.method) == set(methods)
+    assert set(scores.protocol) == set(protocols)
     assert scores.score.notna().all(), scores[scores.score.isna()][["method", "task", "error"]]
     assert (scores.new_tokens <= 4).all() and (scores.max_gen_cap == 4).all()
     fidelity = read(workdir, "results/quality/smol/fidelity.parquet")
     assert set(fidelity.method) == set(methods) - {"full"} and fidelity.fidelity_note.isna().all()
-    # position 0 follows the uncompressed prefill: full's distribution, kept out of kl_mean
-    assert (fidelity.kl_first < 1e-4).all(), fidelity[fidelity.kl_first >= 1e-4][["method", "kl_first"]]
+    # query-aware: position 0 follows the uncompressed prefill, full's distribution (kept out of kl_mean)
+    aware = fidelity[fidelity.protocol == "query-aware"]
+    assert (aware.kl_first < 1e-4).all(), aware[aware.kl_first >= 1e-4][["method", "kl_first"]]
     assert ((fidelity.fidelity_positions == 0) == fidelity.kl_mean.isna()).all()
     summary = read(workdir, "results/quality/smol/summary.parquet")
     assert {"all"} < set(summary.category) and (summary[summary.method == "full"].score_delta == 0).all()
-    overall = summary[summary.category == "all"].set_index("method")
-    by_category = summary[summary.category != "all"].groupby("method")
+    overall = summary[summary.category == "all"].set_index(["method", "protocol"]).sort_index()
+    by_category = summary[summary.category != "all"].groupby(["method", "protocol"])
     assert (overall.samples == by_category.samples.sum()).all()
     assert (overall.identical_outputs == by_category.identical_outputs.sum()).all()
     assert (overall.fidelity_positions == by_category.fidelity_positions.sum()).all()
@@ -582,7 +589,7 @@ def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(r
     ]  # as the rule (MACHINE_THREADS)
     done = subprocess.run(cli, cwd=workdir, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    key = ["task", "sample_id"]
+    key = ["protocol", "task", "sample_id"]
     alone = pd.read_parquet(out).sort_values(key).reset_index(drop=True)
     together = read(workdir, "results/quality/smol/jobs/1.parquet")
     together = together[together.method == "kivi2"].sort_values(key).reset_index(drop=True)

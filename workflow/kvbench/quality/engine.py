@@ -123,7 +123,10 @@ def run(
                     )
             _record(mine, outcomes, shape)
             rows = [row for row in rows if row.tag[0] != reference]
-        stored = {**(references or {}), **exact}
+        # Compared with the reference as another job reads it back (the top_k most likely tokens per
+        # position where top_k is set), so a method's numbers do not depend on the job it ran in.
+        kept = {k: reduced(ref, top_k) for k, ref in exact.items()}
+        stored = {**(references or {}), **kept}
         for row in rows:
             _method, protocol, key = row.tag
             ref = stored.get(reference_key(protocol, key))
@@ -138,8 +141,7 @@ def run(
                 )
         run_rows(model, rows, max_rows, cost.decode)
         _record(rows, outcomes, shape)
-        # kept for the other jobs as stored: the k most likely tokens per position where top_k is set
-        made |= {k: reduced(ref, top_k) for k, ref in exact.items()}
+        made |= kept
         log(
             f"[quality] prompts {start + 1}-{start + len(group)} of {len(prompts)}: {len(group) * len(methods) * len(protocols)} "
             f"runs in {time.monotonic() - began:.1f} s"

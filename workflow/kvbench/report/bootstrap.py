@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Sequence
 
@@ -115,16 +115,28 @@ def interval(estimate: float, draws: np.ndarray, n: int, level: float, null: flo
 @dataclass(frozen=True)
 class Estimate:
     """A statistic and its bootstrap draws on one cell's resamples (subtracting two estimates of
-    the same cell gives the paired difference)."""
+    the same cell gives the paired difference). A mean keeps its per-unit values (`units`), so a
+    difference of two means knows on how many units the two differ at all (`changed`)."""
 
     estimate: float
     draws: np.ndarray = field(repr=False, compare=False)
     n: int
+    units: np.ndarray | None = field(default=None, repr=False, compare=False)
+    changed: int | None = None
 
     def __sub__(self, other: "Estimate") -> "Estimate":
-        return Estimate(self.estimate - other.estimate, self.draws - other.draws, min(self.n, other.n))
+        units = changed = None
+        if self.units is not None and other.units is not None and len(self.units) == len(other.units):
+            units = self.units - other.units
+            changed = int(np.count_nonzero(np.isfinite(units) & (units != 0)))
+        return Estimate(self.estimate - other.estimate, self.draws - other.draws, min(self.n, other.n), units, changed)
 
     def interval(self, level: float, null: float = 0.0) -> Interval:
+        """The interval and p-value for `null`; none for a paired difference that is 0 on all but a
+        few units (fewer than MIN_UNITS differ): the bootstrap's tail there is the chance of drawing
+        none of them, far thinner than an exact sign test's."""
+        if self.changed is not None and self.changed < MIN_UNITS:
+            return replace(interval(self.estimate, self.draws, 0, level, null), n=self.n)
         return interval(self.estimate, self.draws, self.n, level, null)
 
 
@@ -155,7 +167,9 @@ class Resample:
         num, num_d = self._sums(values * np.where(ok, w, 0.0), ok)
         den, den_d = self._sums(w, ok)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return Estimate(num / den if den > 0 else math.nan, num_d / den_d, int(ok.sum()))
+            return Estimate(
+                num / den if den > 0 else math.nan, num_d / den_d, int(ok.sum()), np.where(ok, values, np.nan)
+            )
 
     def ratio(self, num: np.ndarray, den: np.ndarray) -> Estimate:
         """sum(num) / sum(den) over the units that have both (paired): a ratio of means."""

@@ -10,11 +10,13 @@ adjusted across the family (kvbench.report.claims).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Mapping
 
 import numpy as np
 import pandas as pd
 
+from kvbench.report.bootstrap import MIN_UNITS
 from kvbench.report.cells import quality_panel, system_panel
 from kvbench.report.power import DEFAULT_EFFECTS, POWER, mde, n_needed
 from kvbench.report.samples import QUANTITIES
@@ -99,8 +101,13 @@ def quality_differences(
                 if method == baseline or not d[method].notna().any():
                     continue
                 weights = None if w is None else w[method].to_numpy(float)
-                est = cell.resample.mean(d[method].to_numpy(float), weights)
+                diffs = d[method].to_numpy(float)
+                est = cell.resample.mean(diffs, weights)
                 iv = est.interval(level)
+                if np.count_nonzero(np.nan_to_num(diffs) != 0) < MIN_UNITS:
+                    # A difference that is 0 on all but a few samples: the bootstrap's tail is the chance
+                    # of drawing none of them, far thinner than an exact sign test's; no interval.
+                    iv = replace(iv, low=math.nan, high=math.nan, p_value=math.nan)
                 ok = d[method].notna().to_numpy()
                 value = cell.resample.mean(np.where(ok, v[method].to_numpy(float), np.nan), weights)
                 value_iv = value.interval(level)

@@ -114,7 +114,7 @@ def fidelity(t: pd.DataFrame) -> str:
         if not pairs:
             continue
         first = ""
-        if "kl_first_mean" in rows:  # the first answer token: exact under query-aware by construction
+        if "kl_first_mean" in rows and protocol != "query-aware":  # query-aware: exact by construction
             lossy = rows.kl_first_mean.dropna()
             if len(lossy):
                 first = (
