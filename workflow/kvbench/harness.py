@@ -4,12 +4,10 @@ kvbench.decode's loop (one row here), the one every stage uses."""
 
 from __future__ import annotations
 
-import gc
 import re
 import resource
 import statistics
 import time
-import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -168,59 +166,3 @@ def measured(
         "ratio_prefill": full_prefill / bytes_prefill,
         "ratio_end": full_end / row.bytes_end,
     }
-
-
-def run_row(
-    model: torch.nn.Module,
-    method: str,
-    spec: dict[str, Any],
-    input_ids: list[int],
-    max_new_tokens: int,
-    repeats: int,
-    seed: int,
-    max_context: int,
-    make_cache: CacheFactory = build_cache,
-) -> dict[str, Any]:
-    """Measured repeats of one method on one prompt (after one warm-up), or the error it raised."""
-    device = next(model.parameters()).device
-    row: dict[str, Any] = {
-        "method": method,
-        "kind": spec["kind"],
-        "params": str(sorted(spec.items())),
-        "context_tokens": len(input_ids),
-        "bucket": context_bucket(len(input_ids), max_context),
-        "error": None,
-    }
-    try:
-        # Warm-up (excluded), long enough to pass the quantizers' residual windows.
-        generate(model, spec, input_ids[:256], 2, seed, make_cache)
-        gc.collect()
-        baseline = reset_peak_memory(device)
-        runs = [generate(model, spec, input_ids, max_new_tokens, seed, make_cache) for _ in range(repeats)]
-    except Exception as err:  # an OOM or a method bug on this prompt: a row with the error
-        traceback.print_exc()
-        row["error"] = f"{type(err).__name__}: {err}"
-        gc.collect()
-        return row
-    first = runs[0]
-    row |= {
-        k: first[k]
-        for k in (
-            "new_tokens",
-            "kv_bytes_prefill",
-            "kv_bytes_end",
-            "full16_bytes_prefill",
-            "full16_bytes_end",
-            "ratio_prefill",
-            "ratio_end",
-        )
-    }
-    row["output_ids"] = first["tokens"]
-    for key in TIMINGS:
-        values = [r[key] for r in runs if r[key] is not None]
-        # None e.g. for TPOT when the first token was the end of sequence
-        row[key], row[f"{key}_std"] = median_and_std(values) if values else (None, None)
-    row["repeats"] = repeats
-    row["peak_memory_mb"] = peak_memory_mb(device)
-    row["memory_increase_mb"] = row["peak_memory_mb"] - baseline if baseline is not None else None
-    return row
