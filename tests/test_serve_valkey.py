@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from kvbench.serve.integrity import HEADER_BYTES, seal
 from kvbench.serve.keys import chunk_keys, namespace
 from kvbench.serve.staging import copy_out
 from kvbench.serve.transfer import exists_run, gather, load_chunks, lookup, store_chunks
-from kvbench.serve.valkey_server import valkey_binary, valkey_server
+from kvbench.serve.valkey_server import RestartableValkey, valkey_binary, valkey_server
 from kvbench.serve.wire import ChunkSpec, wire_format
 from kvbench.servers import ServerError
 
@@ -160,6 +161,22 @@ def test_valkey_killed_turns_loads_and_stores_into_recorded_failures(store):
     assert stored["error"].startswith("store: ConnectionError")
     with pytest.raises(valkey.exceptions.ConnectionError):
         exists_run(client, keys)
+
+
+def test_valkey_killed_with_clients_connected_restarts_empty_on_its_port_and_clients_reconnect(tmp_path):
+    """The fault round: SIGKILL while a client holds connections, then a new server on the same
+    port (its old connections in TIME_WAIT); the same client, by its URL, talks to the new one."""
+    with ExitStack() as stack:
+        server = RestartableValkey(stack, 64, tmp_path / "valkey.log", 30)
+        client = valkey.Valkey.from_url(server.url)
+        client.set("k", b"v")
+        old_pid = server.proc.pid
+        server.kill()
+        with pytest.raises(valkey.exceptions.ConnectionError):
+            client.get("k")
+        server.restart()
+        assert server.proc.pid != old_pid and client.get("k") is None and client.set("k", b"w")
+    assert wait_gone([old_pid, server.proc.pid]) == []
 
 
 class Events(list):

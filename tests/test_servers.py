@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server
+from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server, port_is_free
 
 
 def test_port_in_use_is_refused_before_anything_starts(tmp_path):
@@ -21,6 +21,23 @@ def test_port_in_use_is_refused_before_anything_starts(tmp_path):
             ):
                 pass
     assert not (tmp_path / "s.log").exists()
+
+
+def test_a_port_whose_server_closed_its_connections_first_is_free_again():
+    """The server side of a connection it closes lingers in TIME_WAIT; a server restarted on the
+    same port (the fault round's Valkey) binds with SO_REUSEADDR, and so must the check."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Valkey and uvicorn listen
+        listener.bind((HOST, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection((HOST, port))
+        conn, _ = listener.accept()
+        assert not port_is_free(port)
+        conn.close()  # server closes first: its end goes to TIME_WAIT
+        client.recv(1)
+        client.close()
+    assert port_is_free(port)
 
 
 def running(pid: int) -> bool:

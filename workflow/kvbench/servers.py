@@ -30,7 +30,10 @@ class ServerError(RuntimeError):
 
 
 def port_is_free(port: int, host: str = HOST) -> bool:
+    """True when nothing listens on `port`. SO_REUSEADDR as the servers bind: connections of a
+    server just stopped linger in TIME_WAIT, which do not stop a new server from listening."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
 import valkey
 
-from kvbench.servers import HOST, ServerError, free_port, managed_server
+from kvbench.servers import HOST, ServerError, free_port, managed_server, port_is_free
 
 
 def valkey_binary() -> str:
@@ -88,4 +89,7 @@ class RestartableValkey:
         self.proc.wait(timeout=30)
 
     def restart(self) -> None:
+        deadline = time.monotonic() + 10  # the killed server's socket closes as the kernel reaps it
+        while not port_is_free(self.port) and time.monotonic() < deadline:
+            time.sleep(0.1)
         self.url, self.proc = self._start()
