@@ -1,10 +1,13 @@
 """Serve settings the schema cannot judge are refused at parse time, naming the key."""
 
+import json
+
 import pytest
 
 from kvbench.checks import check_config
 from kvbench.config import ConfigError
-from kvbench.serve.backends import served_dtype, server_args, servers, unsupported
+from kvbench.serve.backends import lmcache_env, lmcache_transfer, served_dtype, server_args, servers, unsupported
+from kvbench.serve.valkey_server import ValkeyAddress
 from kvbench.tinyrun import REPO, default_config
 
 SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -66,3 +69,12 @@ def test_bf16_is_served_only_where_the_cpu_has_avx512_bf16(monkeypatch):
         "float32",
         None,
     )
+
+
+def test_lmcache_reaches_the_same_store_with_its_password_in_the_environment_only():
+    store = ValkeyAddress("redis://127.0.0.1:6400/0", "s3cret")
+    env = lmcache_env(store, 256)
+    assert env["LMCACHE_REMOTE_URL"] == "valkey://127.0.0.1:6400" and env["LMCACHE_CHUNK_SIZE"] == "256"
+    assert json.loads(env["LMCACHE_EXTRA_CONFIG"]) == {"valkey_username": "default", "valkey_password": "s3cret"}
+    assert "s3cret" not in " ".join(server_args("lmcache", 256, lmcache_transfer()))
+    assert "LMCACHE_EXTRA_CONFIG" not in lmcache_env(ValkeyAddress(store.url, None), 256)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
-import valkey
 from test_servers import wait_gone
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from kvbench.job_secrets import VALKEY_PASSWORD_ENV
 from kvbench.serve.connector import Transfer, ValkeyConnector, ValkeyMetadata
 from kvbench.serve.events import read_events
 from kvbench.serve.keys import chunk_keys
@@ -73,10 +73,11 @@ def paged_cache(blocks=8, seed=0):
 
 
 @pytest.fixture()
-def store(tmp_path):
-    with valkey_server(64, tmp_path / "valkey.log") as (url, proc):
-        yield url, valkey.Valkey.from_url(url)
-    assert wait_gone([proc.pid]) == []
+def store(tmp_path, monkeypatch):
+    with valkey_server(64, tmp_path / "valkey.log") as server:
+        monkeypatch.setenv(VALKEY_PASSWORD_ENV, server.password)  # as the vLLM server's environment has it
+        yield server.url, server.client()
+    assert wait_gone([server.proc.pid]) == []
 
 
 def connector(url, tmp_path, role=KVConnectorRole.SCHEDULER):

@@ -6,7 +6,6 @@ The device copies (pinned memory, events) are the only part not run here."""
 
 import pytest
 import torch
-import valkey
 from test_servers import wait_gone
 
 from kvbench.serve import layout
@@ -88,8 +87,8 @@ def test_chunks_round_trip_through_a_real_valkey_between_cuda_like_caches(tmp_pa
     space = namespace("t", "m", "bfloat16", BLOCK, "zstd-3+byteplane", layout.TOKEN_ROWS)
     keys = chunk_keys(space, list(range(2 * BLOCK + 1)), BLOCK, 2)
     wire = wire_format("zstd-3+byteplane", SPEC)
-    with valkey_server(64, tmp_path / "valkey.log") as (url, proc):
-        client = valkey.Valkey.from_url(url)
+    with valkey_server(64, tmp_path / "valkey.log") as server:
+        client, proc = server.client(), server.proc
         assert store_chunks(client, wire, SPEC, keys, gather(source, [3, 0]))["error"] is None
         loaded = load_chunks(client, wire, SPEC, keys, [1, 4], target)
     assert wait_gone([proc.pid]) == []

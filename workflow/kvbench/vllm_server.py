@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from kvbench.gpu_env import require_gpu_environment
+from kvbench.job_secrets import VLLM_API_KEY_ENV, bearer, job_secret
 from kvbench.jobs import cpu_list, usable_cpus
 from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server, server_state
 
@@ -82,10 +83,11 @@ class VLLMClient:
         idle_timeout_s: float = 300.0,
         server: subprocess.Popen | None = None,
         log_path: str | Path | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.idle_timeout_s = idle_timeout_s
-        self.server, self.log_path = server, log_path
+        self.server, self.log_path, self.api_key = server, log_path, api_key
 
     @property
     def pid(self) -> int | None:
@@ -103,7 +105,7 @@ class VLLMClient:
         req = urllib.request.Request(
             f"{self.base_url}/v1/chat/completions",
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **bearer(self.api_key)},
         )
         try:
             with urllib.request.urlopen(req, timeout=self.idle_timeout_s) as resp:
@@ -160,18 +162,22 @@ def vllm_server(
     seed: int,
     log_path: str | Path,
     env: Mapping[str, str] | None = None,
+    api_key: str | None = None,
 ) -> Iterator[VLLMClient]:
-    """`env` adds to the server's environment (e.g. PYTHONPATH for a connector module)."""
+    """`env` adds to the server's environment (e.g. PYTHONPATH for a connector module). The server
+    answers /v1 only with `api_key` (a new per-job secret unless given), which vLLM reads from
+    VLLM_API_KEY, kept off the command line; the yielded client carries it."""
     require_gpu_environment(settings["device"])
     port = int(settings["port"]) or free_port()
     base = f"http://{HOST}:{port}"
+    api_key = api_key or job_secret()
     with managed_server(
         "vllm",
         vllm_command(model_dir, port, settings, seed),
         port,
         http_ok(f"{base}/health"),
         log_path,
-        env=vllm_env(settings) | dict(env or {}),
+        env=vllm_env(settings) | dict(env or {}) | {VLLM_API_KEY_ENV: api_key},
         timeout_s=float(settings["startup_timeout_s"]),
     ) as proc:
-        yield VLLMClient(base, float(settings["idle_timeout_s"]), proc, log_path)
+        yield VLLMClient(base, float(settings["idle_timeout_s"]), proc, log_path, api_key)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import tempfile
 import threading
 import uuid
 
+from kvbench.job_secrets import VALKEY_PASSWORD_ENV, VLLM_API_KEY_ENV
 from kvbench.jobs import usable_cpus
 from kvbench.serve import backends as bk
 from kvbench.serve.valkey_server import valkey_server
@@ -62,10 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         logs = args.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-serve-"))
         transfer, env = None, bk.kvbench_pythonpath()
         if args.backend == "valkey":
-            url, proc = stack.enter_context(valkey_server(4096, f"{logs}/valkey.log"))
-            print(f"kvbench serve: valkey at {url} (pid {proc.pid})", flush=True)
+            store = stack.enter_context(valkey_server(4096, f"{logs}/valkey.log"))
+            print(f"kvbench serve: valkey at {store.url} (pid {store.proc.pid})", flush=True)
+            env[VALKEY_PASSWORD_ENV] = store.password
             transfer = bk.valkey_transfer(
-                url, uuid.uuid4().hex[:10], args.model, {args.codec: None}, args.codec, f"{logs}/events", 0
+                store.url, uuid.uuid4().hex[:10], args.model, {args.codec: None}, args.codec, f"{logs}/events", 0
             )
         elif args.backend == "example":
             transfer = bk.example_transfer(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-example-")))
@@ -73,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend in ("recompute", "valkey"):  # a valkey hit is then Valkey's, never vLLM's own cache
             extra[extra.index("--enable-prefix-caching")] = "--no-enable-prefix-caching"
         client = stack.enter_context(
-            vllm_server(args.model, {**settings, "extra_args": extra}, 0, f"{logs}/vllm.log", env=env)
+            vllm_server(
+                args.model,
+                {**settings, "extra_args": extra},
+                0,
+                f"{logs}/vllm.log",
+                env=env,
+                api_key=os.environ.get(VLLM_API_KEY_ENV),  # a client's fixed key (long_doc_qa's sk-dummy)
+            )
         )
         print(
             f"kvbench serve: {args.backend}"
@@ -83,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             + f", {len(usable_cpus())} CPUs; logs in {logs}",
             flush=True,
         )
-        print(f"kvbench serve: OpenAI API at {client.base_url}/v1 model {SERVED_NAME} (Ctrl-C stops)", flush=True)
+        # the key on the terminal, never in the logs: clients send it as a bearer token
+        print(f"kvbench serve: API key {client.api_key} (OPENAI_API_KEY for OpenAI clients)", flush=True)
+        print(
+            f"kvbench serve: OpenAI API at {client.base_url}/v1 model {SERVED_NAME} (pid {client.pid}; Ctrl-C stops)",
+            flush=True,
+        )
         stop.wait()
         print("kvbench serve: stopping", flush=True)
     return 0

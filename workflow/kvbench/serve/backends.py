@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from kvbench.serve.valkey_server import ValkeyAddress
 
 BACKENDS = ("recompute", "prefix", "valkey", "example", "fp8", "lmcache")
 SERVER_OF = {
@@ -134,18 +137,22 @@ def lmcache_transfer() -> dict[str, Any]:
     return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 
 
-def lmcache_env(valkey_url: str, block_size: int) -> dict[str, str]:
+def lmcache_env(store: ValkeyAddress, block_size: int) -> dict[str, str]:
     """LMCache next to our connector, like for like: the same Valkey through LMCache's own Valkey
     connector (`valkey://`, valkey-glide), chunks of our block size, no local CPU tier (ours has
     none: every hit comes from the store), raw bytes (`naive` serde: LMCache's `kivi` serde is a
-    stub that stores raw bytes, never labelled KIVI)."""
-    return {
+    stub that stores raw bytes, never labelled KIVI). The store's password reaches LMCache's
+    connector as its `extra_config` (valkey_username/valkey_password), in the environment."""
+    env = {
         "LMCACHE_CHUNK_SIZE": str(block_size),
         "LMCACHE_LOCAL_CPU": "False",
-        "LMCACHE_REMOTE_URL": "valkey://" + valkey_url.removeprefix("redis://").removesuffix("/0"),
+        "LMCACHE_REMOTE_URL": "valkey://" + store.url.removeprefix("redis://").removesuffix("/0"),
         "LMCACHE_REMOTE_SERDE": "naive",
         "LMCACHE_USE_EXPERIMENTAL": "True",
     }
+    if store.password:
+        env["LMCACHE_EXTRA_CONFIG"] = json.dumps({"valkey_username": "default", "valkey_password": store.password})
+    return env
 
 
 def lmcache_version() -> str | None:

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from kvbench.job_secrets import bearer
 from kvbench.vllm_server import SERVED_NAME
 
 
@@ -66,17 +67,22 @@ async def _one(
 
 
 async def _all(
-    base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float
+    base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float, api_key: str | None
 ) -> list[dict[str, Any]]:
     gate = asyncio.Semaphore(max_inflight)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, headers=bearer(api_key)) as session:
         url = f"{base_url}/v1/chat/completions"
         return list(await asyncio.gather(*(_one(session, url, body, gate) for body in bodies)))
 
 
 def send_all(
-    base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float = 900
+    base_url: str,
+    bodies: Sequence[dict[str, Any]],
+    max_inflight: int,
+    timeout_s: float = 900,
+    api_key: str | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per body, in order; a failed request is a row with its error, never dropped."""
-    return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s))
+    """One row per body, in order; a failed request is a row with its error, never dropped.
+    `api_key`: the server's (sent as a bearer token)."""
+    return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s, api_key))

@@ -28,6 +28,7 @@ copies between device and host are staging.py's.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvbench.job_secrets import VALKEY_PASSWORD_ENV
 from kvbench.serve.async_store import AsyncStore, StoreJob
 from kvbench.serve.events import EventLog
 from kvbench.serve.keys import chunk_keys, namespace, pending_key
@@ -47,6 +49,7 @@ from kvbench.serve.layout import CPU_PACKED, TOKEN_ROW_ISAS, layout_of
 from kvbench.serve.names import is_lossless
 from kvbench.serve.staging import copy_out
 from kvbench.serve.transfer import STORE_ERRORS, load_chunks, lookup
+from kvbench.serve.valkey_server import connect
 from kvbench.serve.wire import ChunkSpec, WireFormat, wire_format
 
 if TYPE_CHECKING:
@@ -127,7 +130,8 @@ class ValkeyConnector(KVConnectorBase_V1):
         self._stores: AsyncStore | None = None
 
     def _client(self) -> valkey.Valkey:
-        return valkey.Valkey.from_url(self.url, socket_timeout=5, socket_connect_timeout=2)
+        # the password comes from the server's environment: the URL is in vLLM's command line
+        return connect(self.url, os.environ.get(VALKEY_PASSWORD_ENV))
 
     # ---------------------------------------------------------------- scheduler side
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterator, Mapping
 import pandas as pd
 import valkey as valkey_client
 
+from kvbench.job_secrets import VALKEY_PASSWORD_ENV
 from kvbench.serve import backends as bk
 from kvbench.serve.async_store import pending
 from kvbench.serve.client import chat_body, send_all
@@ -36,8 +38,8 @@ from kvbench.serve.keys import pending_key
 from kvbench.serve.metrics import delta, scrape
 from kvbench.serve.names import is_lossless
 from kvbench.serve.protocol import Planned, parse_ratio, prewarm_prompts, query_round, repeats_for_hits, warmup_round
-from kvbench.serve.valkey_server import RestartableValkey
-from kvbench.vllm_server import vllm_server
+from kvbench.serve.valkey_server import RestartableValkey, ValkeyAddress
+from kvbench.vllm_server import VLLMClient, vllm_server
 
 NO_CODEC = "-"
 ALL_CODECS = "all"  # the valkey warm-up stores every codec at once
@@ -92,15 +94,16 @@ class Rounds:
     def __init__(
         self,
         server: str,
-        base_url: str,
+        vllm: VLLMClient,
         settings: ServeSettings,
         run_id: str,
         connector: bool,
         served: tuple[str, str | None],
-        store_url: str | None,
+        store: ValkeyAddress | RestartableValkey | None,
     ) -> None:
-        self.server, self.base_url, self.s, self.run_id, self.connector = server, base_url, settings, run_id, connector
-        self.served, self.store_url = served, store_url
+        self.server, self.s, self.run_id, self.connector = server, settings, run_id, connector
+        self.base_url, self.api_key = vllm.base_url, vllm.api_key
+        self.served, self.store = served, store
         self.requests: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
 
@@ -122,7 +125,7 @@ class Rounds:
         bodies = [chat_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
         before = scrape(self.base_url)
         start = time.monotonic()
-        results = send_all(self.base_url, bodies, concurrency)
+        results = send_all(self.base_url, bodies, concurrency, api_key=self.api_key)
         round_s = time.monotonic() - start
         flush_s = self.flush() if backend == "valkey" else 0.0
         server = delta(before, scrape(self.base_url))
@@ -174,7 +177,7 @@ class Rounds:
     def flush(self) -> float:
         """Wait until the store's tally of queued chunks is 0 (its background stores are done)."""
         start = time.monotonic()
-        client = valkey_client.Valkey.from_url(self.store_url, socket_timeout=5, socket_connect_timeout=2)
+        client = self.store.client()
         while time.monotonic() - start < FLUSH_TIMEOUT_S:
             try:
                 if pending(client, pending_key(self.run_id)) == 0:
@@ -203,14 +206,15 @@ class Rounds:
         return make
 
 
-def prewarm(base_url: str, settings: ServeSettings, connector: bool) -> None:
+def prewarm(vllm: VLLMClient, settings: ServeSettings, connector: bool) -> None:
     """long_doc_qa's pre-warm on every server alike (first-request costs are no backend's); the
     connector neither loads nor stores it."""
     extra: dict[str, Any] = {"cache_salt": f"prewarm-{uuid.uuid4().hex}"}
     if connector:
         extra["kv_transfer_params"] = {"load": None, "store": []}
     prompts = prewarm_prompts(int(settings.prewarm["prompts"]), int(settings.prewarm["words"]))
-    send_all(base_url, [chat_body(p, settings.max_tokens, **extra) for p in prompts], settings.max_inflight)
+    bodies = [chat_body(p, settings.max_tokens, **extra) for p in prompts]
+    send_all(vllm.base_url, bodies, settings.max_inflight, api_key=vllm.api_key)
 
 
 def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
@@ -329,11 +333,10 @@ def run_server(
 ) -> Tables:
     backends = bk.server_backends(server, list(settings.backends))
     events = workdir / "events"
-    with _servers(server, settings, methods, vllm, model_dir, seed, workdir, logs, run_id, events) as (base, store):
+    with _servers(server, settings, methods, vllm, model_dir, seed, workdir, logs, run_id, events) as (client, store):
         connector = server in ("main", bk.DUMMY_SERVER) and store is not None
-        url = store.url if isinstance(store, RestartableValkey) else store
-        rounds = Rounds(server, base, settings, run_id, connector, served, url)
-        prewarm(base, settings, connector)
+        rounds = Rounds(server, client, settings, run_id, connector, served, store)
+        prewarm(client, settings, connector)
         docs = {c: dict(list(prompts[c].items())[: settings.docs_per_corpus]) for c in settings.corpora}
         if server in ("main", bk.DUMMY_SERVER):
             _main_rounds(rounds, backends, settings, docs, seed, store)
@@ -357,7 +360,7 @@ def _servers(
     logs: Mapping[str, str],
     run_id: str,
     events: Path,
-) -> Iterator[tuple[str, RestartableValkey | str | None]]:
+) -> Iterator[tuple[VLLMClient, RestartableValkey | ValkeyAddress | None]]:
     """Valkey (the stage's own, restartable, or the user's URL) and vLLM with what `server` needs."""
     with contextlib.ExitStack() as stack:
         store, transfer, env = None, None, bk.kvbench_pythonpath()
@@ -369,16 +372,16 @@ def _servers(
                 )
                 note(f"starting valkey (maxmemory {mb} MB)")
                 store = RestartableValkey(stack, mb, logs["valkey"], settings.valkey["startup_timeout_s"])
-                url = store.url
-                note(f"valkey pid {store.proc.pid} at {url}")
-            else:
-                store = url  # the user's own store: never stopped or killed by us
+                note(f"valkey pid {store.proc.pid} at {store.url}")
+            else:  # the user's own store: never stopped or killed by us
+                store = ValkeyAddress(url, os.environ.get(VALKEY_PASSWORD_ENV))
+            env |= {VALKEY_PASSWORD_ENV: store.password} if store.password else {}
             if server == "lmcache":
-                transfer, env = bk.lmcache_transfer(), env | bk.lmcache_env(url, settings.block_size)
+                transfer, env = bk.lmcache_transfer(), env | bk.lmcache_env(store, settings.block_size)
             else:
                 codecs = {c: methods.get(c) for c in settings.codecs}
                 transfer = bk.valkey_transfer(
-                    url, run_id, settings.model, codecs, settings.headline, str(events), seed, settings.store
+                    store.url, run_id, settings.model, codecs, settings.headline, str(events), seed, settings.store
                 )
         if server == "example":
             storage = workdir / "example-kv"
@@ -389,7 +392,7 @@ def _servers(
         note(f"starting vLLM for {server} ({vllm['dtype']}): {' '.join(args)}")
         client = stack.enter_context(vllm_server(model_dir, {**vllm, "extra_args": args}, seed, logs["vllm"], env=env))
         note(f"vllm pid {client.pid} at {client.base_url}")
-        yield client.base_url, store
+        yield client, store
 
 
 def _query_cells(backends: list[str], s: ServeSettings, swept: bool) -> list[tuple[str, str]]:
@@ -405,7 +408,7 @@ def _main_rounds(
     s: ServeSettings,
     docs: dict[str, dict[str, str]],
     seed: int,
-    store: RestartableValkey | str | None,
+    store: RestartableValkey | ValkeyAddress | None,
 ) -> None:
     for corpus in s.corpora:
         if "prefix" in backends:
@@ -436,7 +439,7 @@ def _main_rounds(
 
 
 def _fault_round(
-    r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]], store: RestartableValkey | str | None
+    r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]], store: RestartableValkey | ValkeyAddress | None
 ) -> None:
     """Every document of the first load corpus loads (pass `before`); Valkey is killed (SIGKILL)
     with every chunk of the run in it, and started again, empty, on the same port; each document
@@ -453,7 +456,7 @@ def _fault_round(
         r.run("valkey", codec, corpus, planned, params, s.max_inflight, **extra)
 
     fault_pass("before")
-    client = valkey_client.Valkey.from_url(store.url)
+    client = store.client()
     lost = sum(
         1
         for key in client.scan_iter(match=f"kvbench:{r.run_id}:*", count=1000)
