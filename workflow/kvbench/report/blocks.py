@@ -201,16 +201,22 @@ def _quality_categories(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _cam_merge(t: pd.DataFrame) -> str:
-    """What CaM's merge costs over the SnapKV selection it shares (`cam-prefill` keeps `snapkv`'s positions)."""
-    rows = t[t.category == "all"].set_index("method")
-    if not {"snapkv", "cam-prefill"} <= set(rows.index):
+    """What CaM's merge costs over the SnapKV selection it shares (`cam-prefill` keeps `snapkv`'s
+    positions), per model and protocol."""
+    parts = []
+    for (model, protocol), cell in t[t.category == "all"].groupby(["model", "protocol"], sort=True):
+        rows = cell.set_index("method")
+        if not {"snapkv", "cam-prefill"} <= set(rows.index):
+            continue
+        s, c = rows.loc["snapkv"], rows.loc["cam-prefill"]
+        parts.append(
+            f"{model}, {protocol}: KL to full {fmt(s.kl_mean)}{interval(s, 'kl_mean')} → "
+            f"{fmt(c.kl_mean)}{interval(c, 'kl_mean')}, top-1 agreement {fmt(s.top1_agreement)} → "
+            f"{fmt(c.top1_agreement)}"
+        )
+    if not parts:
         return "not measured in this snapshot (the quality stage ran no `snapkv` and `cam-prefill` pair)"
-    s, c = rows.loc["snapkv"], rows.loc["cam-prefill"]
-    return (
-        f"the merge alone moves KL to full from {fmt(s.kl_mean)}{interval(s, 'kl_mean')} to "
-        f"{fmt(c.kl_mean)}{interval(c, 'kl_mean')}, and top-1 agreement from {fmt(s.top1_agreement)} to "
-        f"{fmt(c.top1_agreement)}"
-    )
+    return "the merge alone moves (snapkv → cam-prefill) " + "; ".join(parts)
 
 
 def _serve(t: pd.DataFrame) -> pd.DataFrame:
@@ -229,6 +235,78 @@ def _serve(t: pd.DataFrame) -> pd.DataFrame:
     return t[[c for c in cols if c in t.columns]]
 
 
+def _serve_engine(t: pd.DataFrame) -> pd.DataFrame:
+    """The blog's comparison on the engine: wire ratio per weights x corpus x codec next to the kv
+    stage's prediction; the benchmark cell's inflation over the realistic one with its interval."""
+    t = t.sort_values(["codec", "weights", "corpus"])
+    return pd.DataFrame(
+        {
+            "codec": t.codec,
+            "weights": t.weights,
+            "corpus": t.corpus,
+            "served dtype": t.served_dtype,
+            "chunks": t.stored_chunks,
+            "wire ratio": t.ratio,
+            "kv stage's prediction": t.predicted_ratio,
+            "inflation over real+realistic [95 %]": _interval(t.inflation, t.inflation_ci_low, t.inflation_ci_high),
+            "n (store events)": [
+                "" if n == 0 else f"{n} vs {r}" for n, r in zip(t.inflation_n.fillna(0).astype(int), t.realistic_n)
+            ],
+        }
+    )
+
+
+def _serve_vs_recompute(t: pd.DataFrame) -> pd.DataFrame:
+    """TTFT with our connector over recompute's (medians, same weights, corpus and concurrency): the
+    warm-up that stores every codec, and each codec's misses; each codec's hit TTFT."""
+    out = []
+    rows = t[(t.backend == "valkey") & t.status.eq("ok")].sort_values(["weights", "corpus", "codec"])
+    for r in rows.to_dict("records"):
+        what = "warmup" if r["codec"] == "all" else "miss"
+        get = lambda key: r.get(f"{what}_{key}", float("nan"))  # noqa: E731
+        hit = [r["ttft_hit_median_s"]], [r["ttft_hit_ci_low"]], [r["ttft_hit_ci_high"]]
+        out.append(
+            {
+                "weights": r["weights"],
+                "corpus": r["corpus"],
+                "requests": "warm-up (stores every codec)" if what == "warmup" else f"misses, {r['codec']}",
+                "TTFT / recompute [95 %]": _interval(
+                    [get("vs_recompute")], [get("vs_recompute_ci_low")], [get("vs_recompute_ci_high")]
+                )[0],
+                "n vs recompute's": f"{get('vs_recompute_n'):.0f} vs {get('recompute_n'):.0f}",
+                "hit TTFT median s [95 %]": "" if what == "warmup" else _interval(*hit)[0],
+                "hits": "" if what == "warmup" else r["query_hits"],
+            }
+        )
+    return pd.DataFrame(out)
+
+
+def _serve_load(t: pd.DataFrame) -> pd.DataFrame:
+    """The concurrency sweep: hit TTFT percentiles (p90 with its interval), misses, throughput."""
+    t = t.sort_values(["weights", "corpus", "backend", "codec", "concurrency"])
+    return pd.DataFrame(
+        {
+            "weights": t.weights,
+            "corpus": t.corpus,
+            "backend": t.backend,
+            "codec": t.codec,
+            "in flight": t.concurrency,
+            "requests": t.requests,
+            "hits": t.hits,
+            "hit TTFT p50 s": t.ttft_hit_p50_s,
+            "hit TTFT p90 s [95 %]": _interval(t.ttft_hit_p90_s, t.ttft_hit_p90_ci_low, t.ttft_hit_p90_ci_high),
+            "miss TTFT p50 s": t.ttft_miss_p50_s,
+            "requests/s": t.throughput_rps,
+            "errors": t.errors,
+        }
+    )
+
+
+def _serve_recommendations(t: pd.DataFrame) -> pd.DataFrame:
+    cols = ["scenario", "concurrency", "prefer", "candidates", "qualifying", "best", "why"]
+    return t[[c for c in cols if c in t.columns]]
+
+
 STAGE_BLOCKS: dict[str, Block] = {
     "claims": Block(_claims, ("report/claims.parquet",)),
     "recommendations": Block(_recommendations, ("report/recommendations.parquet",)),
@@ -241,6 +319,10 @@ STAGE_BLOCKS: dict[str, Block] = {
     "quality-categories": Block(_quality_categories, ("quality/*/summary.parquet",)),
     "quality-cam-merge": Block(_cam_merge, ("quality/*/summary.parquet",), inline=True),
     "serve": Block(_serve, ("serve/offload.parquet",)),
+    "serve-engine": Block(_serve_engine, ("serve/engine.parquet",)),
+    "serve-vs-recompute": Block(_serve_vs_recompute, ("serve/offload.parquet",)),
+    "serve-load": Block(_serve_load, ("serve/load.parquet",)),
+    "serve-recommendations": Block(_serve_recommendations, ("serve/recommendations.parquet",)),
 }
 
 
