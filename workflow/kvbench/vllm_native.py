@@ -1,6 +1,7 @@
-"""vLLM's own quantized KV caches (`--kv-cache-dtype`, Triton kernels: GPU only) that correspond to a
-method of the study, and the server command for each: what a GPU serve stage runs next to the
-harness's methods, its numbers labelled as the engine's.
+"""vLLM's own quantized KV caches (`--kv-cache-dtype`; GPU kernels, fp8 on CPUs with AVX-512 too)
+that correspond to a method of the study. Each is a serve backend of its own (`serve.backends`,
+by its label; kvbench.serve.backends builds the server's arguments), measured with the same
+client as every backend next to the harness's methods, its numbers labelled as the engine's.
 
 Named as what they are, not as the study's methods: vLLM's TurboQuant presets rotate (Hadamard),
 quantize keys with a Lloyd-Max codebook and values uniformly, with norm correction and no QJL
@@ -14,10 +15,6 @@ full-precision residual window).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Mapping
-
-from kvbench.vllm_server import vllm_command
 
 
 @dataclass(frozen=True)
@@ -68,14 +65,3 @@ NATIVE_KV: tuple[NativeKV, ...] = (
     ),
 )
 BY_DTYPE = {kv.dtype: kv for kv in NATIVE_KV}
-
-
-def native_server_command(
-    model_dir: str | Path, port: int, settings: Mapping[str, Any], seed: int, dtype: str
-) -> list[str]:
-    """The vLLM server command (`kvbench.vllm_server.vllm_command`) with a native quantized KV cache."""
-    if dtype not in BY_DTYPE:
-        raise ValueError(f"{dtype!r} is not one of the native KV caches kvbench maps ({', '.join(BY_DTYPE)})")
-    if settings["device"] != "cuda":
-        raise ValueError(f"--kv-cache-dtype {dtype}: vLLM serves it with GPU kernels only (vllm.device: cuda)")
-    return vllm_command(model_dir, port, settings, seed) + ["--kv-cache-dtype", dtype]

