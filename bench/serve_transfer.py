@@ -3,9 +3,10 @@ GET of the same bytes, side by side in interleaved rounds, on a real Valkey serv
 one realistic document prefilled by SmolLM2 (fp32), written into vLLM's CPU cache layout by
 vLLM's own kernel, 256-token chunks of all 30 layers. The raw client moves the chunks' raw bytes;
 the connector's store is encode + SET, its load the scheduler's EXISTS lookup + MGET + decode +
-copy into the cache. Every codec is reported against raw; the budget (connector >= 50 % of raw)
-is judged on codec `none`, which ships the same bytes as the raw client: it tests the transport
-(pipelining, copies, Python overhead), not the codecs, whose CPU cost the other rows show.
+copy into the cache. Every codec is reported against raw, and the budget (connector >= 50 % of
+raw) judged twice: on codec `none`, which ships the same bytes as the raw client (the transport:
+pipelining, copies, Python overhead), and on each codec that transforms bytes (its encoding and
+decoding on the clock, one thread, as a request pays them).
 
     .venv/bin/python bench/serve_transfer.py [--rounds 5] [--codecs none zstd-3 kivi2]
 
@@ -22,11 +23,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-import valkey
 import yaml
 
 from kvbench.kv.capture import capture_kv
 from kvbench.models import load_model, load_tokenizer
+from kvbench.provenance import provenance, write_table
+from kvbench.report.blocks import Block
 from kvbench.serve.keys import chunk_keys, namespace
 from kvbench.serve.transfer import exists_run, gather, load_chunks, store_chunks
 from kvbench.serve.valkey_server import valkey_server
@@ -78,8 +80,8 @@ def main() -> None:
     blocks = list(range(cache[0].shape[0]))
     methods = yaml.safe_load(Path("config/config.yaml").read_text())["methods"]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, valkey_server(2048, Path(tmp) / "valkey.log") as (url, _):
-        client = valkey.Valkey.from_url(url)
+    with tempfile.TemporaryDirectory() as tmp, valkey_server(2048, Path(tmp) / "valkey.log") as server:
+        client = server.client()
         tokens = list(range(len(blocks) * BLOCK + 1))
         for rnd in range(args.rounds):
             for codec in args.codecs:
@@ -131,11 +133,9 @@ def main() -> None:
                 )
                 client.delete(*keys, *raw_keys)
     table = pd.DataFrame(rows)
-    summary = table.groupby("codec", sort=False).median(numeric_only=True)
-    summary["store_vs_raw"] = summary.connector_store_mb_s / summary.raw_set_mb_s
-    summary["load_vs_raw"] = summary.connector_load_mb_s / summary.raw_get_mb_s
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    table.to_parquet(args.out, index=False)
+    config = {"seed": 0, "bench": "serve_transfer", "tokens": args.tokens, "rounds": args.rounds, "codecs": args.codecs}
+    write_table(table, args.out, provenance(config, model="smollm2-135m"))
+    summary = shares(table)
     cols = [
         "ratio",
         "raw_set_mb_s",
@@ -152,10 +152,57 @@ def main() -> None:
             f"{codec}: store {row.store_vs_raw:.0%}, load {row.load_vs_raw:.0%} of raw "
             f"({'>=' if ok else 'below'} {BUDGET:.0%})"
         )
-    if "none" in summary.index:  # the budget: the transport, on the same bytes as the raw client
-        none = summary.loc["none"]
-        ok = none.store_vs_raw >= BUDGET and none.load_vs_raw >= BUDGET
-        print(f"budget (codec none, same bytes as raw): {'met' if ok else 'MISSED'}")
+    print(budget(table))
+
+
+def shares(table: pd.DataFrame) -> pd.DataFrame:
+    """Per codec, the medians over rounds and the connector's throughput as a share of raw."""
+    summary = table.groupby("codec", sort=False).median(numeric_only=True)
+    summary["store_vs_raw"] = summary.connector_store_mb_s / summary.raw_set_mb_s
+    summary["load_vs_raw"] = summary.connector_load_mb_s / summary.raw_get_mb_s
+    return summary
+
+
+def budget(table: pd.DataFrame) -> str:
+    """The budget judged on both: the transport alone (`none`, the raw client's bytes) and with
+    codecs that transform bytes (their encoding and decoding on the clock, as a request pays)."""
+    summary = shares(table)
+    met = (summary.store_vs_raw >= BUDGET) & (summary.load_vs_raw >= BUDGET)
+    parts = []
+    for name, rows in (
+        ("codec none", met[met.index == "none"]),
+        ("codecs that transform bytes", met[met.index != "none"]),
+    ):
+        if len(rows):
+            parts.append(
+                f"{name}: met by {', '.join(rows.index[rows]) or 'none'}, missed by {', '.join(rows.index[~rows]) or 'none'}"
+            )
+    return (
+        f"budget (connector >= {BUDGET:.0%} of raw in store and load, {table['round'].nunique()} rounds): "
+        + "; ".join(parts)
+    )
+
+
+def render(t: pd.DataFrame) -> pd.DataFrame:
+    s = shares(t).reset_index()
+    return s[
+        [
+            "codec",
+            "ratio",
+            "raw_set_mb_s",
+            "connector_store_mb_s",
+            "store_vs_raw",
+            "raw_get_mb_s",
+            "connector_load_mb_s",
+            "load_vs_raw",
+        ]
+    ].round(3)
+
+
+BLOCKS = {
+    "serve-transfer": Block(render, ("bench/serve_transfer.parquet",), make="make bench-core"),
+    "serve-transfer-budget": Block(budget, ("bench/serve_transfer.parquet",), make="make bench-core", inline=True),
+}
 
 
 if __name__ == "__main__":

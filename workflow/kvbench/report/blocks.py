@@ -32,6 +32,7 @@ BENCH_SCRIPTS = (
     "decode_overhead",
     "decode_side_by_side",
     "kill_resume",
+    "serve_transfer",
     "side_by_side",
     "snapkv_agreement",
     "turboquant_scores",
