@@ -76,5 +76,14 @@ def test_lmcache_reaches_the_same_store_with_its_password_in_the_environment_onl
     env = lmcache_env(store, 256)
     assert env["LMCACHE_REMOTE_URL"] == "valkey://127.0.0.1:6400" and env["LMCACHE_CHUNK_SIZE"] == "256"
     assert json.loads(env["LMCACHE_EXTRA_CONFIG"]) == {"valkey_username": "default", "valkey_password": "s3cret"}
-    assert "s3cret" not in " ".join(server_args("lmcache", 256, lmcache_transfer()))
+    assert "s3cret" not in env["LMCACHE_REMOTE_URL"] + json.dumps(lmcache_transfer())  # both reach logs
     assert "LMCACHE_EXTRA_CONFIG" not in lmcache_env(ValkeyAddress(store.url, None), 256)
+
+
+def test_the_serve_only_mode_refuses_dummy_weights_for_a_backend_without_a_dummy_server(capsys):
+    from kvbench.serve.__main__ import parse
+
+    assert parse(["--backend", "valkey", "--weights", "dummy"]).weights == "dummy"
+    with pytest.raises(SystemExit):
+        parse(["--backend", "vllm-fp8", "--weights", "dummy"])
+    assert "--weights dummy serves the valkey backend only" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from kvbench.serve.wire import ChunkSpec, wire_format
 BS = 32
 SPEC = ChunkSpec(layers=2, kv_heads=2, block_size=BS, head_size=16, dtype=torch.float32)
 PROMPT = list(range(1000, 1000 + 3 * BS + 5))  # 3 loadable chunks, a 5-token tail
+METHODS_KIVI2 = {"kind": "kivi", "bits": 2, "group_size": 32}
 
 
 def fake_vllm_config(url, events):
@@ -191,3 +192,28 @@ def test_chunks_computed_over_a_failed_load_are_not_stored(store, tmp_path):
     worker.wait_for_save()
     worker.shutdown()  # flushes the queued store
     assert client.exists("later") == 1
+
+
+def test_lossy_formats_on_a_cpu_attention_isa_they_cannot_unpack_are_recorded_failed_stores(
+    store, tmp_path, monkeypatch
+):
+    """bf16 on a CPU with AMX: vLLM packs the cache for the `amx` ISA, which the lossy wire formats
+    do not unpack. The server must run on (no exception at registration), lossless stores go
+    through, each lossy store is a recorded failure with the reason, and nothing lossy is stored."""
+    url, client = store
+    monkeypatch.setattr(ValkeyConnector, "_attention_isa", lambda self, spec: "amx")
+    config = fake_vllm_config(url, tmp_path / "events")
+    config.kv_transfer_config.kv_connector_extra_config["codecs"] = {"none": None, "kivi2": METHODS_KIVI2}
+    worker = ValkeyConnector(config, KVConnectorRole.WORKER, None)
+    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(paged_cache())})
+    lossless = chunk_keys(worker.spaces["none"], PROMPT, BS, 1)
+    lossy = chunk_keys(worker.spaces["kivi2"], PROMPT, BS, 1)
+    worker.bind_connector_metadata(
+        ValkeyMetadata(stores=[Transfer("tag-a", "none", lossless, [0]), Transfer("tag-a", "kivi2", lossy, [0])])
+    )
+    worker.wait_for_save()
+    worker.shutdown()
+    assert client.exists(lossless[0]) == 1 and client.exists(lossy[0]) == 0
+    stores = read_events(tmp_path / "events").query("event == 'store'").set_index("codec")
+    assert pd.isna(stores.loc["none"].error) and "unsupported" in stores.loc["kivi2"].error
+    assert "'amx'" in stores.loc["kivi2"].error

@@ -5,7 +5,6 @@ background stores (bounded, counted in the store, flushed at close)."""
 
 import os
 import signal
-import tempfile
 import threading
 import time
 from contextlib import ExitStack
@@ -182,8 +181,10 @@ def test_valkey_refuses_a_client_without_its_password_which_is_in_no_command_lin
         assert server.client().set("k", b"v") and server.client().dbsize() == 1
         assert server.password not in command_lines(server.proc.pid) + server.url + repr(server)
         assert "requirepass" not in command_lines(server.proc.pid)
+        conf = Path(next(a for a in command_lines(server.proc.pid).split("\0") if a.endswith(".conf")))
+        assert conf.name == "auth.conf" and conf.parent.is_dir() and not conf.exists()  # deleted once up
+        assert conf.parent.stat().st_mode & 0o777 == 0o700
     assert server.password not in (tmp_path / "valkey.log").read_text()
-    assert not list(Path(tempfile.gettempdir()).glob("kvbench-valkey-*/auth.conf"))
 
 
 def test_valkey_killed_with_clients_connected_restarts_empty_on_its_port_and_clients_reconnect(tmp_path):

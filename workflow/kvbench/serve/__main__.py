@@ -40,7 +40,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.weights == "dummy" and args.backend not in bk.DUMMY_BACKENDS:
+        parser.error(f"--weights dummy serves the {', '.join(bk.DUMMY_BACKENDS)} backend only (the blog's comparison)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

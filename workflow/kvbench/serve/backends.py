@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kvbench.vllm_native import NATIVE_KV
+from kvbench.vllm_server import CONNECTOR_MODULE
 
 if TYPE_CHECKING:
     from kvbench.serve.valkey_server import ValkeyAddress
@@ -30,7 +31,6 @@ SERVER_OF = {
 }
 DUMMY_SERVER = "dummy"  # the main server's twin on vLLM's dummy weights
 DUMMY_BACKENDS = ("valkey",)
-CONNECTOR_MODULE = "kvbench.serve.connector"  # vLLM imports it by this path, in its own processes
 
 
 def servers(backends: list[str], weights: list[str] = ("real",)) -> list[str]:

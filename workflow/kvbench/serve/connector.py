@@ -127,6 +127,7 @@ class ValkeyConnector(KVConnectorBase_V1):
         self._wires: dict[str, WireFormat] = {}
         self._failed_blocks: set[int] = set()
         self._failed_tags: set[str] = set()  # requests of this step whose load failed
+        self._unsupported: dict[str, str] = {}  # wire formats this server's cache layout cannot serve: why
         self._stores: AsyncStore | None = None
 
     def _client(self) -> valkey.Valkey:
@@ -244,14 +245,19 @@ class ValkeyConnector(KVConnectorBase_V1):
         layout = layout_of(first.device)
         spec = ChunkSpec(len(self._layers), first.shape[1], self.block_size, first.shape[3] // 2, first.dtype, layout)
         lossy = [name for name in self.codecs if not is_lossless(name)]
-        if lossy and layout == CPU_PACKED:
-            isa = self._attention_isa(spec)
-            if isa not in TOKEN_ROW_ISAS:
-                raise ValueError(
-                    f"lossy wire formats {lossy} unpack K and V for the CPU attention ISAs "
-                    f"{TOKEN_ROW_ISAS}; this server uses {isa!r}"
-                )
-        self._wires = {name: wire_format(name, spec, method, self.seed) for name, method in self.codecs.items()}
+        if lossy and layout == CPU_PACKED and (isa := self._attention_isa(spec)) not in TOKEN_ROW_ISAS:
+            # e.g. `amx` (bf16 on CPUs with AMX) packs K and V otherwise: these formats' stores are
+            # recorded as failed with the reason (their loads then find nothing), the server runs on
+            self._unsupported = {
+                name: f"store: unsupported: the lossy wire formats unpack K and V for the CPU attention "
+                f"ISAs {', '.join(TOKEN_ROW_ISAS)}; this server uses {isa!r}"
+                for name in lossy
+            }
+        self._wires = {
+            name: wire_format(name, spec, method, self.seed)
+            for name, method in self.codecs.items()
+            if name not in self._unsupported
+        }
         self.spec = spec
         self._stores = AsyncStore(
             self._client, spec, self.pending_key, self.events.write, self.queue_bytes, self.store_threads
@@ -297,6 +303,16 @@ class ValkeyConnector(KVConnectorBase_V1):
         assert isinstance(meta, ValkeyMetadata) and self._stores is not None
         copies: dict[tuple[int, ...], tuple[Any, float]] = {}
         for store in meta.stores:
+            if store.codec in self._unsupported:
+                self.events.write(
+                    event="store",
+                    tag=store.tag,
+                    codec=store.codec,
+                    chunks=len(store.keys),
+                    error=self._unsupported[store.codec],
+                    time=time.time(),
+                )
+                continue
             if store.tag in self._failed_tags:
                 # computed while attending to blocks the load never filled: vLLM discards this
                 # step and recomputes, and these chunks must not reach the store either
