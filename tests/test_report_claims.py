@@ -564,8 +564,8 @@ def _engine(inflation, spread, dtype="bfloat16", note=None, n=20, draws=True):
 def test_dummy_weights_inflate_on_the_engine_is_decided_by_its_test(inflation, spread, expected):
     row = verdict({"serve_engine": _engine(inflation, spread)}, "dummy-weights-inflate-on-the-engine")
     assert row.verdict == expected and row.ours_value == pytest.approx(inflation)
-    assert row.p_value == row.p_value and row.null == C.WEIGHTS_INFLATION and row.unit == "store events"
-    assert "over 20 and 20 store events" in row.ours and row.n == 20
+    assert row.p_value == row.p_value and row.null == C.WEIGHTS_INFLATION and row.unit == "documents"
+    assert "over 20 and 20 documents" in row.ours and row.n == 20
 
 
 def test_dummy_weights_on_the_engine_names_a_float32_fallback_and_needs_both_cells():
@@ -578,7 +578,7 @@ def test_dummy_weights_on_the_engine_names_a_float32_fallback_and_needs_both_cel
     assert verdict({"serve_engine": only_real}, "dummy-weights-inflate-on-the-engine").verdict == C.NOT_MEASURABLE
     assert verdict({}, "dummy-weights-inflate-on-the-engine").verdict == C.NOT_RUN
     few = verdict({"serve_engine": _engine(30, 2, n=3)}, "dummy-weights-inflate-on-the-engine")
-    assert few.verdict == C.INCONCLUSIVE  # too few store events for an interval
+    assert few.verdict == C.INCONCLUSIVE  # too few documents for an interval
     no_draws = verdict({"serve_engine": _engine(30, 2, draws=False)}, "dummy-weights-inflate-on-the-engine")
     assert no_draws.verdict == C.INCONCLUSIVE and "no interval" in no_draws.ours
 

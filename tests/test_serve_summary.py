@@ -4,7 +4,7 @@ the kv stage's prediction, unsupported backends."""
 import pandas as pd
 import pytest
 
-from kvbench.serve.summary import client_vs_server, compare_outputs, join_transfers, offload_table
+from kvbench.serve.summary import client_vs_server, compare_outputs, engine_table, join_transfers, offload_table
 
 
 def request(backend, codec, round_, index, miss, output, tag, corpus="realistic", ttft=1.0, cached=0):
@@ -264,3 +264,33 @@ def test_client_vs_server_is_pooled_over_requests():
         }
     )
     assert client_vs_server(metrics) == pytest.approx(5.0 / 4.8 - 1)
+
+
+def test_the_engine_table_has_every_stored_codec_per_cell_and_resamples_documents():
+    """The warm-up stores every codec, so every served cell gets a row per codec even where only
+    the first codec had query rounds; the inflation's interval draws whole documents (chunks of
+    one document share its content), so a draw is one of the document mixes, never a mix of
+    some of a document's chunks."""
+    cells = {("dummy", "synthetic"): {"A": 10, "B": 50}, ("real", "realistic"): {"C": 100}}  # wire bytes per chunk
+    requests, events = [], []
+    for (weights, corpus), docs in cells.items():
+        for doc, wire in docs.items():
+            tag = f"{weights}-{doc}"
+            requests.append({"tag": tag, "weights": weights, "corpus": corpus, "backend": "valkey", "doc_id": doc})
+            requests[-1] |= {"served_dtype": "bfloat16", "dtype_note": None}
+            for codec in ("zstd-3", "lz4"):
+                for _ in range(2):  # two chunks of the document
+                    events.append(
+                        {"tag": tag, "event": "store", "codec": codec, "error": None, "chunks": 1}
+                        | {"raw_bytes": 100, "wire_bytes": wire}
+                    )
+    offload = pd.DataFrame({"backend": ["valkey"], "codec": ["zstd-3"], "weights": ["real"], "corpus": ["realistic"]})
+    table = engine_table(offload, pd.DataFrame(requests), pd.DataFrame(events), pd.DataFrame({"dtype": []}), seed=1)
+    assert len(table) == 4 and set(table.codec) == {"zstd-3", "lz4"}
+    bench = table[(table.weights == "dummy") & (table.codec == "lz4")].iloc[0]
+    assert bench.ratio == pytest.approx(400 / 120) and bench.documents == 2
+    assert bench.inflation == pytest.approx((400 / 120) / 1.0)
+    assert (bench.inflation_n, bench.realistic_n) == (2, 1)  # documents, not store events
+    mixes = {10.0, 200 / 60, 2.0}  # AA, AB, BB
+    assert {round(d, 6) for d in bench.inflation_draws} <= {round(m, 6) for m in mixes}
+    assert table[table.weights == "real"].inflation.isna().all()

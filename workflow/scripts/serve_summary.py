@@ -15,7 +15,8 @@ with job_log(snakemake.log[0], snakemake.config):
     transfers = read_tables(inputs.transfers)
     metrics = read_tables(inputs.metrics)
     requests = compare_outputs(join_transfers(read_tables(inputs.requests), transfers))
-    offload = offload_table(requests, transfers, metrics, pd.read_parquet(inputs.kv), seed)
+    kv = pd.read_parquet(inputs.kv)
+    offload = offload_table(requests, transfers, metrics, kv, seed)
     load = load_table(requests, metrics, seed)
     recommendations, candidates = recommend(
         requests, offload, snakemake.params.scenarios, cfg["load"]["corpora"], cfg["block_size"], seed
@@ -29,7 +30,7 @@ with job_log(snakemake.log[0], snakemake.config):
         (metrics, out.metrics),
         (transfers, out.transfers),
         (load, out.load),
-        (engine_table(offload, requests, transfers, seed), out.engine),
+        (engine_table(offload, requests, transfers, kv, seed), out.engine),
         (recommendations, out.recommendations),
         (candidates, out.candidates),
     ):

@@ -250,7 +250,7 @@ def _serve_engine(t: pd.DataFrame) -> pd.DataFrame:
             "wire ratio": t.ratio,
             "kv stage's prediction": t.predicted_ratio,
             "inflation over real+realistic [95 %]": _interval(t.inflation, t.inflation_ci_low, t.inflation_ci_high),
-            "n (store events)": [
+            "n (documents)": [
                 "" if n == 0 else f"{n} vs {r}" for n, r in zip(t.inflation_n.fillna(0).astype(int), t.realistic_n)
             ],
         }

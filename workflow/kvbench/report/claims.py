@@ -561,8 +561,8 @@ def dummy_weights_inflate_on_the_engine(ev: Evidence) -> Finding:
     )
     rule = (
         f"wire ratio of what our connector stored (dummy weights, synthetic documents) / (real weights, "
-        f"realistic documents), {ev.kv_codec}, at the dtype vLLM served, bootstrap over the two cells' store "
-        f"events (the serve stage's draws); confirmed if the interval lies above {WEIGHTS_INFLATION:g}x, "
+        f"realistic documents), {ev.kv_codec}, at the dtype vLLM served, bootstrap over the two cells' "
+        f"documents (the serve stage's draws); confirmed if the interval lies above {WEIGHTS_INFLATION:g}x, "
         f"contradicted if below"
     )
     engine = ev.tables.get("serve_engine")
@@ -578,7 +578,7 @@ def dummy_weights_inflate_on_the_engine(ev: Evidence) -> Finding:
             rule,
         )
     r = row.iloc[0]
-    n = min(int(r.inflation_n), int(r.realistic_n))  # n: the smaller cell's store events
+    n = min(int(r.inflation_n), int(r.realistic_n))  # n: the smaller cell's documents
     draws = r.inflation_draws
     est = (
         Estimate(float(r.inflation), np.asarray(draws, float), n)
@@ -588,7 +588,7 @@ def dummy_weights_inflate_on_the_engine(ev: Evidence) -> Finding:
     what = "dummy+synthetic / real+realistic wire ratio"
     ours = (
         f"{what} {_ci(est, ev.level) if est is not None else _fmt(r.inflation) + ' (no draws: no interval)'}x "
-        f"({ev.kv_codec}, served {r.served_dtype}) over {int(r.inflation_n)} and {int(r.realistic_n)} store events"
+        f"({ev.kv_codec}, served {r.served_dtype}) over {int(r.inflation_n)} and {int(r.realistic_n)} documents"
     )
     if isinstance(r.dtype_note, str) and r.dtype_note:
         ours += f"; {r.dtype_note}"
@@ -600,13 +600,13 @@ def dummy_weights_inflate_on_the_engine(ev: Evidence) -> Finding:
             float(r.inflation),
             n,
             ev.level,
-            "store events",
+            "documents",
             RANK_EFFECT * WEIGHTS_INFLATION,
             WEIGHTS_INFLATION,
         )
     else:
         test = threshold_test(
-            compared, statistic, est, WEIGHTS_INFLATION, ev.level, "store events", RANK_EFFECT * WEIGHTS_INFLATION
+            compared, statistic, est, WEIGHTS_INFLATION, ev.level, "documents", RANK_EFFECT * WEIGHTS_INFLATION
         )
     return Finding(None, ours, src, rule, value=float(r.inflation), test=test)
 

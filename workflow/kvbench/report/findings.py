@@ -107,7 +107,7 @@ def engine(t: pd.DataFrame) -> str:
         f"{_times(real.ratio)} with real weights on realistic documents (kv stage: {_times(real.predicted_ratio)}) and "
         f'{_times(bench.ratio)} with dummy weights on "hi hi hi" documents (kv stage: '
         f"{_times(bench.predicted_ratio)}): the benchmark setting inflates the ratio {_times(bench.inflation)}"
-        f"{interval(bench, 'inflation')} (95 %, {bench.inflation_n} vs {bench.realistic_n} store events)"
+        f"{interval(bench, 'inflation')} (95 %, {bench.inflation_n} vs {bench.realistic_n} documents)"
     )
 
 

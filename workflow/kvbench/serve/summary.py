@@ -347,43 +347,55 @@ REALISTIC_CELL = ("real", "realistic")
 
 
 def _ratio_draws(stores: pd.DataFrame, rng: np.random.Generator) -> np.ndarray:
-    """raw / wire bytes over resamples of the store events (one event: a request's chunks)."""
-    raw, wire = stores.raw_bytes.to_numpy(float), stores.wire_bytes.to_numpy(float)
+    """raw / wire bytes over resamples of the documents (each drawn document brings all its store
+    events: chunks of one document share its content, so documents are the independent units)."""
+    per_doc = stores.groupby("doc_id")[["raw_bytes", "wire_bytes"]].sum()
+    raw, wire = per_doc.raw_bytes.to_numpy(float), per_doc.wire_bytes.to_numpy(float)
     picks = rng.integers(0, len(raw), (RESAMPLES, len(raw)))
     return raw[picks].sum(axis=1) / wire[picks].sum(axis=1)
 
 
-def engine_table(offload: pd.DataFrame, requests: pd.DataFrame, transfers: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """The blog's comparison on the engine: per codec, the wire ratio measured by the connector
-    for every weights x corpus cell the run served, next to the kv stage's prediction for the same
-    cell at the served dtype; on the benchmark cell (dummy weights, synthetic documents) its
+def engine_table(
+    offload: pd.DataFrame, requests: pd.DataFrame, transfers: pd.DataFrame, kv: pd.DataFrame, seed: int = 0
+) -> pd.DataFrame:
+    """The blog's comparison on the engine: per weights x corpus x codec, the wire ratio of every
+    chunk our connector stored (the warm-up stores every codec, so every cell has every codec),
+    next to the kv stage's prediction for the same cell at the served dtype and the cell's query
+    TTFTs where it had query rounds; on the benchmark cell (dummy weights, synthetic documents) its
     inflation over the realistic cell (real weights, realistic documents) with a bootstrap
-    interval over the two cells' store events (and its draws, for the report's test)."""
-    sel = offload[(offload.backend == "valkey") & (offload.codec != "all")]
-    sel = sel[sel.ratio.notna()] if "ratio" in sel else sel.iloc[:0]
-    cols = [
-        "weights",
-        "corpus",
-        "codec",
-        "served_dtype",
-        "dtype_note",
-        "stored_chunks",
-        "raw_bytes",
-        "wire_bytes",
-        "ratio",
-        "predicted_ratio",
-        "ratio_vs_prediction",
-        "ttft_hit_median_s",
-        "ttft_miss_median_s",
-        "query_hits",
-        "query_misses",
-    ]
-    table = sel[[c for c in cols if c in sel]].reset_index(drop=True)
-    stores = pd.DataFrame()
-    if not transfers.empty and "event" in transfers:
-        stores = transfers[(transfers.event == "store") & transfers.error.isna()].merge(
-            requests[["tag", "weights", "corpus", "backend"]], on="tag"
+    interval over both cells' documents (and its draws, for the report's test)."""
+    columns = ["tag", "weights", "corpus", "backend", "doc_id", "served_dtype", "dtype_note"]
+    if transfers.empty or "event" not in transfers:
+        return pd.DataFrame(columns=["weights", "corpus", "codec", "ratio", "inflation"])
+    stores = transfers[(transfers.event == "store") & transfers.error.isna()].merge(
+        requests[[c for c in columns if c in requests]], on="tag"
+    )
+    stores = stores[stores.backend == "valkey"]
+    if stores.empty:
+        return pd.DataFrame(columns=["weights", "corpus", "codec", "ratio", "inflation"])
+    table = (
+        stores.groupby(["weights", "corpus", "codec"], sort=False)
+        .agg(
+            served_dtype=("served_dtype", "first"),
+            dtype_note=("dtype_note", "first"),
+            documents=("doc_id", "nunique"),
+            stored_chunks=("chunks", "sum"),
+            raw_bytes=("raw_bytes", "sum"),
+            wire_bytes=("wire_bytes", "sum"),
         )
+        .reset_index()
+    )
+    table["ratio"] = table.raw_bytes / table.wire_bytes
+    predicted = prediction(kv, str(table.served_dtype.iloc[0]))[["weights", "corpus", "codec", "predicted_ratio"]]
+    table = table.merge(predicted, on=["weights", "corpus", "codec"], how="left")
+    table["ratio_vs_prediction"] = table.ratio / table.predicted_ratio
+    timed = ["ttft_hit_median_s", "ttft_miss_median_s", "query_hits", "query_misses"]
+    query = offload[(offload.backend == "valkey") & (offload.codec != "all")]
+    table = table.merge(
+        query[["weights", "corpus", "codec", *[c for c in timed if c in query]]],
+        on=["weights", "corpus", "codec"],
+        how="left",
+    )
     rng = np.random.default_rng(seed)
     extra = []
     for row in table.itertuples():
@@ -395,8 +407,8 @@ def engine_table(offload: pd.DataFrame, requests: pd.DataFrame, transfers: pd.Da
             "realistic_n": 0,
             "inflation_draws": None,
         }
-        if (row.weights, row.corpus) == BENCHMARK_CELL and not stores.empty:
-            mine = stores[(stores.codec == row.codec) & (stores.backend == "valkey")]
+        if (row.weights, row.corpus) == BENCHMARK_CELL:
+            mine = stores[stores.codec == row.codec]
             bench = mine[(mine.weights == BENCHMARK_CELL[0]) & (mine.corpus == BENCHMARK_CELL[1])]
             real = mine[(mine.weights == REALISTIC_CELL[0]) & (mine.corpus == REALISTIC_CELL[1])]
             if len(bench) and len(real):
@@ -411,8 +423,8 @@ def engine_table(offload: pd.DataFrame, requests: pd.DataFrame, transfers: pd.Da
                     "inflation": point,
                     "inflation_ci_low": low,
                     "inflation_ci_high": high,
-                    "inflation_n": len(bench),
-                    "realistic_n": len(real),
+                    "inflation_n": bench.doc_id.nunique(),
+                    "realistic_n": real.doc_id.nunique(),
                     "inflation_draws": draws.tolist(),
                 }
         extra.append(out)
