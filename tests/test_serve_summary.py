@@ -294,3 +294,26 @@ def test_the_engine_table_has_every_stored_codec_per_cell_and_resamples_document
     mixes = {10.0, 200 / 60, 2.0}  # AA, AB, BB
     assert {round(d, 6) for d in bench.inflation_draws} <= {round(m, 6) for m in mixes}
     assert table[table.weights == "real"].inflation.isna().all()
+
+
+def test_rank_agreement_counts_only_codecs_sized_by_the_data_and_reads_every_cell():
+    """Fixed-size formats (none, lossy quantizers) rank identically on any input by construction."""
+    from kvbench.serve.recommend import wire_rank_agreement
+
+    ratios = {
+        "zstd-3": (1.3, 1.1),
+        "lz4": (1.0, 1.2),
+        "zstd-3+byteplane": (1.5, 1.4),
+        "none": (1, 1),
+        "kivi2": (10, 10),
+    }
+    engine = pd.DataFrame(
+        [
+            {"weights": "real", "corpus": corpus, "codec": codec, "ratio": pair[i]}
+            for codec, pair in ratios.items()
+            for i, corpus in enumerate(("realistic", "synthetic"))
+        ]
+    )
+    tau, n = wire_rank_agreement(engine)
+    assert n == 3 and tau == pytest.approx(1 / 3)  # (zstd, lz4) discordant, the other two pairs concordant
+    assert wire_rank_agreement(engine[engine.corpus == "realistic"]) == (pytest.approx(float("nan"), nan_ok=True), 0)

@@ -18,8 +18,9 @@ with job_log(snakemake.log[0], snakemake.config):
     kv = pd.read_parquet(inputs.kv)
     offload = offload_table(requests, transfers, metrics, kv, seed)
     load = load_table(requests, metrics, seed)
+    engine = engine_table(offload, requests, transfers, kv, seed)
     recommendations, candidates = recommend(
-        requests, offload, snakemake.params.scenarios, cfg["load"]["corpora"], cfg["block_size"], seed
+        requests, offload, snakemake.params.scenarios, cfg["load"]["corpora"], cfg["block_size"], seed, engine
     )
     print(summary_text(offload, metrics))
     print(recommendations[["scenario", "concurrency", "best", "why"]].to_string())
@@ -30,7 +31,7 @@ with job_log(snakemake.log[0], snakemake.config):
         (metrics, out.metrics),
         (transfers, out.transfers),
         (load, out.load),
-        (engine_table(offload, requests, transfers, kv, seed), out.engine),
+        (engine, out.engine),
         (recommendations, out.recommendations),
         (candidates, out.candidates),
     ):

@@ -35,10 +35,13 @@ def data_dependent(codec: str) -> bool:
     return is_lossless(codec) and codec != "none"
 
 
-def wire_rank_agreement(offload: pd.DataFrame) -> tuple[float, int]:
-    sel = offload[
-        (offload.backend == "valkey") & (offload.weights == "real") & offload.codec.map(data_dependent).astype(bool)
-    ]
+def wire_rank_agreement(engine: pd.DataFrame) -> tuple[float, int]:
+    """Kendall's tau between the realistic and synthetic documents' wire ratios (real weights)
+    over the codecs whose size depends on the data, from the engine table (every stored codec
+    of every cell)."""
+    if engine.empty or "ratio" not in engine:
+        return math.nan, 0
+    sel = engine[(engine.weights == "real") & engine.codec.map(data_dependent).astype(bool)]
     table = sel.pivot_table(index="codec", columns="corpus", values="ratio")
     if not {"realistic", "synthetic"} <= set(table.columns):
         return math.nan, 0
@@ -129,9 +132,10 @@ def recommend(
     corpora: list[str],
     block_size: int,
     seed: int,
+    engine: pd.DataFrame,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(one row per scenario x concurrency, the candidates table behind it)."""
-    tau, n_tau = wire_rank_agreement(offload)
+    tau, n_tau = wire_rank_agreement(engine)
     out, behind = [], []
     for name, scenario in scenarios.items():
         serve = scenario.get("serve")
