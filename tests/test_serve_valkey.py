@@ -119,6 +119,7 @@ def test_a_damaged_chunk_is_a_detected_miss_not_a_load(store, damage, kind):
     wire, keys = stored(client)
     loaded = damage_and_load(client, wire, keys, damage)
     assert loaded["integrity"] == kind and loaded["error"].startswith(f"integrity: chunk 1: {kind}")
+    assert client.exists(keys[0]) == 1 and client.exists(keys[1]) == 0  # dropped: recomputed, then stored again
 
 
 def test_a_valid_chunk_of_another_key_is_foreign(store):
@@ -141,7 +142,7 @@ def test_a_well_sealed_chunk_that_does_not_decode_fails_its_load(store):
     client, _ = store
     wire, keys = stored(client)
     loaded = damage_and_load(client, wire, keys, lambda v: seal(keys[1], b"not zstd"))
-    assert loaded["integrity"] is None and loaded["error"].startswith("decode:")
+    assert loaded["integrity"] is None and loaded["error"].startswith("decode:") and client.exists(keys[1]) == 0
 
 
 def test_wire_bytes_are_what_the_store_holds(store):

@@ -77,12 +77,14 @@ def load_chunks(
             payload = unseal(key, data, secret)
         except IntegrityError as err:  # a damaged or foreign chunk is a miss, never loaded
             stats["error"], stats["integrity"] = f"integrity: chunk {len(decoded)}: {err}", err.kind
+            _drop(store, key)
             break
         t1 = time.perf_counter()
         try:
             chunk = wire.decode(payload)
         except Exception as err:  # a chunk that does not decode costs a recompute, not the server
             stats["error"] = f"decode: {type(err).__name__}: {err}"
+            _drop(store, key)
             break
         stats["check_s"] += t1 - t0
         stats["decode_s"] += time.perf_counter() - t1
@@ -95,6 +97,15 @@ def load_chunks(
     stats["failed_blocks"] = list(block_ids[len(decoded) :])
     stats["raw_bytes"] = len(decoded) * spec.nbytes()
     return stats
+
+
+def _drop(store: valkey.Valkey, key: str) -> None:
+    """A chunk that failed its check or its decoding is deleted, so the request that recomputes
+    its prefix stores it again; left in place it would cut every later lookup of that prefix."""
+    try:
+        store.delete(key)
+    except STORE_ERRORS:
+        pass  # the store is gone: nothing to clean
 
 
 def gather(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[torch.Tensor]:
