@@ -312,3 +312,22 @@ def test_fake_valkey_binary_that_never_answers_is_stopped_with_a_clear_error(tmp
 
 def test_the_binary_is_valkey_embeddeds():
     assert os.access(valkey_binary(), os.X_OK) and valkey_binary().endswith("valkey-server")
+
+
+def test_an_encoder_that_raises_is_a_recorded_failure_and_leaves_no_tally_behind(store):
+    """Else every later round would wait FLUSH_TIMEOUT_S for chunks that never come."""
+    client, _ = store
+
+    class Broken:
+        name, lossless = "zstd-3", True
+
+        def encode(self, chunk):
+            raise RuntimeError("encoder bug")
+
+    events = Events()
+    stores = AsyncStore(lambda: another_client(client), SPEC, "t:pending", events.write, queue_bytes=2**30)
+    stores.submit(StoreJob("tag", "zstd-3", Broken(), keys_for(2), copy_out(paged_cache(), [0, 1])))
+    assert stores.flush(30) and pending(client, "t:pending") == 0
+    stores.close()
+    (event,) = events
+    assert event["error"] == "store: RuntimeError: encoder bug" and stores.counts["failed"] == 1

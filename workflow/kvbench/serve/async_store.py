@@ -110,9 +110,19 @@ class AsyncStore:
                 stats = store_chunks(client, job.wire, self.spec, job.keys, job.copy.chunks, self.secret, counted)
             except Exception as err:  # an encoder's bug must not kill the thread and strand the queue
                 stats = {"chunks": len(job.keys), "error": f"store: {type(err).__name__}: {err}"}
+                self._untally(client, job)
             self._finish(job, stats, started)
             self._jobs.task_done()
         self._jobs.task_done()
+
+    def _untally(self, client: valkey.Valkey, job: StoreJob) -> None:
+        """Take a job that never reached its SETs off the store's tally, or every later flush
+        would wait for chunks that will never come."""
+        if "tally_error" not in job.info:
+            try:
+                client.decrby(self.pending_key, len(job.keys))
+            except STORE_ERRORS:
+                pass  # the store is gone; a restarted one starts with no tally
 
     def _finish(self, job: StoreJob, stats: dict[str, Any], started: float) -> None:
         self.counts["failed" if stats.get("error") else "stored"] += 1
