@@ -31,6 +31,7 @@ from kvbench.report.decide import (
     Test,
     band_test,
     extreme_test,
+    family_levels,
     family_threshold_test,
     no_interval,
     threshold_test,
@@ -128,6 +129,7 @@ COLUMNS = [
     "null",
     "n",
     "unit",
+    "n_units",
     "mde",
     "effect",
     "n_needed",
@@ -144,9 +146,10 @@ def evaluate(ev: Evidence) -> pd.DataFrame:
     found = [(c, f) for c in CLAIMS.values() for f in c.check(ev)]
     tests = [f.test if f.verdict is None else None for _, f in found]
     decided, adjusted = verdicts(tests, ev.level)
+    levels = family_levels(tests, ev.level)
     family = sum(1 for t in tests if t is not None and t.p_value == t.p_value)
     rows = []
-    for (c, f), verdict, test, p_holm in zip(found, decided, tests, adjusted):
+    for (c, f), verdict, test, p_holm, at in zip(found, decided, tests, adjusted, levels):
         row = {
             "claim_id": c.id,
             "origin": c.seed,
@@ -171,16 +174,17 @@ def evaluate(ev: Evidence) -> pd.DataFrame:
                 "ci_high": iv.high,
                 "null": iv.null,
                 "n": iv.n,
-                "unit": test.unit,
-                "mde": test.mde,
+                "unit": test.counted,
+                "n_units": iv.n if iv.n_units is None else iv.n_units,
+                "mde": test.mde(at),
                 "effect": test.effect,
-                "n_needed": test.n_needed,
+                "n_needed": test.n_needed(at),
                 "p_value": test.p_value,
                 "p_holm": p_holm,
                 "family": family if test.p_value == test.p_value else 0,
             }
             if verdict == INCONCLUSIVE:
-                row["ours"] = f"{f.ours}; inconclusive at n = {iv.n} {test.unit}: {test.describe()}"
+                row["ours"] = f"{f.ours}; inconclusive at n = {iv.n} {test.counted}: {test.describe()}"
         rows.append(row)
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -572,10 +576,19 @@ def _category_quality(ev: Evidence, cell: Cell, methods: list[str]) -> tuple[dic
     return out, "top1_agreement", []
 
 
+def _n_units(ests: list[Estimate]) -> int | None:
+    """The fewest samples behind estimates whose n counts documents (None where n counts samples)."""
+    counts = [e.n_units for e in ests]
+    return None if None in counts else min(counts)
+
+
 def _lowest(per: dict[str, Estimate]) -> Estimate:
     ests = list(per.values())
     return Estimate(
-        min(e.estimate for e in ests), np.min(np.vstack([e.draws for e in ests]), axis=0), min(e.n for e in ests)
+        min(e.estimate for e in ests),
+        np.min(np.vstack([e.draws for e in ests]), axis=0),
+        min(e.n for e in ests),
+        n_units=_n_units(ests),
     )
 
 
@@ -902,6 +915,7 @@ def summarization_fragile(ev: Evidence) -> list[Finding]:
                 float(np.mean([per[m][c].estimate for m in per])),
                 np.mean(np.vstack([per[m][c].draws for m in per]), axis=0),
                 min(per[m][c].n for m in per),
+                n_units=_n_units([per[m][c] for m in per]),
             )
             for c in categories
         }
