@@ -241,6 +241,28 @@ def test_a_difference_of_two_means_is_taken_on_the_units_both_have():
     assert np.allclose(diff.draws[np.isfinite(diff.draws)], 1.0) and diff.changed == 5
 
 
+def test_a_difference_of_two_ratios_and_of_their_lowest_is_taken_on_the_units_both_have():
+    # relative quality (method / baseline) of two methods: a has units 0-11, b units 4-15; units 0-3
+    # are hard (the baseline scores 0.1) and a keeps only half there. On the 8 shared units both keep
+    # 0.9: the paired difference is 0 on n = 8 (over their own units: -0.02 on n = min = 12).
+    from kvbench.report.claims import _lowest
+
+    r = Resample.of([16], 500, np.random.default_rng(1))
+    unit = np.arange(16)
+    base = np.where(unit < 4, 0.1, 1.0)
+    a = np.where(unit < 4, 0.5 * base, np.where(unit < 12, 0.9 * base, np.nan))
+    b = np.where(unit < 4, np.nan, 0.9 * base)
+    diff = r.ratio(a, base) - r.ratio(b, base)
+    assert diff.n == 8 and diff.estimate == pytest.approx(0.0, abs=1e-12)
+    even = unit % 2 == 0
+    worst = {
+        m: _lowest({c: r.ratio(np.where(h, v, np.nan), base) for c, h in (("x", even), ("y", ~even))})
+        for m, v in (("a", a), ("b", b))
+    }
+    lowest = worst["a"] - worst["b"]
+    assert lowest.n == 4 and lowest.estimate == pytest.approx(0.0, abs=1e-12)
+
+
 def test_documents_are_resampled_whole_and_counted_as_n():
     documents = np.repeat(["d0", "d1", "d2", "d3", "d4", "d5"], 3)
     r = Resample.clustered(documents, 200, np.random.default_rng(0))

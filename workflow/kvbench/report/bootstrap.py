@@ -120,10 +120,11 @@ def interval(
 @dataclass(frozen=True)
 class Estimate:
     """A statistic and its bootstrap draws on one cell's resamples (subtracting two estimates of
-    the same cell gives the paired difference). A mean keeps its per-unit values (`units`) and how
-    to recompute it on fewer units (`restrict`), so a difference of two means is taken on the
-    units both have and knows on how many of them the two differ at all (`changed`). `n` counts
-    documents where they are resampled (`n_units` then counts the samples or prompts)."""
+    the same cell gives the paired difference). A mean or a ratio keeps the units it rests on
+    (`mask`) and how to recompute it on fewer (`restrict`), so a difference of two is taken on the
+    units both have; a mean also keeps its per-unit values (`units`), so the difference knows on
+    how many units the two differ at all (`changed`). `n` counts documents where they are
+    resampled (`n_units` then counts the samples or prompts)."""
 
     estimate: float
     draws: np.ndarray = field(repr=False, compare=False)
@@ -131,20 +132,21 @@ class Estimate:
     units: np.ndarray | None = field(default=None, repr=False, compare=False)
     changed: int | None = None
     n_units: int | None = None
+    mask: np.ndarray | None = field(default=None, repr=False, compare=False)
     restrict: Callable[[np.ndarray], "Estimate"] | None = field(default=None, repr=False, compare=False)
 
     def __sub__(self, other: "Estimate") -> "Estimate":
         a, b = self, other
-        if a.units is None or b.units is None or len(a.units) != len(b.units):
-            n_units = None if a.n_units is None or b.n_units is None else min(a.n_units, b.n_units)
-            return Estimate(a.estimate - b.estimate, a.draws - b.draws, min(a.n, b.n), n_units=n_units)
-        both = np.isfinite(a.units) & np.isfinite(b.units)
-        uneven = not np.array_equal(both, np.isfinite(a.units)) or not np.array_equal(both, np.isfinite(b.units))
-        if uneven and a.restrict and b.restrict:
-            a, b = a.restrict(both), b.restrict(both)  # a unit only one of them has is no pair
-        units = a.units - b.units
-        changed = int(np.count_nonzero(np.isfinite(units) & (units != 0)))
-        return Estimate(a.estimate - b.estimate, a.draws - b.draws, min(a.n, b.n), units, changed, a.n_units)
+        if a.mask is not None and b.mask is not None and len(a.mask) == len(b.mask) and a.restrict and b.restrict:
+            both = a.mask & b.mask
+            if not (np.array_equal(both, a.mask) and np.array_equal(both, b.mask)):
+                a, b = a.restrict(both), b.restrict(both)  # a unit only one of them has is no pair
+        units = changed = None
+        if a.units is not None and b.units is not None and len(a.units) == len(b.units):
+            units = a.units - b.units
+            changed = int(np.count_nonzero(np.isfinite(units) & (units != 0)))
+        n_units = None if a.n_units is None or b.n_units is None else min(a.n_units, b.n_units)
+        return Estimate(a.estimate - b.estimate, a.draws - b.draws, min(a.n, b.n), units, changed, n_units)
 
     def interval(self, level: float, null: float = 0.0) -> Interval:
         """The interval and p-value for `null`; none for a paired difference that is 0 on all but a
@@ -204,6 +206,7 @@ class Resample:
                 n,
                 np.where(ok, values, np.nan),
                 n_units=n_units,
+                mask=ok,
                 restrict=lambda mask: self.mean(np.where(mask, values, np.nan), w),
             )
 
@@ -220,6 +223,8 @@ class Resample:
                 np.where(d_d != 0, n_d / d_d, np.nan),
                 n,
                 n_units=n_units,
+                mask=ok,
+                restrict=lambda mask: self.ratio(np.where(mask, num, np.nan), den),
             )
 
     def geometric_mean(self, logs: np.ndarray) -> Estimate:

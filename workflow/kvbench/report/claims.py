@@ -583,12 +583,17 @@ def _n_units(ests: list[Estimate]) -> int | None:
 
 
 def _lowest(per: dict[str, Estimate]) -> Estimate:
+    """The lowest of `per` (per draw), restrictable to fewer units as its parts are (a difference of
+    two methods' lowest is then on the samples both have)."""
     ests = list(per.values())
+    whole = all(e.mask is not None and e.restrict for e in ests)
     return Estimate(
         min(e.estimate for e in ests),
         np.min(np.vstack([e.draws for e in ests]), axis=0),
         min(e.n for e in ests),
         n_units=_n_units(ests),
+        mask=np.logical_or.reduce([e.mask for e in ests]) if whole else None,
+        restrict=(lambda mask: _lowest({k: e.restrict(mask) for k, e in per.items()})) if whole else None,
     )
 
 
