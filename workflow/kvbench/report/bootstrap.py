@@ -181,7 +181,7 @@ class Resample:
         codes = np.unique(np.asarray(documents, dtype=str), return_inverse=True)[1].ravel()
         return cls(resample_counts([int(codes.max()) + 1], n_boot, rng)[:, codes], codes)
 
-    def _n(self, ok: np.ndarray) -> tuple[int, int | None]:
+    def count(self, ok: np.ndarray) -> tuple[int, int | None]:
         """(n, units behind it): n counts documents where they are resampled."""
         if self.clusters is None:
             return int(ok.sum()), None
@@ -198,7 +198,7 @@ class Resample:
         ok = _present(values, w) & (w > 0)
         num, num_d = self._sums(values * np.where(ok, w, 0.0), ok)
         den, den_d = self._sums(w, ok)
-        n, n_units = self._n(ok)
+        n, n_units = self.count(ok)
         with np.errstate(invalid="ignore", divide="ignore"):
             return Estimate(
                 num / den if den > 0 else math.nan,
@@ -216,7 +216,7 @@ class Resample:
         ok = _present(num, den)
         n_sum, n_d = self._sums(num, ok)
         d_sum, d_d = self._sums(den, ok)
-        n, n_units = self._n(ok)
+        n, n_units = self.count(ok)
         with np.errstate(invalid="ignore", divide="ignore"):
             return Estimate(
                 n_sum / d_sum if d_sum != 0 else math.nan,
@@ -243,7 +243,7 @@ class Resample:
         two middle values when a draw holds an even number)."""
         values = np.asarray(values, float)
         ok = np.isfinite(values)
-        n, n_units = self._n(ok)
+        n, n_units = self.count(ok)
         if n == 0:
             return Estimate(math.nan, np.full(len(self.counts), np.nan), 0)
         order = np.argsort(values[ok], kind="stable")
@@ -268,25 +268,29 @@ def holm(p_values: Sequence[float]) -> np.ndarray:
     return out
 
 
-def equal_means_test(values: np.ndarray, n_boot: int, rng: np.random.Generator) -> tuple[float, int]:
+def equal_means_test(
+    values: np.ndarray, n_boot: int, rng: np.random.Generator, documents: np.ndarray | None = None
+) -> tuple[float, int]:
     """Do the columns (methods) of `values` (units x methods, NaN where missing) differ in mean?
     Statistic: the variance of the column means. Null distribution: the same statistic on
     resamples of the units after centring every column on the grand mean (rows resampled whole,
-    so the pairing stays). Returns the p-value ((1 + draws at least as large) / (1 + draws)) and
-    the number of units."""
+    so the pairing stays; documents whole where units share them). Returns the p-value
+    ((1 + draws at least as large) / (1 + draws)) and the number of units (documents)."""
     values = np.asarray(values, float)
     ok = np.isfinite(values)
     keep = ok.any(axis=0)
     values, ok = values[:, keep], ok[:, keep]
     rows = ok.any(axis=1)
     values, ok = values[rows], ok[rows]
-    n = int(len(values))
+    docs = None if documents is None else np.asarray(documents, dtype=str)[rows]
+    shared = docs is not None and len(np.unique(docs)) < len(docs)
+    n = len(np.unique(docs)) if shared else int(len(values))
     if values.shape[1] < 2 or n < MIN_UNITS:
         return math.nan, n
     means = np.nanmean(values, axis=0)
     observed = means.var()
     centred = np.where(ok, values - means + np.nanmean(values), 0.0)
-    counts = resample_counts([n], n_boot, rng)
+    counts = Resample.clustered(docs, n_boot, rng).counts if shared else resample_counts([n], n_boot, rng)
     with np.errstate(invalid="ignore", divide="ignore"):
         draws = (counts @ centred) / (counts @ ok.astype(float))
     null = np.nanvar(draws, axis=1)

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.report.bootstrap import Estimate, Resample, equal_means_test, rng_for
-from kvbench.report.cells import Cell, Panel, quality_panel
+from kvbench.report.cells import DOCUMENT, Cell, Panel, quality_panel
 from kvbench.report.contracts import CATEGORY_SUMMARIZATION, Tables
 from kvbench.report.decide import (
     CONFIRMED,
@@ -947,7 +947,7 @@ def summarization_fragile(ev: Evidence) -> list[Finding]:
     return out
 
 
-def _rank_estimate(counts: np.ndarray, x: np.ndarray, y: np.ndarray, n: int) -> Estimate:
+def _rank_estimate(counts: np.ndarray, x: np.ndarray, y: np.ndarray, n: int, n_units: int | None) -> Estimate:
     """Spearman's rho across methods (columns) of their mean x and mean y over the drawn units."""
 
     def means(c: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -959,7 +959,7 @@ def _rank_estimate(counts: np.ndarray, x: np.ndarray, y: np.ndarray, n: int) -> 
     bx, by = means(counts, x), means(counts, y)
     draws = spearman_rows(bx, by)
     draws[np.isnan(bx).any(axis=1) | np.isnan(by).any(axis=1)] = np.nan
-    return Estimate(float(point), draws, n)
+    return Estimate(float(point), draws, n, n_units=n_units)
 
 
 def _predicts(
@@ -971,10 +971,12 @@ def _predicts(
     if len(keep) < MIN_METHODS:
         return None
     xv, yv = x[keep].to_numpy(float), y[keep].to_numpy(float)
-    est = _rank_estimate(cell.resample.counts, xv, yv, cell.n_units)
+    n, n_units = cell.resample.count(np.ones(cell.n_units, bool))
+    est = _rank_estimate(cell.resample.counts, xv, yv, n, n_units)
     if est.estimate != est.estimate:
         return f"{what}: no ranking (every method's {what} or ratio is the same)", None
-    p_differ, _ = equal_means_test(yv, ev.n_boot, rng_for(ev.seed, "methods-differ", *key))
+    documents = cell.units[DOCUMENT].to_numpy() if DOCUMENT in cell.units else None
+    p_differ, _ = equal_means_test(yv, ev.n_boot, rng_for(ev.seed, "methods-differ", *key), documents)
     p_differ = p_differ if p_differ == p_differ else 1.0
     test = band_test(
         f"measured ratio vs {what} across {len(keep)} methods",

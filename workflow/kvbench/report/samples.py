@@ -53,7 +53,7 @@ def with_protocol(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(protocol=protocol.fillna(DEFAULT_PROTOCOL).astype(str))
 
 
-def _first_document(doc_ids: object) -> str | None:
+def first_document(doc_ids: object) -> str | None:
     """The first entry of a sample's `doc_ids` (a JSON list), or None."""
     if not isinstance(doc_ids, str):
         return None
@@ -82,7 +82,7 @@ def paired_quality(tables: Tables, baseline: str) -> pd.DataFrame | None:
     rows = with_protocol(scores)
     rows = rows.assign(sample=rows["sample"].astype(str), failed=rows.score.isna(), empty=rows.error == "empty output")
     own = "unit:" + rows.task.astype(str) + "/" + rows["sample"]
-    docs = rows.doc_ids.map(_first_document) if "doc_ids" in rows else pd.Series(None, index=rows.index, dtype=object)
+    docs = rows.doc_ids.map(first_document) if "doc_ids" in rows else pd.Series(None, index=rows.index, dtype=object)
     docs = docs.groupby([rows.model, rows.protocol, rows.task, rows["sample"]]).transform("first")  # any row's
     rows["document"] = docs.fillna(own).astype(str)
     for col in ("kind", "params", *TIMED):
