@@ -297,6 +297,10 @@ def test_a_correlation_says_inconclusive_when_its_interval_holds_zero_and_shows_
         "7 samples): with quality ρ +0.26 [-0.55, +0.59] (inconclusive)"
     )
     assert say("finding-ratio-predicts", correlations(0.1, 0.59)).endswith("[+0.10, +0.59] (the interval excludes 0)")
+    # samples sharing documents: the interval's n is the documents, said beside the samples
+    assert "(95 % bootstrap intervals, 3 documents, 7 samples)" in say(
+        "finding-ratio-predicts", correlations(-0.55, 0.59).assign(documents=3)
+    )
 
 
 def test_fidelity_pairs_show_an_interval_where_the_summary_has_one():

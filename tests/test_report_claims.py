@@ -180,6 +180,16 @@ def test_kivi4_most_stable():
     assert verdict(_quality({**QUALITY_OK, "snapkv": 0.5}), "kivi4-most-stable").verdict == C.CONTRADICTED
 
 
+def test_a_quality_claim_resamples_documents_and_counts_them():
+    # 6 documents, each serving one sample of both categories: the claim's cell (every category)
+    # holds 12 samples from 6 documents and resamples documents; its n (the smallest category's)
+    # counts them.
+    frames = _quality(QUALITY_OK)
+    frames["quality_scores"]["doc_ids"] = [f'["d{s}"]' for s in frames["quality_scores"]["sample"]]
+    row = verdict(frames, "kivi4-most-stable")
+    assert (row.n, row.unit, row.n_units) == (6, "documents", 6)
+
+
 def test_kivi4_within_noise_of_a_rival_is_inconclusive():
     noisy = quality(
         {m: {"single_doc_qa": v, "summarization": v} for m, v in {**QUALITY_OK, "kivi2": 0.485}.items()}, samples=6

@@ -296,3 +296,28 @@ def test_large_categories_are_resampled_within_each():
     cell = next(quality_panel(paired_quality(tables(quality_scores=small), "full"), 100, 1).cells(("all",)))
     qa = (cell.units.category == "qa").to_numpy()
     assert cell.resample.counts[:, qa].sum(axis=1).std() > 0  # resampled together
+
+
+def test_pooled_cells_resample_documents_and_count_them_leaves_of_one_sample_per_document_do_not_change():
+    # The qa and summarization samples s come from one document each (d0..d9), shared by both
+    # categories: the pooled cell has 20 samples from 10 documents. Its n is 10 documents (samples
+    # kept beside it); each leaf (one sample per document) is as without documents.
+    scores = _scores(samples=10, noise=0.05)
+    plain = quality_differences(paired_quality(tables(quality_scores=scores), "full"), "full", 400, 7, 0.95)
+    scores["doc_ids"] = [f'["d{s}", "x{s}"]' for s in scores["sample"]]
+    paired = paired_quality(tables(quality_scores=scores), "full")
+    diff = quality_differences(paired, "full", 400, 7, 0.95)
+    pooled = _row(diff, method="kivi2", category="all", bucket="all", quantity="score")
+    assert (pooled.n, pooled.samples) == (10, 20)
+    leaves = diff[diff.category != "all"].reset_index(drop=True)
+    before = plain[plain.category != "all"].reset_index(drop=True)
+    pd.testing.assert_frame_equal(leaves.drop(columns="samples"), before.drop(columns="samples"))
+    # system prompts doc@length: two lengths of one document are one cluster in the pooled bucket
+    runs = pd.concat(
+        [system({"full": {}, "kivi2": {"ttft_s": 1.1}}, prompts=6, target=t, noise=0.05) for t in (1024, 6000)]
+    )
+    runs["doc_id"] = runs.prompt_id.str.split("@").str[0]
+    units, source, in_process = system_units(tables(system=runs), "full")
+    ratios = system_ratios(units, source, in_process, "full", 400, 7, 0.95)
+    over = _row(ratios, method="kivi2", bucket="all", metric="ttft_s")
+    assert (over.prompts, over.documents) == (12, 6)

@@ -130,7 +130,8 @@ def test_a_method_only_the_system_stage_ran_can_be_named_and_is_said_to_lack_qua
     sys_rows = system(
         {"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.4e6}, "cam": {"kv_bytes_end": 0.25e6}}, prompts=6
     )
-    scores = quality({"full": {"qa": 0.5}, "kivi4": {"qa": 0.5}}, samples=6)
+    # kivi4 differs from full on every sample (equal on all would leave its relative quality undecided)
+    scores = quality({"full": {"qa": 0.5}, "kivi4": {"qa": 0.49}}, samples=6)
     frames = {"system": sys_rows, "quality_scores": scores}
     small = {"limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"min": "kv_bytes"}}
     (row,) = recs({"small": small}, frames=frames).to_dict("records")
@@ -207,6 +208,21 @@ def test_a_better_method_still_undecided_is_named_next_to_the_pick():
     small = {"limits": {"quality": {"min": 0.95, "relative": True}}, "prefer": {"min": "kv_bytes"}}
     (row,) = recs({"small": small}, frames={"system": sys_rows, "quality_scores": scores}).to_dict("records")
     assert row["best"] == "kivi4" and "kivi2 might do better but is undecided at n = 8 samples" in row["why"]
+
+
+def test_a_relative_quality_that_differs_from_the_baseline_on_few_samples_is_undecided():
+    # 0/1 scores: kivi4 misses 4 of 100 samples full answers (0.96x full). The bootstrap's interval
+    # would put the ratio above 0.90 (drawing none of the 4 is rare); an exact sign test on 4
+    # changed samples cannot decide anything, so neither may the limit.
+    scores = quality({"full": {"qa": 1.0}, "kivi4": {"qa": 1.0}}, samples=100, spread=0.0)
+    scores.loc[(scores.method == "kivi4") & (scores["sample"] < 4), "score"] = 0.0
+    keep = {"limits": {"quality": {"min": 0.90, "relative": True}}, "prefer": {"max": "quality"}}
+    (row,) = recs({"keep": keep}, frames={"quality_scores": scores}).to_dict("records")
+    assert row["undecided"] == "kivi4" and row["qualifying"] == 1 and row["best"] == "full"
+    # from 5 changed samples on, the interval decides again
+    scores.loc[(scores.method == "kivi4") & (scores["sample"] < 5), "score"] = 0.0
+    (row,) = recs({"keep": keep}, frames={"quality_scores": scores}).to_dict("records")
+    assert row["undecided"] is None and row["qualifying"] == 2
 
 
 def test_too_few_units_leave_every_answer_undecided():

@@ -225,7 +225,69 @@ def test_interval_and_estimate_arithmetic():
     iv = interval(0.5, draws, 30, 0.95)
     assert 0 < iv.low < 0.05 and 0.95 < iv.high < 1 and iv.direction == 1 and iv.p_value < 0.05
     diff = Estimate(2.0, np.full(10, 2.0), 8) - Estimate(0.5, np.full(10, 0.5), 6)
-    assert (diff.estimate, diff.n) == (1.5, 6) and (diff.draws == 1.5).all()
+    assert diff.estimate == 1.5 and (diff.draws == 1.5).all()
+
+
+def test_a_difference_of_two_means_is_taken_on_the_units_both_have():
+    # A has units 0-9, B units 5-14; units 0-4 are hard (a unit effect of +10) and only A has them.
+    # On the 5 shared units A is B + 1 exactly: the paired difference is 1 with no spread, n = 5
+    # (a difference of the two means over their own units would be 5 + 1 and n = min = 10).
+    r = Resample.of([15], 500, np.random.default_rng(0))
+    effect = np.r_[np.full(5, 10.0), np.arange(10.0)]
+    a = np.where(np.arange(15) < 10, effect + 1, np.nan)
+    b = np.where(np.arange(15) >= 5, effect, np.nan)
+    diff = r.mean(a) - r.mean(b)
+    assert diff.n == 5 and diff.estimate == pytest.approx(1.0)
+    assert np.allclose(diff.draws[np.isfinite(diff.draws)], 1.0) and diff.changed == 5
+
+
+def test_a_difference_of_two_ratios_and_of_their_lowest_is_taken_on_the_units_both_have():
+    # relative quality (method / baseline) of two methods: a has units 0-11, b units 4-15; units 0-3
+    # are hard (the baseline scores 0.1) and a keeps only half there. On the 8 shared units both keep
+    # 0.9: the paired difference is 0 on n = 8 (over their own units: -0.02 on n = min = 12).
+    from kvbench.report.claims import _lowest
+
+    r = Resample.of([16], 500, np.random.default_rng(1))
+    unit = np.arange(16)
+    base = np.where(unit < 4, 0.1, 1.0)
+    a = np.where(unit < 4, 0.5 * base, np.where(unit < 12, 0.9 * base, np.nan))
+    b = np.where(unit < 4, np.nan, 0.9 * base)
+    diff = r.ratio(a, base) - r.ratio(b, base)
+    assert diff.n == 8 and diff.estimate == pytest.approx(0.0, abs=1e-12)
+    even = unit % 2 == 0
+    worst = {
+        m: _lowest({c: r.ratio(np.where(h, v, np.nan), base) for c, h in (("x", even), ("y", ~even))})
+        for m, v in (("a", a), ("b", b))
+    }
+    lowest = worst["a"] - worst["b"]
+    assert lowest.n == 4 and lowest.estimate == pytest.approx(0.0, abs=1e-12)
+
+
+def test_documents_are_resampled_whole_and_counted_as_n():
+    documents = np.repeat(["d0", "d1", "d2", "d3", "d4", "d5"], 3)
+    r = Resample.clustered(documents, 200, np.random.default_rng(0))
+    assert (r.counts.reshape(200, 6, 3) == r.counts.reshape(200, 6, 3)[:, :, :1]).all()  # a document's units together
+    assert r.counts.sum(axis=1).tolist() == [18.0] * 200  # 6 documents drawn per resample
+    est = r.mean(np.where(np.arange(18) == 17, np.nan, 1.0))  # one unit missing: its document still counts
+    assert (est.n, est.n_units) == (6, 17) and est.interval(0.95).n_units == 17
+
+
+def test_a_cluster_bootstrap_covers_a_mean_whose_units_share_documents():
+    # 10 documents x 6 samples, a document effect (sd 1) shared by its samples, noise sd 0.3: resampling
+    # samples treats 60 correlated values as independent and under-covers; resampling documents does not.
+    rng = np.random.default_rng(11)
+    documents = np.repeat(np.arange(10), 6)
+    covered = {"documents": 0, "samples": 0}
+    sims = 300
+    for _ in range(sims):
+        values = rng.normal(0, 1, 10)[documents] + rng.normal(0, 0.3, 60)
+        for name, r in (
+            ("documents", Resample.clustered(documents, 1000, rng)),
+            ("samples", Resample.of([60], 1000, rng)),
+        ):
+            iv = r.mean(values).interval(0.95)
+            covered[name] += iv.low <= 0 <= iv.high
+    assert covered["documents"] / sims >= 0.90 and covered["samples"] / sims < 0.75
 
 
 # --- claims on pure noise: inconclusive in at least 1 - alpha of simulations ------------------
@@ -358,6 +420,40 @@ def test_the_schemas_effects_are_the_power_modules():
     schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
     effects = schema["properties"]["report"]["properties"]["power"]["properties"]["effects"]
     assert effects["propertyNames"]["enum"] == list(DEFAULT_EFFECTS)
+
+
+def test_mde_and_n_needed_of_a_claim_use_the_level_its_verdict_is_decided_at():
+    from kvbench.report.bootstrap import Interval
+    from kvbench.report.decide import Test, family_levels
+    from kvbench.report.power import POWER
+
+    def test(p: float, bonferroni: int = 1) -> Test:
+        iv = Interval(0.01, -0.01, 0.03, 20, 0.01, p, 0.95)
+        return Test("a vs b", "difference", iv, p, 1, True, "samples", 0.05, bonferroni)
+
+    tests = [test(0.5), test(0.001), None, test(0.02, bonferroni=2), test(math.nan)]
+    levels = family_levels(tests, 0.95)
+    # Holm: the smallest p at alpha / 3, the next at alpha / 2 (and / 2 for its own Bonferroni), the last at alpha
+    assert levels == pytest.approx([0.95, 1 - 0.05 / 3, 1 - 0.05 / 3, 1 - 0.05 / 4, 1 - 0.05 / 3])
+    t = tests[1]
+    assert t.mde(levels[1]) == pytest.approx(mde(0.01, 20, 1 - 0.05 / 3, POWER))
+    assert t.mde(levels[1]) > mde(0.01, 20, 0.95, POWER)
+    assert t.n_needed(levels[1]) > n_needed(0.01, 20, 0.05, 0.95, POWER)
+
+
+def test_the_power_tables_spread_counts_documents_where_units_share_them():
+    # 5 documents x 4 samples, each document's samples equal: the spread is the documents' (n = 5),
+    # not 20 independent samples'
+    doc_means = np.array([0.1, -0.2, 0.3, 0.0, 0.4])
+    documents = np.repeat(np.arange(5), 4)
+    estimate, se, n = spread(doc_means[documents], None, documents)
+    assert n == 5 and estimate == pytest.approx(doc_means.mean())
+    assert se == pytest.approx(doc_means.std(ddof=1) / math.sqrt(5))
+    assert spread(doc_means[documents])[1] < se / 2  # as 20 independent samples: far too small
+    assert spread(doc_means, None, np.arange(5)) == pytest.approx(spread(doc_means))  # one unit each: as before
+    paired = pd.DataFrame({"method": "m", "category": "qa", "d_score": doc_means[documents], "document": documents})
+    row = power_table(paired, by=("method", "category")).iloc[0]
+    assert (row.n, row.n_units) == (5, 20)
 
 
 def test_a_difference_of_means_that_differ_on_few_units_has_no_interval():

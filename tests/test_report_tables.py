@@ -398,3 +398,24 @@ def test_few_samples_per_category_still_give_a_pooled_interval():
     pooled = quality_rows.loc[POOLED]
     assert pooled.samples == 8 >= MIN_SAMPLES and pooled.rho == pytest.approx(-1.0)
     assert pooled.ci_low == pytest.approx(-1.0) and pooled.ci_high == pytest.approx(-1.0)
+
+
+def test_pooled_correlations_resample_documents_and_count_them():
+    # 6 documents, each serving one sample of both categories: the pooled row's 12 samples are 6
+    # documents, its interval resampled by document; a category's row (one sample each) is as before.
+    from kvbench.report.correlations import POOLED
+
+    methods = ["full", "kivi2", "kivi4", "snapkv"]
+    rng = np.random.default_rng(0)
+    scores = quality(
+        {m: {c: 0.5 - 0.02 * i for c in ("qa", "summarization")} for i, m in enumerate(methods)}, samples=6
+    )
+    scores["score"] += rng.normal(0, 0.1, len(scores))
+    scores["ratio"] = scores.method.map({m: 1.0 + i for i, m in enumerate(methods)})
+    plain = correlation_table(tables(quality_scores=scores), n_boot=300, seed=1).set_index("category")
+    scores["doc_ids"] = [f'["d{s}"]' for s in scores["sample"]]
+    corr = correlation_table(tables(quality_scores=scores), n_boot=300, seed=1).set_index("category")
+    assert (corr.loc[POOLED, "samples"], corr.loc[POOLED, "documents"]) == (12, 6)
+    ends = ["ci_low", "ci_high"]
+    assert corr.loc[POOLED, ends].tolist() != plain.loc[POOLED, ends].tolist()
+    pd.testing.assert_frame_equal(corr.drop(index=POOLED), plain.drop(index=POOLED))

@@ -4,9 +4,10 @@ the statistics behind every comparison the report prints.
 A cell's units (quality samples, or system prompts with their repeats averaged) are resampled
 with replacement once, as a count matrix (draws x units), and every statistic of the cell is a
 matrix product with it: all methods of a cell see the same resamples, so a difference between two
-of them is paired. A pooled cell (several categories or buckets) resamples within each of them
-where each holds enough units (stratified: the design fixes how many samples each holds; see
-kvbench.report.cells.STRATUM_MIN), else all of its units together.
+of them is paired. A cell whose units share documents resamples documents, each with all of its
+units (a cluster bootstrap; n counts documents). Otherwise a pooled cell (several categories or
+buckets) resamples within each of them where each holds enough units (stratified: the design fixes
+how many samples each holds; see kvbench.report.cells.STRATUM_MIN), else all of its units together.
 
 Intervals are expanded percentile intervals (Hesterberg 2015, "What teachers should know about
 the bootstrap"): the percentile interval read at alpha' = 2 Phi(sqrt(n / (n - 1)) t_{alpha/2, n-1})
@@ -23,7 +24,7 @@ import math
 import zlib
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from scipy import special
@@ -64,6 +65,7 @@ class Interval:
     p_value: float  # two-sided, for `null`
     level: float
     null: float = 0.0
+    n_units: int | None = None  # the samples (prompts) behind n where n counts documents
 
     @property
     def direction(self) -> int:
@@ -99,45 +101,60 @@ def p_beyond(draws: np.ndarray, n: int, bound: float, above: bool) -> float:
     return float(min(1.0, 2 * special.stdtr(n - 1, special.ndtri(tail) / math.sqrt(n / (n - 1)))))
 
 
-def interval(estimate: float, draws: np.ndarray, n: int, level: float, null: float = 0.0) -> Interval:
+def interval(
+    estimate: float, draws: np.ndarray, n: int, level: float, null: float = 0.0, n_units: int | None = None
+) -> Interval:
     """The expanded percentile interval of `draws` (NaN draws, from resamples without data, are
-    left out) and the two-sided p-value for `null`; none below MIN_UNITS units."""
+    left out) and the two-sided p-value for `null`; none below MIN_UNITS units (documents, where
+    they are resampled: `n` counts them)."""
     draws = np.asarray(draws, float)
     draws = draws[np.isfinite(draws)]
     if n < MIN_UNITS or len(draws) < 2 or not math.isfinite(estimate):
-        return Interval(estimate, math.nan, math.nan, n, math.nan, math.nan, level, null)
+        return Interval(estimate, math.nan, math.nan, n, math.nan, math.nan, level, null, n_units)
     a = expanded_alpha(1 - level, n)
     low, high = np.quantile(draws, [a / 2, 1 - a / 2])
     p = min(p_beyond(draws, n, null, above=False), p_beyond(draws, n, null, above=True))
-    return Interval(float(estimate), float(low), float(high), n, float(draws.std(ddof=1)), p, level, null)
+    return Interval(float(estimate), float(low), float(high), n, float(draws.std(ddof=1)), p, level, null, n_units)
 
 
 @dataclass(frozen=True)
 class Estimate:
     """A statistic and its bootstrap draws on one cell's resamples (subtracting two estimates of
-    the same cell gives the paired difference). A mean keeps its per-unit values (`units`), so a
-    difference of two means knows on how many units the two differ at all (`changed`)."""
+    the same cell gives the paired difference). A mean or a ratio keeps the units it rests on
+    (`mask`) and how to recompute it on fewer (`restrict`), so a difference of two is taken on the
+    units both have; a mean also keeps its per-unit values (`units`), so the difference knows on
+    how many units the two differ at all (`changed`). `n` counts documents where they are
+    resampled (`n_units` then counts the samples or prompts)."""
 
     estimate: float
     draws: np.ndarray = field(repr=False, compare=False)
     n: int
     units: np.ndarray | None = field(default=None, repr=False, compare=False)
     changed: int | None = None
+    n_units: int | None = None
+    mask: np.ndarray | None = field(default=None, repr=False, compare=False)
+    restrict: Callable[[np.ndarray], "Estimate"] | None = field(default=None, repr=False, compare=False)
 
     def __sub__(self, other: "Estimate") -> "Estimate":
+        a, b = self, other
+        if a.mask is not None and b.mask is not None and len(a.mask) == len(b.mask) and a.restrict and b.restrict:
+            both = a.mask & b.mask
+            if not (np.array_equal(both, a.mask) and np.array_equal(both, b.mask)):
+                a, b = a.restrict(both), b.restrict(both)  # a unit only one of them has is no pair
         units = changed = None
-        if self.units is not None and other.units is not None and len(self.units) == len(other.units):
-            units = self.units - other.units
+        if a.units is not None and b.units is not None and len(a.units) == len(b.units):
+            units = a.units - b.units
             changed = int(np.count_nonzero(np.isfinite(units) & (units != 0)))
-        return Estimate(self.estimate - other.estimate, self.draws - other.draws, min(self.n, other.n), units, changed)
+        n_units = None if a.n_units is None or b.n_units is None else min(a.n_units, b.n_units)
+        return Estimate(a.estimate - b.estimate, a.draws - b.draws, min(a.n, b.n), units, changed, n_units)
 
     def interval(self, level: float, null: float = 0.0) -> Interval:
         """The interval and p-value for `null`; none for a paired difference that is 0 on all but a
         few units (fewer than MIN_UNITS differ): the bootstrap's tail there is the chance of drawing
         none of them, far thinner than an exact sign test's."""
         if self.changed is not None and self.changed < MIN_UNITS:
-            return replace(interval(self.estimate, self.draws, 0, level, null), n=self.n)
-        return interval(self.estimate, self.draws, self.n, level, null)
+            return replace(interval(self.estimate, self.draws, 0, level, null, self.n_units), n=self.n)
+        return interval(self.estimate, self.draws, self.n, level, null, self.n_units)
 
 
 def _present(*vectors: np.ndarray) -> np.ndarray:
@@ -147,13 +164,28 @@ def _present(*vectors: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Resample:
     """One cell's units and their bootstrap count matrix; each method's values are vectors over
-    the same units, NaN where the method has none for a unit."""
+    the same units, NaN where the method has none for a unit. Where units share documents
+    (`clusters`: each unit's document), documents are resampled and n counts them."""
 
     counts: np.ndarray  # draws x units
+    clusters: np.ndarray | None = None
 
     @classmethod
     def of(cls, strata: Sequence[int], n_boot: int, rng: np.random.Generator) -> "Resample":
         return cls(resample_counts(strata, n_boot, rng))
+
+    @classmethod
+    def clustered(cls, documents: Sequence[object], n_boot: int, rng: np.random.Generator) -> "Resample":
+        """A cluster bootstrap: documents drawn with replacement, each with all of its units (units
+        of one document share its difficulty, so resampling them alone understates the spread)."""
+        codes = np.unique(np.asarray(documents, dtype=str), return_inverse=True)[1].ravel()
+        return cls(resample_counts([int(codes.max()) + 1], n_boot, rng)[:, codes], codes)
+
+    def count(self, ok: np.ndarray) -> tuple[int, int | None]:
+        """(n, units behind it): n counts documents where they are resampled."""
+        if self.clusters is None:
+            return int(ok.sum()), None
+        return len(np.unique(self.clusters[ok])), int(ok.sum())
 
     def _sums(self, values: np.ndarray, ok: np.ndarray) -> tuple[float, np.ndarray]:
         filled = np.where(ok, values, 0.0)
@@ -166,9 +198,16 @@ class Resample:
         ok = _present(values, w) & (w > 0)
         num, num_d = self._sums(values * np.where(ok, w, 0.0), ok)
         den, den_d = self._sums(w, ok)
+        n, n_units = self.count(ok)
         with np.errstate(invalid="ignore", divide="ignore"):
             return Estimate(
-                num / den if den > 0 else math.nan, num_d / den_d, int(ok.sum()), np.where(ok, values, np.nan)
+                num / den if den > 0 else math.nan,
+                num_d / den_d,
+                n,
+                np.where(ok, values, np.nan),
+                n_units=n_units,
+                mask=ok,
+                restrict=lambda mask: self.mean(np.where(mask, values, np.nan), w),
             )
 
     def ratio(self, num: np.ndarray, den: np.ndarray) -> Estimate:
@@ -177,9 +216,15 @@ class Resample:
         ok = _present(num, den)
         n_sum, n_d = self._sums(num, ok)
         d_sum, d_d = self._sums(den, ok)
+        n, n_units = self.count(ok)
         with np.errstate(invalid="ignore", divide="ignore"):
             return Estimate(
-                n_sum / d_sum if d_sum != 0 else math.nan, np.where(d_d != 0, n_d / d_d, np.nan), int(ok.sum())
+                n_sum / d_sum if d_sum != 0 else math.nan,
+                np.where(d_d != 0, n_d / d_d, np.nan),
+                n,
+                n_units=n_units,
+                mask=ok,
+                restrict=lambda mask: self.ratio(np.where(mask, num, np.nan), den),
             )
 
     def geometric_mean(self, logs: np.ndarray) -> Estimate:
@@ -190,6 +235,7 @@ class Resample:
             math.exp(log_mean.estimate) if log_mean.estimate == log_mean.estimate else math.nan,
             np.exp(log_mean.draws),
             log_mean.n,
+            n_units=log_mean.n_units,
         )
 
     def median(self, values: np.ndarray) -> Estimate:
@@ -197,7 +243,7 @@ class Resample:
         two middle values when a draw holds an even number)."""
         values = np.asarray(values, float)
         ok = np.isfinite(values)
-        n = int(ok.sum())
+        n, n_units = self.count(ok)
         if n == 0:
             return Estimate(math.nan, np.full(len(self.counts), np.nan), 0)
         order = np.argsort(values[ok], kind="stable")
@@ -206,7 +252,7 @@ class Resample:
         half = cum[:, -1:] / 2
         at = np.argmax(cum >= half, axis=1)
         draws = np.where(cum[:, -1] > 0, sorted_values[at], np.nan)
-        return Estimate(float(np.median(sorted_values)), draws, n)
+        return Estimate(float(np.median(sorted_values)), draws, n, n_units=n_units)
 
 
 def holm(p_values: Sequence[float]) -> np.ndarray:
@@ -222,25 +268,29 @@ def holm(p_values: Sequence[float]) -> np.ndarray:
     return out
 
 
-def equal_means_test(values: np.ndarray, n_boot: int, rng: np.random.Generator) -> tuple[float, int]:
+def equal_means_test(
+    values: np.ndarray, n_boot: int, rng: np.random.Generator, documents: np.ndarray | None = None
+) -> tuple[float, int]:
     """Do the columns (methods) of `values` (units x methods, NaN where missing) differ in mean?
     Statistic: the variance of the column means. Null distribution: the same statistic on
     resamples of the units after centring every column on the grand mean (rows resampled whole,
-    so the pairing stays). Returns the p-value ((1 + draws at least as large) / (1 + draws)) and
-    the number of units."""
+    so the pairing stays; documents whole where units share them). Returns the p-value
+    ((1 + draws at least as large) / (1 + draws)) and the number of units (documents)."""
     values = np.asarray(values, float)
     ok = np.isfinite(values)
     keep = ok.any(axis=0)
     values, ok = values[:, keep], ok[:, keep]
     rows = ok.any(axis=1)
     values, ok = values[rows], ok[rows]
-    n = int(len(values))
+    docs = None if documents is None else np.asarray(documents, dtype=str)[rows]
+    shared = docs is not None and len(np.unique(docs)) < len(docs)
+    n = len(np.unique(docs)) if shared else int(len(values))
     if values.shape[1] < 2 or n < MIN_UNITS:
         return math.nan, n
     means = np.nanmean(values, axis=0)
     observed = means.var()
     centred = np.where(ok, values - means + np.nanmean(values), 0.0)
-    counts = resample_counts([n], n_boot, rng)
+    counts = Resample.clustered(docs, n_boot, rng).counts if shared else resample_counts([n], n_boot, rng)
     with np.errstate(invalid="ignore", divide="ignore"):
         draws = (counts @ centred) / (counts @ ok.astype(float))
     null = np.nanvar(draws, axis=1)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
 import pandas as pd
 
 from kvbench.report.claims import CONFIRMED, CONTRADICTED, INCONCLUSIVE, NOT_MEASURABLE, NOT_RUN, Evidence, evaluate
@@ -83,6 +84,11 @@ def power_of(cfg: Mapping[str, Any]) -> float:
     return float((cfg.get("power") or {}).get("power", POWER))
 
 
+def _counted(table: pd.DataFrame, unit: str) -> np.ndarray:
+    """What each row's n counts: documents where fewer than its units (they share documents)."""
+    return np.where(table.n < table.n_units, "documents", unit)
+
+
 def power_tables(
     paired: pd.DataFrame | None,
     units: pd.DataFrame | None,
@@ -103,13 +109,15 @@ def power_tables(
             power,
             by=("model", "protocol", "method", "category", "bucket"),
         )
-        frames.append(quality.assign(stage="quality", unit="samples"))
+        frames.append(quality.assign(stage="quality", unit=_counted(quality, "samples")))
     if units is not None and len(units):
         ratios = units[units.method != baseline].rename(columns={f"lr_{c}": f"d_{c}" for c in ("ttft_s", "tpot_s")})
-        ratios = ratios[["model", "method", "bucket", "d_ttft_s", "d_tpot_s"]]
+        ratios = ratios[["model", "method", "bucket", "document", "d_ttft_s", "d_tpot_s"]]
         logs = {k: math.log1p(v) for k, v in effects.items() if k in ("ttft_s", "tpot_s")}
         system = power_table(ratios, logs, level, power, by=("model", "method", "bucket"))
-        frames.append(system.assign(stage="system", unit="prompts", quantity="log " + system.quantity))
+        frames.append(
+            system.assign(stage="system", unit=_counted(system, "prompts"), quantity="log " + system.quantity)
+        )
     columns = [
         "stage",
         "model",
@@ -121,6 +129,7 @@ def power_tables(
         "unit",
         "estimate",
         "n",
+        "n_units",
         "sd",
         "se",
         "mde",
@@ -208,7 +217,7 @@ def _claims_note(claims: pd.DataFrame) -> str:
         f"{CONFIRMED} / {CONTRADICTED}: the Holm-adjusted p-value over the {family} claims with a test is below "
         f"{1 - level:.2g} and the {level:.0%} interval (per claim, unadjusted) lies on that side of the null. "
         f"{INCONCLUSIVE}: it does not; the interval, n and the minimum detectable effect (MDE, two-sided, 80 % "
-        f"power) say how far this run is from deciding. {NOT_MEASURABLE}: the run cannot test it at all; "
+        f"power, at the claim's Holm step) say how far this run is from deciding. {NOT_MEASURABLE}: the run cannot test it at all; "
         f"{NOT_RUN}: a stage or a method it needs is missing."
     )
 
@@ -341,7 +350,7 @@ def differences_page(report: ReportTables) -> str:
         "bucket where each holds 20 samples or more, else all its samples together); per comparison, not adjusted (the claims are). score: task score; kl_mean, top1_agreement: "
         "pooled over teacher-forced positions (the reference's: 0 and 1); first_divergence: identical outputs "
         "count at the continuation's length; ratio: measured bytes. mde: the difference a two-sided paired test "
-        "detects with 80 % power at this n and spread; n_needed: the samples 'effect' needs."
+        "detects with 80 % power at this n and spread; n_needed: the samples 'effect' needs (a pooled row whose samples share documents resamples documents: n and n_needed count them, 'samples' the samples)."
     )
     pooled = diff[(diff.category == "all") & (diff.bucket == "all")] if len(diff) else diff
     ratio_note = (
@@ -367,13 +376,15 @@ def power_page(report: ReportTables) -> str:
     claims = report.claims[report.claims.n.notna()] if len(report.claims) else report.claims
     columns = ["claim", "model", "protocol", "statistic", "n", "unit", "mde", "effect", "n_needed", "verdict"]
     note = (
-        "For each claim with a test: its n, the minimum detectable effect (MDE: two-sided, the report's level, "
-        "80 % power, at this run's spread) and the n at which the stated effect becomes detectable (the spread "
-        "held; under Holm's adjustment a claim may need more)."
+        "For each claim with a test: its n (documents where its units share them), the minimum detectable effect "
+        "(MDE: two-sided, 80 % power, at this run's spread) and the n at which the stated effect becomes "
+        "detectable (the spread held), both at the level the verdict is decided at: alpha over Holm's multiplier "
+        "at the claim's step and the test's own Bonferroni factor."
     )
     table_note = (
         "Per comparison of a method with the reference: the spread of the per-sample (per-prompt) "
-        "differences, the MDE at the observed n and the n that `report.power.effects` needs. "
+        "differences, the MDE at the observed n and the n that `report.power.effects` needs, per comparison "
+        "(at the report's level, unadjusted: these comparisons are not in the claims' family). "
         "kvbench.report.power.power_table computes it from any run's tables (a pilot)."
     )
     return html_page(

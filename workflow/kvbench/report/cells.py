@@ -5,7 +5,9 @@ a category over its buckets, a bucket over its categories, everything (`ALL`). A
 resamples within each leaf (stratified). System: per model, one cell per bucket and one over all
 buckets (stratified alike), units are prompts. Every cell draws from its own generator (the run's
 seed and the cell's key), so its intervals do not depend on what else the run holds. Leaves too
-small to stratify on (STRATUM_MIN) are resampled together.
+small to stratify on (STRATUM_MIN) are resampled together. A cell where some document holds more
+than one unit (a pooled cell: one corpus document serves every task and bucket) resamples
+documents instead (Resample.clustered; documents cross the strata, so it is not stratified).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ LEVELS = ("leaf", "category", "bucket", "all")
 # which the default run's one-sample categories would make of every pooled interval). Smaller
 # leaves are resampled together, which the spread between them can only widen.
 STRATUM_MIN = 20
+DOCUMENT = "document"  # the unit's (first) source document, where the unit table has one
 
 
 @dataclass
@@ -60,8 +63,9 @@ class Panel:
         out = {}
         for key, rows in self.rows.groupby(self.group, sort=True):
             key = key if isinstance(key, tuple) else (key,)
+            docs = [DOCUMENT] if DOCUMENT in rows else []
             units = (
-                rows[[*self.strata, *self.unit]]
+                rows[[*self.strata, *self.unit, *docs]]
                 .drop_duplicates(self.unit)
                 .sort_values([*self.strata, *self.unit], ignore_index=True)
             )
@@ -95,10 +99,14 @@ class Panel:
                     if chosen.empty:
                         continue
                     key = {**base, **fixed, **{p: ALL for p in pooled}}
-                    strata = chosen.groupby(self.strata, sort=True).size().to_numpy()
-                    strata = strata if strata.min() >= STRATUM_MIN else [len(chosen)]
                     rng = rng_for(self.seed, self.tag, *key.values())
-                    yield Cell(key, chosen.reset_index(drop=True), Resample.of(strata, self.n_boot, rng), self)
+                    yield Cell(key, chosen.reset_index(drop=True), self._resample(chosen, rng), self)
+
+    def _resample(self, units: pd.DataFrame, rng: np.random.Generator) -> Resample:
+        if DOCUMENT in units and units[DOCUMENT].duplicated().any():
+            return Resample.clustered(units[DOCUMENT].to_numpy(), self.n_boot, rng)
+        strata = units.groupby(self.strata, sort=True).size().to_numpy()
+        return Resample.of(strata if strata.min() >= STRATUM_MIN else [len(units)], self.n_boot, rng)
 
 
 def _selections(level: str, strata: list[str], values: dict[str, list[str]]) -> Iterator[tuple[list[str], dict]]:

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.report.bootstrap import Estimate, Resample, equal_means_test, rng_for
-from kvbench.report.cells import Cell, Panel, quality_panel
+from kvbench.report.cells import DOCUMENT, Cell, Panel, quality_panel
 from kvbench.report.contracts import CATEGORY_SUMMARIZATION, Tables
 from kvbench.report.decide import (
     CONFIRMED,
@@ -31,6 +31,7 @@ from kvbench.report.decide import (
     Test,
     band_test,
     extreme_test,
+    family_levels,
     family_threshold_test,
     no_interval,
     threshold_test,
@@ -128,6 +129,7 @@ COLUMNS = [
     "null",
     "n",
     "unit",
+    "n_units",
     "mde",
     "effect",
     "n_needed",
@@ -144,9 +146,10 @@ def evaluate(ev: Evidence) -> pd.DataFrame:
     found = [(c, f) for c in CLAIMS.values() for f in c.check(ev)]
     tests = [f.test if f.verdict is None else None for _, f in found]
     decided, adjusted = verdicts(tests, ev.level)
+    levels = family_levels(tests, ev.level)
     family = sum(1 for t in tests if t is not None and t.p_value == t.p_value)
     rows = []
-    for (c, f), verdict, test, p_holm in zip(found, decided, tests, adjusted):
+    for (c, f), verdict, test, p_holm, at in zip(found, decided, tests, adjusted, levels):
         row = {
             "claim_id": c.id,
             "origin": c.seed,
@@ -171,16 +174,17 @@ def evaluate(ev: Evidence) -> pd.DataFrame:
                 "ci_high": iv.high,
                 "null": iv.null,
                 "n": iv.n,
-                "unit": test.unit,
-                "mde": test.mde,
+                "unit": test.counted,
+                "n_units": iv.n if iv.n_units is None else iv.n_units,
+                "mde": test.mde(at),
                 "effect": test.effect,
-                "n_needed": test.n_needed,
+                "n_needed": test.n_needed(at),
                 "p_value": test.p_value,
                 "p_holm": p_holm,
                 "family": family if test.p_value == test.p_value else 0,
             }
             if verdict == INCONCLUSIVE:
-                row["ours"] = f"{f.ours}; inconclusive at n = {iv.n} {test.unit}: {test.describe()}"
+                row["ours"] = f"{f.ours}; inconclusive at n = {iv.n} {test.counted}: {test.describe()}"
         rows.append(row)
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -652,10 +656,24 @@ def _category_quality(ev: Evidence, cell: Cell, methods: list[str]) -> tuple[dic
     return out, "top1_agreement", []
 
 
+def _n_units(ests: list[Estimate]) -> int | None:
+    """The fewest samples behind estimates whose n counts documents (None where n counts samples)."""
+    counts = [e.n_units for e in ests]
+    return None if None in counts else min(counts)
+
+
 def _lowest(per: dict[str, Estimate]) -> Estimate:
+    """The lowest of `per` (per draw), restrictable to fewer units as its parts are (a difference of
+    two methods' lowest is then on the samples both have)."""
     ests = list(per.values())
+    whole = all(e.mask is not None and e.restrict for e in ests)
     return Estimate(
-        min(e.estimate for e in ests), np.min(np.vstack([e.draws for e in ests]), axis=0), min(e.n for e in ests)
+        min(e.estimate for e in ests),
+        np.min(np.vstack([e.draws for e in ests]), axis=0),
+        min(e.n for e in ests),
+        n_units=_n_units(ests),
+        mask=np.logical_or.reduce([e.mask for e in ests]) if whole else None,
+        restrict=(lambda mask: _lowest({k: e.restrict(mask) for k, e in per.items()})) if whole else None,
     )
 
 
@@ -982,6 +1000,7 @@ def summarization_fragile(ev: Evidence) -> list[Finding]:
                 float(np.mean([per[m][c].estimate for m in per])),
                 np.mean(np.vstack([per[m][c].draws for m in per]), axis=0),
                 min(per[m][c].n for m in per),
+                n_units=_n_units([per[m][c] for m in per]),
             )
             for c in categories
         }
@@ -1008,7 +1027,7 @@ def summarization_fragile(ev: Evidence) -> list[Finding]:
     return out
 
 
-def _rank_estimate(counts: np.ndarray, x: np.ndarray, y: np.ndarray, n: int) -> Estimate:
+def _rank_estimate(counts: np.ndarray, x: np.ndarray, y: np.ndarray, n: int, n_units: int | None) -> Estimate:
     """Spearman's rho across methods (columns) of their mean x and mean y over the drawn units."""
 
     def means(c: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -1020,7 +1039,7 @@ def _rank_estimate(counts: np.ndarray, x: np.ndarray, y: np.ndarray, n: int) -> 
     bx, by = means(counts, x), means(counts, y)
     draws = spearman_rows(bx, by)
     draws[np.isnan(bx).any(axis=1) | np.isnan(by).any(axis=1)] = np.nan
-    return Estimate(float(point), draws, n)
+    return Estimate(float(point), draws, n, n_units=n_units)
 
 
 def _predicts(
@@ -1032,10 +1051,12 @@ def _predicts(
     if len(keep) < MIN_METHODS:
         return None
     xv, yv = x[keep].to_numpy(float), y[keep].to_numpy(float)
-    est = _rank_estimate(cell.resample.counts, xv, yv, cell.n_units)
+    n, n_units = cell.resample.count(np.ones(cell.n_units, bool))
+    est = _rank_estimate(cell.resample.counts, xv, yv, n, n_units)
     if est.estimate != est.estimate:
         return f"{what}: no ranking (every method's {what} or ratio is the same)", None
-    p_differ, _ = equal_means_test(yv, ev.n_boot, rng_for(ev.seed, "methods-differ", *key))
+    documents = cell.units[DOCUMENT].to_numpy() if DOCUMENT in cell.units else None
+    p_differ, _ = equal_means_test(yv, ev.n_boot, rng_for(ev.seed, "methods-differ", *key), documents)
     p_differ = p_differ if p_differ == p_differ else 1.0
     test = band_test(
         f"measured ratio vs {what} across {len(keep)} methods",

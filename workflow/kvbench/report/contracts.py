@@ -83,7 +83,7 @@ CONTRACTS: dict[str, Contract] = {
             "peak_memory_mb",
             "error",
         ),
-        optional=_same("ttft_s_std", "repeats"),
+        optional=_same("ttft_s_std", "repeats", "doc_id"),
     ),
     # Issue 18 (paired timing): per model, one row per method x prompt x repeat; the runs of one
     # (prompt, repeat) ran in one process, interleaved, so they pair with the baseline's.
@@ -103,7 +103,7 @@ CONTRACTS: dict[str, Contract] = {
             "ratio_end",
             "error",
         ),
-        optional=_same("job", "kind", "params", "e2e_s", "bucket", "target_context", "context_tokens"),
+        optional=_same("job", "kind", "params", "e2e_s", "bucket", "target_context", "context_tokens", "doc_id"),
     ),
     # Issue 9 (quality): per model, one row per method x task x sample (categories: CATEGORY_* below).
     "quality_scores": Contract(
@@ -120,7 +120,7 @@ CONTRACTS: dict[str, Contract] = {
             "tpot_s": "tpot_s",
             "kv_bytes": "kv_bytes_end",
             "ratio": "ratio_end",
-            **_same("protocol", "kind", "params"),
+            **_same("protocol", "kind", "params", "doc_ids"),
         },
     ),
     "quality_fidelity": Contract(

@@ -6,7 +6,8 @@ The quality categories hold few samples each on a small run (below MIN_SAMPLES: 
 each model also gets one row per outcome over all its categories pooled (category POOLED). Its
 bootstrap resamples samples across categories (not within them: with one or two samples per
 category a stratified draw would hardly vary), so differences between categories widen it.
-Quality rows are per protocol. `methods_differ_p` tests whether the methods differ in the outcome
+Samples (prompts) that share a source document are resampled by document (n: `documents`; see
+kvbench.report.cells), the pooled rows above all. Quality rows are per protocol. `methods_differ_p` tests whether the methods differ in the outcome
 at all (kvbench.report.bootstrap.equal_means_test): where they do not, no rank correlation with
 anything can be told from noise."""
 
@@ -17,7 +18,7 @@ import pandas as pd
 from kvbench.report.bootstrap import equal_means_test, rng_for
 from kvbench.report.contracts import CONTRACTS, DEFAULT_PROTOCOL, Tables
 from kvbench.report.joined import SYSTEM_CATEGORY, workload_prompts
-from kvbench.report.samples import with_protocol
+from kvbench.report.samples import first_document, with_protocol
 from kvbench.report.stats import bootstrap_spearman
 
 POOLED = "all categories (pooled)"
@@ -27,6 +28,16 @@ SAMPLE = ["category", "task", "sample"]
 def _matrix(rows: pd.DataFrame, sample: list[str], value: str) -> pd.DataFrame:
     """samples x methods."""
     return rows.pivot_table(index=sample, columns="method", values=value, aggfunc="mean")
+
+
+def _documents(rows: pd.DataFrame, sample: list[str], column: str, first: bool = False) -> pd.Series | None:
+    """Each sample's source document (the first of a JSON list where `first`), by `sample`; None
+    where the table has none."""
+    if column not in rows or rows[column].isna().all():
+        return None
+    docs = rows[column].map(first_document) if first else rows[column].astype(object)
+    found = rows.assign(_doc=docs).groupby(sample)["_doc"].first()
+    return found.where(found.notna(), [f"unit:{i}" for i in found.index])  # no document: its own
 
 
 def _broadcast(per_method: pd.Series, like: pd.DataFrame) -> pd.DataFrame:
@@ -63,7 +74,7 @@ def _quality_pairs(scores: pd.DataFrame, system: pd.DataFrame | None):
                     src = f"{scores_path} + ratio from {CONTRACTS['system'].path}"
                 else:
                     continue
-                yield model, protocol, category, outcome, src, x, y
+                yield model, protocol, category, outcome, src, x, y, _documents(rows, SAMPLE, "doc_ids", first=True)
 
 
 def _system_pairs(system: pd.DataFrame):
@@ -79,6 +90,7 @@ def _system_pairs(system: pd.DataFrame):
                 CONTRACTS["system"].path,
                 x,
                 _matrix(part, ["prompt_id"], outcome),
+                _documents(part, ["prompt_id"], "doc_id"),
             )
 
 
@@ -91,10 +103,13 @@ def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.9
     if system is not None:  # TTFT and TPOT from the system stage where the quality pass has none
         pairs += [p for p in _system_pairs(system) if (p[0], p[3]) not in covered]
     rows = []
-    for model, protocol, category, outcome, source, x, y in pairs:
-        r = bootstrap_spearman(x, y, n_boot, seed, level)
+    for model, protocol, category, outcome, source, x, y, documents in pairs:
+        r = bootstrap_spearman(x, y, n_boot, seed, level, documents=documents)
         differ, _ = equal_means_test(
-            y.to_numpy(float), n_boot, rng_for(seed, "correlations", model, protocol, category, outcome)
+            y.to_numpy(float),
+            n_boot,
+            rng_for(seed, "correlations", model, protocol, category, outcome),
+            None if documents is None else documents.reindex(y.index).to_numpy(object),
         )
         rows.append(
             {
@@ -107,6 +122,7 @@ def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.9
                 "ci_high": r.ci_high,
                 "methods": r.n_items,
                 "samples": r.n_samples,
+                "documents": r.n_documents,
                 "methods_differ_p": differ,
                 "level": level,
                 "bootstrap": n_boot,
@@ -124,6 +140,7 @@ def correlation_table(tables: Tables, n_boot: int, seed: int, level: float = 0.9
         "ci_high",
         "methods",
         "samples",
+        "documents",
         "methods_differ_p",
         "level",
         "bootstrap",

@@ -14,6 +14,9 @@ on that side of the null; otherwise it is `inconclusive`, with the interval, n a
 X exceeds every rival (each paired difference decided; Bonferroni over X's members), contradicted
 when some rival exceeds every member of X (Bonferroni over the rivals). The interval printed is
 the binding pair's: the difference that decides (or fails to).
+
+The MDE and the n a stated effect needs are at the level the verdict is decided at: alpha over
+Holm's multiplier at the test's step and over the test's own Bonferroni factor (`family_levels`).
 """
 
 from __future__ import annotations
@@ -40,21 +43,27 @@ class Test:
     p_value: float  # two-sided, for the verdict in `direction` (NaN: no interval at this n)
     direction: int  # +1 the data point to confirmed, -1 to contradicted, 0 to neither
     supports: bool  # the printed interval(s) lie on that side of the null at the report's level
-    unit: str  # what n counts: samples, prompts, documents
+    unit: str  # what a unit is: samples, prompts, documents
     effect: float  # the effect the claim must resolve, in the statistic's units
+    bonferroni: int = 1  # the test's own factor on its p-value (members or rivals; the band's 2 sides)
 
     @property
-    def mde(self) -> float:
-        return mde(self.interval.se, self.interval.n, self.interval.level, POWER)
+    def counted(self) -> str:
+        """What n counts: documents where the cell resampled them (its units share documents)."""
+        return "documents" if self.interval.n_units is not None else self.unit
 
-    @property
-    def n_needed(self) -> float:
-        return n_needed(self.interval.se, self.interval.n, self.effect, self.interval.level, POWER)
+    def mde(self, level: float) -> float:
+        """At `level`: the family's (family_levels), not the printed interval's."""
+        return mde(self.interval.se, self.interval.n, level, POWER)
+
+    def n_needed(self, level: float) -> float:
+        return n_needed(self.interval.se, self.interval.n, self.effect, level, POWER)
 
     def describe(self) -> str:
         iv = self.interval
         ci = f"[{iv.low:.3g}, {iv.high:.3g}]" if iv.low == iv.low else "no interval"
-        return f"{self.statistic}: {iv.estimate:.3g} {ci}, n = {iv.n} {self.unit}"
+        behind = f" ({iv.n_units} {self.unit})" if iv.n_units is not None else ""
+        return f"{self.statistic}: {iv.estimate:.3g} {ci}, n = {iv.n} {self.counted}{behind}"
 
 
 def no_interval(
@@ -102,7 +111,7 @@ def family_threshold_test(
     down = max(ivs, key=lambda k: p(ivs[k], False))
     p_down = p(ivs[down], False)
     if p_up <= p_down:
-        return Test(compared, statistic, ivs[up], p_up, 1, ivs[up].direction == 1, unit, effect)
+        return Test(compared, statistic, ivs[up], p_up, 1, ivs[up].direction == 1, unit, effect, len(ivs))
     supports = all(iv.direction == -1 for iv in ivs.values())
     return Test(compared, statistic, ivs[down], p_down, -1, supports, unit, effect)
 
@@ -137,9 +146,11 @@ def extreme_test(
     p_contradict = min(1.0, len(rivals) * contradict[best_c][0])
     if p_confirm <= p_contradict:
         supports = all(ivs[(best_x, c)].direction == sign for c in rivals)
-        return Test(compared, statistic, ivs[(best_x, confirm[best_x][1])], p_confirm, 1, supports, unit, effect)
+        binding = ivs[(best_x, confirm[best_x][1])]
+        return Test(compared, statistic, binding, p_confirm, 1, supports, unit, effect, len(family))
     supports = all(ivs[(x, best_c)].direction == -sign for x in family)
-    return Test(compared, statistic, ivs[(contradict[best_c][1], best_c)], p_contradict, -1, supports, unit, effect)
+    binding = ivs[(contradict[best_c][1], best_c)]
+    return Test(compared, statistic, binding, p_contradict, -1, supports, unit, effect, len(rivals))
 
 
 def band_test(
@@ -163,7 +174,7 @@ def band_test(
     p_outside = min(1.0, 2 * min(p_beyond(draws, n, band, above=False), p_beyond(draws, n, -band, above=True)))
     if p_inside <= p_outside:
         return Test(compared, statistic, iv, p_inside, 1, -band < iv.low and iv.high < band, unit, effect)
-    return Test(compared, statistic, iv, p_outside, -1, iv.low >= band or iv.high <= -band, unit, effect)
+    return Test(compared, statistic, iv, p_outside, -1, iv.low >= band or iv.high <= -band, unit, effect, 2)
 
 
 def verdicts(tests: Sequence[Test | None], level: float) -> tuple[list[str | None], np.ndarray]:
@@ -179,3 +190,15 @@ def verdicts(tests: Sequence[Test | None], level: float) -> tuple[list[str | Non
         else:
             out.append(INCONCLUSIVE)
     return out, adjusted
+
+
+def family_levels(tests: Sequence[Test | None], level: float) -> list[float]:
+    """Per test, the level its verdict is decided at: its p-value times Holm's multiplier at its
+    step (m - rank, the rank among the m tests with a p-value by increasing p) and its own
+    Bonferroni factor must fall below 1 - level. A test without a p-value gets Holm's first step."""
+    p = np.array([t.p_value if t is not None else math.nan for t in tests], float)
+    finite = np.flatnonzero(np.isfinite(p))
+    m = len(finite)
+    step = np.full(len(p), float(max(m, 1)))
+    step[finite[np.argsort(p[finite], kind="stable")]] = m - np.arange(m)
+    return [1 - (1 - level) / (s * (t.bonferroni if t is not None else 1)) for s, t in zip(step, tests)]

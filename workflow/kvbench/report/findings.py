@@ -166,7 +166,10 @@ def ratio_predicts(t: pd.DataFrame) -> str:
         parts.append(f"{protocol}with {r.outcome} ρ {r.rho:+.2f}{span} ({verdict})")
     first = rows.iloc[0]
     level = f"{fmt(100 * first.level)} % bootstrap intervals, " if "level" in rows else ""
+    counted = f"{int(first.samples)} samples"
+    if "documents" in rows and first.documents < first.samples:  # resampled by document (before: no column)
+        counted = f"{int(first.documents)} documents, {counted}"
     return (
         f"Spearman's ρ of the measured ratio across {int(first.methods)} methods, pooled over categories "
-        f"({level}{int(first.samples)} samples): " + "; ".join(parts)
+        f"({level}{counted}): " + "; ".join(parts)
     )

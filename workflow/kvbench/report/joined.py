@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 
 from kvbench.kv.summary import pooled_ratios
-from kvbench.report.bootstrap import Estimate
+from kvbench.report.bootstrap import Estimate, Resample
 from kvbench.report.cells import ALL, quality_panel, system_panel
 from kvbench.report.contracts import CONTRACTS, DEFAULT_PROTOCOL, Tables
 from kvbench.report.samples import CONTROL_CORPUS, paired_quality, system_units
@@ -74,7 +75,19 @@ def _put(out: dict, column: str, value: Estimate | None, rel: Estimate | None, l
             continue
         iv = est.interval(level, null=1.0 if suffix else 0.0)
         out |= {f"{column}{suffix}": est.estimate, f"{column}{suffix}_low": iv.low, f"{column}{suffix}_high": iv.high}
-    out[f"{column}_n"] = (value or rel).n if (value or rel) is not None else 0
+    est = value or rel
+    # samples (prompts): what the recommendation labels n; the interval counts documents where they are resampled
+    out[f"{column}_n"] = 0 if est is None else est.n if est.n_units is None else est.n_units
+
+
+def _relative(r: Resample, score: np.ndarray, base: np.ndarray, is_baseline: bool) -> Estimate:
+    """The ratio of mean scores to the baseline's on the same samples, with the samples where the
+    two differ (`changed`): fewer than MIN_UNITS give no interval (a sparse 0/1 difference), as for
+    a difference of means. The baseline's own ratio is 1 by definition."""
+    rel = r.ratio(score, base)
+    if is_baseline:
+        return rel
+    return replace(rel, changed=int(np.count_nonzero(np.isfinite(score) & np.isfinite(base) & (score != base))))
 
 
 def _log_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -123,7 +136,13 @@ def quality_side(paired: pd.DataFrame, baseline: str, n_boot: int, seed: int, le
                 "quality_errors": int(np.nansum(col["failed"])),
                 "empty_outputs": int(np.nansum(col["empty"])),
             }
-            _put(out, "quality", r.mean(col["score"]), r.ratio(col["score"], base["score"]), level)
+            _put(
+                out,
+                "quality",
+                r.mean(col["score"]),
+                _relative(r, col["score"], base["score"], method == baseline),
+                level,
+            )
             if method == baseline:
                 known = np.isfinite(positions)
                 kl, top1, fd = np.where(known, 0.0, np.nan), np.where(known, 1.0, np.nan), positions

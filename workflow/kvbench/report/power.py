@@ -69,28 +69,39 @@ def n_needed(se: float, n: int, effect: float, level: float, power: float = POWE
     return float(m)
 
 
-def spread(differences: np.ndarray, weights: np.ndarray | None = None) -> tuple[float, float, int]:
+def spread(
+    differences: np.ndarray, weights: np.ndarray | None = None, documents: np.ndarray | None = None
+) -> tuple[float, float, int]:
     """(estimate, standard error, n) of a (weighted) mean of unit differences; a weighted mean is
-    a ratio estimator, its se the delta method's."""
+    a ratio estimator, its se the delta method's. With `documents` (each unit's), units of one
+    document are summed before the spread is taken (a cluster-robust se) and n counts documents,
+    as the report's cluster bootstrap does."""
     d = np.asarray(differences, float)
     w = np.ones_like(d) if weights is None else np.asarray(weights, float)
     ok = np.isfinite(d) & np.isfinite(w) & (w > 0)
     d, w = d[ok], w[ok]
-    n = len(d)
+    groups = np.arange(len(d)) if documents is None else np.unique(np.asarray(documents)[ok], return_inverse=True)[1]
+    n = int(groups.max()) + 1 if len(d) else 0
     if n < 2:
-        return (float(d.mean()) if n else math.nan), math.nan, n
+        return (float(np.sum(w * d) / np.sum(w)) if len(d) else math.nan), math.nan, n
     theta = float(np.sum(w * d) / np.sum(w))
-    resid = w * (d - theta) / w.mean()
-    return theta, float(resid.std(ddof=1) / math.sqrt(n)), n
+    resid = np.bincount(groups.ravel(), weights=w * (d - theta) / w.mean())  # per document
+    return theta, float(math.sqrt(n / (n - 1) * np.sum(resid**2)) / len(d)), n
 
 
 def power_row(
-    differences: np.ndarray, weights: np.ndarray | None, effect: float, level: float, power: float = POWER
+    differences: np.ndarray,
+    weights: np.ndarray | None,
+    effect: float,
+    level: float,
+    power: float = POWER,
+    documents: np.ndarray | None = None,
 ) -> dict[str, float]:
-    estimate, se, n = spread(differences, weights)
+    estimate, se, n = spread(differences, weights, documents)
     return {
         "estimate": estimate,
         "n": n,
+        "n_units": int(np.isfinite(np.asarray(differences, float)).sum()),
         "sd": se * math.sqrt(n) if n >= 2 else math.nan,
         "se": se,
         "mde": mde(se, n, level, power),
@@ -110,7 +121,8 @@ def power_table(
 ) -> pd.DataFrame:
     """Per group of `by` (and `pooled` over categories when `category` is in it) and per compared
     quantity with a stated effect: n, sd, se of the unit differences, the MDE at n, and the n the
-    effect needs.
+    effect needs. Where the frame has a `document` column and a group's units share documents, n
+    counts documents (`n_units` the units) and sd is per document.
 
     `paired` is the per-sample frame of kvbench.report.samples.paired_quality (or any frame with
     the `d_<quantity>` difference columns and `w_<quantity>` weights it holds): call it on a pilot
@@ -126,10 +138,16 @@ def power_table(
         key = key if isinstance(key, tuple) else (key,)
         for quantity in quantities:
             weights = part[f"w_{quantity}"].to_numpy(float) if f"w_{quantity}" in part else None
+            documents = part["document"].to_numpy(str) if "document" in part else None
             row = power_row(
-                part[f"d_{quantity}"].to_numpy(float), weights, effects.get(quantity, math.nan), level, power
+                part[f"d_{quantity}"].to_numpy(float),
+                weights,
+                effects.get(quantity, math.nan),
+                level,
+                power,
+                documents,
             )
             if row["n"]:
                 rows.append({**dict(zip(by, key)), "quantity": quantity, **row})
-    columns = [*by, "quantity", "estimate", "n", "sd", "se", "mde", "effect", "n_needed", "level", "power"]
+    columns = [*by, "quantity", "estimate", "n", "n_units", "sd", "se", "mde", "effect", "n_needed", "level", "power"]
     return pd.DataFrame(rows, columns=columns)

@@ -6,8 +6,9 @@ A scenario (config `report.scenarios`) is a set of limits on measured columns of
 table, absolute or relative to the baseline method, and the column to prefer among the methods
 that meet them. A method meets a limit only if its interval's unfavourable end does (the upper end
 for a maximum, the lower for a minimum: a one-sided bound at (1 + level) / 2); an interval that
-straddles the limit, or a point that meets it without an interval (too few units), is undecided,
-and a cell where no method qualifies but some are undecided says `undecided at n = ...`. A limit on
+straddles the limit, or a point without an interval (too few units, or a ratio to the baseline
+that differs from it on fewer than MIN_UNITS samples: see kvbench.report.bootstrap.Estimate), is
+undecided, and a cell where no method qualifies but some are undecided says `undecided at n = ...`. A limit on
 a column this run did not measure cannot be met, and neither can the preferred column (a method is
 never named best on a number nobody measured): the answer then says "none qualifies" and names
 what was not measured. A method that failed on any sample of the cell does not qualify either (an
@@ -66,16 +67,15 @@ class Limit:
         return _num(row, self.name)
 
     def status(self, row: Mapping[str, Any]) -> str:
-        """met (the unfavourable end meets it), fails (the favourable end does not, or the point
-        without an interval), undecided (the interval straddles it, or the point meets it without
-        one) or not measured."""
+        """met (the unfavourable end meets it), fails (the favourable end does not), undecided (the
+        interval straddles it, or there is none: a point alone decides nothing) or not measured."""
         v, low, high = self.measured(row), _num(row, f"{self.name}_low"), _num(row, f"{self.name}_high")
         if v != v:
             return UNMEASURED
         worst, best = (high, low) if self.bound == "max" else (low, high)
         ok = (lambda x: x <= self.value) if self.bound == "max" else (lambda x: x >= self.value)
         if worst != worst:
-            return OPEN if ok(v) else FAILS
+            return OPEN
         return MET if ok(worst) else OPEN if ok(best) else FAILS
 
     def met(self, row: Mapping[str, Any]) -> bool:

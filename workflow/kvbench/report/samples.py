@@ -10,10 +10,15 @@
   each repeat's log ratio to the baseline's run of the same round averaged over the repeats, or,
   before it existed, from the per-prompt medians of `system` (methods ran as separate jobs).
 
-A column absent from a stage's table (the protocol, before issue 18) is one group: DEFAULT_PROTOCOL.
+Each unit carries its source `document` (quality: the first of the sample's `doc_ids`; system: the
+prompt's `doc_id`), which pooled cells resample (kvbench.report.cells); a unit without one is its
+own document. A column absent from a stage's table (the protocol, before issue 18) is one group:
+DEFAULT_PROTOCOL.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pandas as pd
@@ -48,6 +53,14 @@ def with_protocol(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(protocol=protocol.fillna(DEFAULT_PROTOCOL).astype(str))
 
 
+def first_document(doc_ids: object) -> str | None:
+    """The first entry of a sample's `doc_ids` (a JSON list), or None."""
+    if not isinstance(doc_ids, str):
+        return None
+    found = json.loads(doc_ids)
+    return str(found[0]) if isinstance(found, list) and found else None
+
+
 def _fidelity(fidelity: pd.DataFrame | None) -> tuple[pd.DataFrame | None, list[str]]:
     if fidelity is None or not len(fidelity):
         return None, []
@@ -68,6 +81,10 @@ def paired_quality(tables: Tables, baseline: str) -> pd.DataFrame | None:
         return None
     rows = with_protocol(scores)
     rows = rows.assign(sample=rows["sample"].astype(str), failed=rows.score.isna(), empty=rows.error == "empty output")
+    own = "unit:" + rows.task.astype(str) + "/" + rows["sample"]
+    docs = rows.doc_ids.map(first_document) if "doc_ids" in rows else pd.Series(None, index=rows.index, dtype=object)
+    docs = docs.groupby([rows.model, rows.protocol, rows.task, rows["sample"]]).transform("first")  # any row's
+    rows["document"] = docs.fillna(own).astype(str)
     for col in ("kind", "params", *TIMED):
         if col not in rows:
             rows[col] = np.nan
@@ -142,6 +159,8 @@ def system_units(tables: Tables, baseline: str) -> tuple[pd.DataFrame | None, st
         values = rows[col].to_numpy(float)
         with np.errstate(invalid="ignore", divide="ignore"):
             rows[f"lg_{col}"] = np.where(values > 0, np.log(values), np.nan)
+    docs = rows["doc_id"] if "doc_id" in rows else pd.Series(np.nan, index=rows.index)
+    rows["document"] = docs.fillna("unit:" + rows.prompt_id.astype(str)).astype(str)
     rows["failed"] = (~ok).astype(int)
     rows["paired"] = rows["lr_ttft_s"].notna().astype(int)
     keys = ["model", "method", "bucket", "prompt_id"]
@@ -154,6 +173,7 @@ def system_units(tables: Tables, baseline: str) -> tuple[pd.DataFrame | None, st
         "peak_memory_mb": ("peak_memory_mb", "max"),
         "target_context": ("target_context", "max"),
         "corpus": ("corpus", "first"),
+        "document": ("document", "first"),
     }
     units = rows.groupby(keys, as_index=False, sort=True).agg(**agg)
     return units, source, in_process
