@@ -33,6 +33,8 @@ from kvbench.report.stats import MIN_SAMPLES
 from kvbench.report.tabledocs import undocumented
 from kvbench.serve.backends import SERVER_OF
 from kvbench.serve.backends import servers as serve_servers
+from kvbench.serve.integrity import HEADER_BYTES
+from kvbench.serve.protocol import query_round, repeats_for_hits
 from kvbench.serve.summary import client_vs_server
 from kvbench.tinyrun import REPO, checkout_python, snakemake, tiny_config, write_config
 
@@ -431,14 +433,24 @@ def test_serve_rows_for_every_backend_round_and_request(run):
     # equal token lengths: every hit prompt of both corpora has the same token count
     hits = served[~served.miss.astype(bool)]
     assert hits.prompt_tokens.nunique() == 1 and set(served.corpus) == {"realistic", "synthetic"}
-    rounds = served.groupby(["backend", "codec", "corpus", "round"]).size()
+    serve = config["serve"]
+    rounds = served.groupby(["backend", "codec", "corpus", "round", "concurrency"]).size()
+    # the swept corpus: every backend x codec at each level, enough repeats for hits_per_cell hits
+    swept = max(serve["repeat_count"], repeats_for_hits(1, serve["hit_miss_ratio"], serve["load"]["hits_per_cell"]))
+    for level in serve["load"]["concurrency"]:
+        assert rounds[("recompute", "-", "realistic", "query", level)] == swept
+        for codec in serve["codecs"]:
+            assert rounds[("valkey", codec, "realistic", "query", level)] == swept
+    assert not any(key[:4] == ("recompute", "-", "realistic", "warmup") for key in rounds.index)
+    # the other corpus: one query round at max_inflight, valkey with the first codec only
+    one = (serve["max_inflight"],)
+    assert rounds[("recompute", "-", "synthetic", "query", *one)] == serve["repeat_count"]
+    assert rounds[("valkey", serve["codecs"][0], "synthetic", "query", *one)] == serve["repeat_count"]
+    assert not any(key[1] == serve["codecs"][1] and key[2] == "synthetic" for key in rounds.index)
     assert (
-        rounds[("recompute", "-", "realistic", "query")] == 2
-        and ("recompute", "-", "realistic", "warmup") not in rounds
+        rounds[("prefix", "-", "synthetic", "warmup", 1)] == 1
+        and rounds[("valkey", "all", "synthetic", "warmup", 1)] == 1
     )
-    assert rounds[("prefix", "-", "synthetic", "warmup")] == 1 and rounds[("valkey", "all", "synthetic", "warmup")] == 1
-    for codec in config["serve"]["codecs"]:
-        assert rounds[("valkey", codec, "realistic", "query")] == 2
     lmcache = requests[requests.backend == "lmcache"]
     assert len(lmcache) == 2 and lmcache.error.str.startswith("unsupported: LMCache").all()
 
@@ -470,35 +482,47 @@ def test_hits_load_whole_chunks_and_lossless_codecs_answer_as_recompute(run):
     recompute = query[query.backend == "recompute"]
     assert len(recompute) > 0 and (recompute.cached_tokens == 0).all()
     offload = read(workdir, "results/serve/offload.parquet").set_index(["backend", "codec", "corpus"])
-    for codec in config["serve"]["codecs"]:  # every planned hit loaded: hit figures are over all of them
+    serve = config["serve"]
+    count = max(serve["repeat_count"], repeats_for_hits(1, serve["hit_miss_ratio"], serve["load"]["hits_per_cell"]))
+    planned = sum(not p.miss for p in query_round({"d": "x"}, count, "random", serve["hit_miss_ratio"], 0))
+    for codec in serve["codecs"]:  # every planned hit loaded (lowest level): hit figures are over all of them
         row = offload.loc[("valkey", codec, "realistic")]
-        assert row.query_hits == 1 and row.hits_not_loaded == 0 and row.outputs_compared == 1, codec
+        assert row.query_hits == planned and row.hits_not_loaded == 0 and row.outputs_compared == planned, codec
         assert pd.isna(row.ttft_warmup_mean_s)  # the shared warm-up is not this codec's
     assert offload.loc[("valkey", "all", "realistic"), "ttft_warmup_mean_s"] > 0
-    assert offload.loc[("valkey", "none", "realistic"), "ratio"] == 1.0
-    assert offload.loc[("valkey", "kivi2", "realistic"), "ratio"] > 8  # 2-bit codes of a 32-bit cache
-    assert offload.loc[("valkey", "kivi2", "realistic"), "ratio_vs_16bit"] > 4
-    assert offload.loc[("valkey", "zstd-3+byteplane", "synthetic"), "predicted_ratio"] > 1
+    none = offload.loc[("valkey", "none", "realistic")]  # the cache's bytes and each chunk's integrity header
+    assert none.wire_bytes == none.raw_bytes + HEADER_BYTES * none.stored_chunks and none.ratio < 1
+    kivi2 = offload.loc[("valkey", "kivi2", "realistic")]  # 2-bit codes and their scales
+    assert kivi2.ratio > (8 if kivi2.served_dtype == "float32" else 4) and kivi2.ratio_vs_16bit > 4
+    # the warm-up stored every codec: the engine table has each, with the kv stage's prediction
+    engine = read(workdir, "results/serve/engine.parquet").set_index(["weights", "corpus", "codec"])
+    assert {("real", c, k) for c in config["serve"]["corpora"] for k in config["serve"]["codecs"]} <= set(engine.index)
+    assert engine.loc[("real", "synthetic", "zstd-3+byteplane"), "predicted_ratio"] > 1
     assert offload.loc[("lmcache", "-", "realistic"), "status"].startswith("unsupported")
     for figure in ["ttft_hit_miss", "wire_bytes", "hit_path"]:
         assert (workdir / f"results/serve/{figure}.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_valkey_killed_mid_round_costs_recomputes_not_requests(run):
+def test_valkey_killed_and_restarted_costs_recomputes_not_requests_then_loads_again(run):
+    """The fault round: a document loads (before); Valkey is killed with the run's chunks in it and
+    started again, empty, on its port; the same document is a miss that is answered as recompute
+    answers (after-restart) and stored again; then it loads from the new store (reloaded)."""
     workdir, config = run
     requests = read(workdir, "results/serve/requests.parquet")
-    fault = requests[requests["round"] == "fault"].sort_values("index")
-    assert len(fault) == 2 and fault.error.isna().all() and fault.ttft_s.notna().all()
-    before, after = fault.iloc[0], fault.iloc[1]
-    # both are planned hits of the same stored document: only the kill tells them apart
-    assert not before.miss and not after.miss and before.doc_id == after.doc_id
-    assert before.kv_loaded and before.loaded_chunks > 0 and not before.kv_failed
-    assert after.lookup_failed and "ConnectionError" in after.lookup_error and not after.kv_loaded
-    # recomputed, so answered as recompute answers (NA would mean no reference: a failure too)
-    assert pd.notna(after.output_matches_recompute) and bool(after.output_matches_recompute)
+    fault = requests[requests["round"] == "fault"].set_index("phase")
+    assert list(fault.index) == ["before", "after-restart", "reloaded"]
+    assert fault.error.isna().all() and fault.ttft_s.notna().all() and fault.doc_id.nunique() == 1
+    before, after, again = (fault.loc[p] for p in ("before", "after-restart", "reloaded"))
+    assert before.kv_loaded and before.loaded_chunks > 0 and not after.kv_loaded and after.cached_tokens == 0
+    assert again.kv_loaded and again.loaded_chunks == before.loaded_chunks
+    # answered as recompute answers (NA would mean no reference: a failure too), lossless codec
+    assert fault.output_matches_recompute.notna().all() and fault.output_matches_recompute.astype(bool).all()
+    metrics = read(workdir, "results/serve/server_metrics.parquet")
+    lost = metrics[(metrics["round"] == "fault") & (metrics.phase == "after-restart")].lost_chunks
+    assert len(lost) == 1 and lost.iloc[0] > 0
     offload = read(workdir, "results/serve/offload.parquet").set_index(["backend", "codec", "corpus"])
     row = offload.loc[("valkey", config["serve"]["codecs"][0], config["serve"]["corpora"][0])]
-    assert row.fault_requests == 2 and row.lookup_errors == 1 and row.load_failures == 0
+    assert row.fault_requests == 3 and row.fault_lost_chunks == lost.iloc[0] and row.load_failures == 0
     log = (workdir / "logs/serve/main.log").read_text()
     assert "fault: killing valkey" in log
 
@@ -519,9 +543,9 @@ def process_group(pgid):
 def test_serve_leaves_no_server_behind(run):
     log = (run[0] / "logs/serve/main.log").read_text()
     pids = [int(line.split(" pid ")[1].split()[0]) for line in log.splitlines() if " pid " in line]
-    assert len(pids) == 2  # valkey and vllm, each the leader of its own process group
+    assert len(pids) == 3  # valkey, vllm and valkey restarted by the fault round, each a group leader
     assert wait_gone(pids) == []
-    assert [process_group(pid) for pid in pids] == [[], []]
+    assert [process_group(pid) for pid in pids] == [[], [], []]
 
 
 def test_quality_rows_for_every_method_and_built_sample(run):
