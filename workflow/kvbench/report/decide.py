@@ -15,8 +15,11 @@ X exceeds every rival (each paired difference decided; Bonferroni over X's membe
 when some rival exceeds every member of X (Bonferroni over the rivals). The interval printed is
 the binding pair's: the difference that decides (or fails to).
 
-The MDE and the n a stated effect needs are at the level the verdict is decided at: alpha over
-Holm's multiplier at the test's step and over the test's own Bonferroni factor (`family_levels`).
+The MDE and the n a stated effect needs are at the level every verdict of the family can be
+decided at whatever the others do: alpha over the m tests with a p-value (Holm's first step,
+which step-down Holm's later steps only reach once every smaller p fell) and over the test's own
+Bonferroni factor (`family_levels`). For the claims a run leaves inconclusive, which have the
+largest p-values, Holm's own later steps would understate both.
 """
 
 from __future__ import annotations
@@ -193,12 +196,7 @@ def verdicts(tests: Sequence[Test | None], level: float) -> tuple[list[str | Non
 
 
 def family_levels(tests: Sequence[Test | None], level: float) -> list[float]:
-    """Per test, the level its verdict is decided at: its p-value times Holm's multiplier at its
-    step (m - rank, the rank among the m tests with a p-value by increasing p) and its own
-    Bonferroni factor must fall below 1 - level. A test without a p-value gets Holm's first step."""
-    p = np.array([t.p_value if t is not None else math.nan for t in tests], float)
-    finite = np.flatnonzero(np.isfinite(p))
-    m = len(finite)
-    step = np.full(len(p), float(max(m, 1)))
-    step[finite[np.argsort(p[finite], kind="stable")]] = m - np.arange(m)
-    return [1 - (1 - level) / (s * (t.bonferroni if t is not None else 1)) for s, t in zip(step, tests)]
+    """Per test, the level an MDE or a needed n is stated at: 1 - alpha / (m * its Bonferroni
+    factor), m the tests with a p-value (at least 1), the same for every test of the family."""
+    m = max(1, sum(1 for t in tests if t is not None and math.isfinite(t.p_value)))
+    return [1 - (1 - level) / (m * (t.bonferroni if t is not None else 1)) for t in tests]
