@@ -1,10 +1,9 @@
 """Decode cost of the quantized caches against `full` at a long context, step by step interleaved.
 
-One shared prefill (kvbench.prefill) fills every method's cache (the same `update` a prefill
-makes), then all methods decode the same tokens (full's greedy answer, teacher-forced) through the
-decode loop (kvbench.decode), one row per step, one step each in an order shuffled per step. Each
-step's time over the same step's `full` time is a same-round ratio: drift from other load on the
-machine cancels; the table gives medians.
+One prefill of the prompt captures every layer's K/V; each method's cache is filled from them
+(the same `update` a prefill makes), then all methods decode the same tokens (full's greedy
+answer), one step each in a shuffled order per step. Each step's time over the same step's `full`
+time is a same-round ratio: drift from other load on the machine cancels; the table gives medians.
 
     .venv/bin/python bench/decode_overhead.py [--context 4096] [--steps 32]
 """
@@ -13,18 +12,18 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 import torch
 import yaml
 
-from kvbench.decode import Row, run_rows
-from kvbench.fidelity import Reference
+from kvbench.harness import attached, generate
 from kvbench.kv.study import long_document
+from kvbench.methods.base import ModelShape
+from kvbench.methods.catalog import build_cache
 from kvbench.models import load_model, load_tokenizer
-from kvbench.prefill import fork, shared_prefill
 from kvbench.provenance import provenance, write_table
 from kvbench.report.blocks import Block
 from kvbench.report.render import fmt
@@ -36,11 +35,19 @@ METHODS = {"full-fp32": {"kind": "full"}} | {
 }
 
 
-def interleaved(names: list[str], steps: int, rng: random.Random) -> Callable[[Row], tuple[int, int]]:
-    """Sort key for `run_rows(order=...)`: with one row per step, every method steps once per decode
-    step, in an order shuffled per step, so each step's ratio to `full` is taken within one round."""
-    rank = {(step, name): (step, i) for step in range(steps) for i, name in enumerate(rng.sample(names, len(names)))}
-    return lambda row: rank[(row.position - row.start, row.tag)]
+@torch.inference_mode()
+def prefilled_caches(model, ids: list[int]) -> dict:
+    """Every method's cache after the prompt, from one prefill's K/V."""
+    shape = ModelShape.of(model.config)
+    capture = build_cache({"kind": "full"}, shape)
+    model(input_ids=torch.tensor([ids]), past_key_values=capture, use_cache=True, logits_to_keep=1)
+    caches = {}
+    for name, spec in METHODS.items():
+        cache = build_cache(spec, shape)
+        for layer, source in zip(cache.layers, capture.layers):
+            layer.update(source.keys, source.values)
+        caches[name] = cache
+    return caches
 
 
 @torch.inference_mode()
@@ -56,44 +63,33 @@ def main() -> None:
     docs = pd.read_parquet("results/corpus/realistic/docs.parquet")
     text = long_document(docs, lambda text: tokenizer(text).input_ids, args.context).text.iloc[0]
     ids = tokenizer(text).input_ids[: args.context]
-    # One prefill fills every method's cache (`fork`: the same `update` a prefill makes).
-    prefill = shared_prefill(model, ids)
-
-    def row(spec: dict, name: str, reference: Reference | None = None) -> Row:
-        cache, _ = fork(model, prefill, spec, len(ids))
-        return Row(cache, prefill.logits, len(ids), args.steps + 1, reference=reference, branch_free=False, tag=name)
-
-    (full,) = run_rows(model, [row({"kind": "full"}, "answer")])  # full's greedy answer, no stop at EOS
-    answer = Reference(full.tokens, None, "")
-    rows = []
-
-    def record(batch: list[Row], seconds: float, cpu_seconds: float) -> None:
-        (done,) = batch
-        step = done.position - done.start - 1
-        rows.append(
-            {
-                "step": step,
-                "method": done.tag,
-                "seconds": seconds,
-                "cpu_seconds": cpu_seconds,
-                "kv_bytes": done.cache.nbytes(),
-            }
+    answer = generate(model, {"kind": "full"}, ids, args.steps + 1)["tokens"]
+    caches = prefilled_caches(model, ids)
+    rng, rows = random.Random(args.seed), []
+    for step, token in enumerate(answer[:-1]):
+        for name in rng.sample(list(caches), len(caches)):
+            cache = caches[name]
+            with attached(cache, model):
+                start, cpu = time.perf_counter(), time.process_time()
+                model(
+                    input_ids=torch.tensor([[token]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.tensor([[len(ids) + step]]),
+                )
+                rows.append(
+                    {
+                        "step": step,
+                        "method": name,
+                        "seconds": time.perf_counter() - start,
+                        "cpu_seconds": time.process_time() - cpu,
+                        "kv_bytes": cache.nbytes(),
+                    }
+                )
+        print(
+            f"step {step}: " + ", ".join(f"{r['method']} {r['cpu_seconds']:.3f}" for r in rows[-len(caches) :]),
+            flush=True,
         )
-        if len(rows) % len(METHODS) == 0:
-            print(
-                f"step {step}: " + ", ".join(f"{r['method']} {r['cpu_seconds']:.3f}" for r in rows[-len(METHODS) :]),
-                flush=True,
-            )
-
-    decoded = run_rows(
-        model,
-        [row(spec, name, answer) for name, spec in METHODS.items()],
-        max_batch=1,  # each step times one method alone
-        order=interleaved(list(METHODS), args.steps, random.Random(args.seed)),
-        on_step=record,
-    )
-    if failed := {r.tag: r.error for r in decoded if r.error}:
-        raise SystemExit(f"methods failed: {failed}")
     table = pd.DataFrame(rows)
     columns = {}
     for clock in ("seconds", "cpu_seconds"):

@@ -135,8 +135,7 @@ def main() -> None:
         {
             "prompt_id": p["prompt_id"],
             "input_ids": p["input_ids"],
-            # `steps` steps feed the first `steps` tokens; the last is only predicted
-            "tokens": generate(model, {"kind": "full"}, p["input_ids"], args.steps + 1)["tokens"],
+            "tokens": generate(model, {"kind": "full"}, p["input_ids"], args.steps)["tokens"],
         }
         for p in build_all_prompts(tokenizer, args.contexts)
     ]

