@@ -168,15 +168,11 @@ def budget(table: pd.DataFrame) -> str:
     codecs that transform bytes (their encoding and decoding on the clock, as a request pays)."""
     summary = shares(table)
     met = (summary.store_vs_raw >= BUDGET) & (summary.load_vs_raw >= BUDGET)
-    parts = []
-    for name, rows in (
-        ("codec none", met[met.index == "none"]),
-        ("codecs that transform bytes", met[met.index != "none"]),
-    ):
-        if len(rows):
-            parts.append(
-                f"{name}: met by {', '.join(rows.index[rows]) or 'none'}, missed by {', '.join(rows.index[~rows]) or 'none'}"
-            )
+    none, others = met[met.index == "none"], met[met.index != "none"]
+    parts = [f"codec none (the raw client's bytes): {'met' if bool(v) else 'missed'}" for v in none]
+    if len(others):
+        met_by, missed_by = ", ".join(others.index[others]), ", ".join(others.index[~others])
+        parts.append(f"codecs that transform bytes: met by {met_by or 'no codec'}, missed by {missed_by or 'no codec'}")
     return (
         f"budget (connector >= {BUDGET:.0%} of raw in store and load, {table['round'].nunique()} rounds): "
         + "; ".join(parts)

@@ -76,6 +76,8 @@ def kv_inflation(t: pd.DataFrame) -> str:
 @finding("finding-wire", "serve/offload.parquet")
 def wire(t: pd.DataFrame) -> str:
     valkey = t[(t.backend == "valkey") & (t.codec != "all") & t.ratio.notna()]
+    if "weights" in valkey:  # real weights: the dummy-weights cells are the engine finding's
+        valkey = valkey[valkey.weights == "real"]
     lossless, lossy = valkey[valkey.predicted_ratio.notna()], valkey[valkey.predicted_ratio.isna()]
     if lossless.empty:
         return "not measured in this snapshot (no lossless valkey row in `serve/offload.parquet`)"
