@@ -38,6 +38,15 @@ MODEL = "resources/models/smollm2-135m"
 DOCS = "results/corpus/realistic/docs.parquet"
 BLOCK = 256
 BUDGET = 0.5
+SHOWN = (
+    "ratio",
+    "raw_set_mb_s",
+    "connector_store_mb_s",
+    "store_vs_raw",
+    "raw_get_mb_s",
+    "connector_load_mb_s",
+    "load_vs_raw",
+)
 
 
 def paged_cache(model_dir: str, tokens: int) -> tuple[list[torch.Tensor], ChunkSpec]:
@@ -136,16 +145,7 @@ def main() -> None:
     config = {"seed": 0, "bench": "serve_transfer", "tokens": args.tokens, "rounds": args.rounds, "codecs": args.codecs}
     write_table(table, args.out, provenance(config, model="smollm2-135m"))
     summary = shares(table)
-    cols = [
-        "ratio",
-        "raw_set_mb_s",
-        "connector_store_mb_s",
-        "store_vs_raw",
-        "raw_get_mb_s",
-        "connector_load_mb_s",
-        "load_vs_raw",
-    ]
-    print(summary[cols].round(2).to_string())
+    print(summary[list(SHOWN)].round(2).to_string())
     for codec, row in summary.iterrows():
         ok = row.store_vs_raw >= BUDGET and row.load_vs_raw >= BUDGET
         print(
@@ -180,19 +180,7 @@ def budget(table: pd.DataFrame) -> str:
 
 
 def render(t: pd.DataFrame) -> pd.DataFrame:
-    s = shares(t).reset_index()
-    return s[
-        [
-            "codec",
-            "ratio",
-            "raw_set_mb_s",
-            "connector_store_mb_s",
-            "store_vs_raw",
-            "raw_get_mb_s",
-            "connector_load_mb_s",
-            "load_vs_raw",
-        ]
-    ].round(3)
+    return shares(t).reset_index()[["codec", *SHOWN]].round(3)
 
 
 BLOCKS = {

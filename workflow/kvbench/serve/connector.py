@@ -303,25 +303,18 @@ class ValkeyConnector(KVConnectorBase_V1):
         assert isinstance(meta, ValkeyMetadata) and self._stores is not None
         copies: dict[tuple[int, ...], tuple[Any, float]] = {}
         for store in meta.stores:
-            if store.codec in self._unsupported:
+            # computed while attending to blocks the load never filled, vLLM discards the step
+            # and recomputes: those chunks must not reach the store either
+            skipped = self._unsupported.get(store.codec) or (
+                "skipped: load failed" if store.tag in self._failed_tags else None
+            )
+            if skipped:
                 self.events.write(
                     event="store",
                     tag=store.tag,
                     codec=store.codec,
                     chunks=len(store.keys),
-                    error=self._unsupported[store.codec],
-                    time=time.time(),
-                )
-                continue
-            if store.tag in self._failed_tags:
-                # computed while attending to blocks the load never filled: vLLM discards this
-                # step and recomputes, and these chunks must not reach the store either
-                self.events.write(
-                    event="store",
-                    tag=store.tag,
-                    codec=store.codec,
-                    chunks=len(store.keys),
-                    error="skipped: load failed",
+                    error=skipped,
                     time=time.time(),
                 )
                 continue
