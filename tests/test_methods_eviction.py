@@ -8,7 +8,7 @@ import torch
 
 from kvbench.methods.base import ModelShape
 from kvbench.methods.catalog import build_cache
-from kvbench.methods.eviction import attention_probs, snapkv_scores
+from kvbench.methods.eviction import attention_probs, attention_received, snapkv_scores
 
 SHAPE = ModelShape(layers=1, kv_heads=3, q_heads=9, head_dim=16)
 GROUP = SHAPE.q_heads // SHAPE.kv_heads
@@ -95,6 +95,15 @@ def test_gqa_scores_average_the_group():
                 )
             ]
             assert torch.allclose(probs[kv_head, i], torch.tensor(expected), atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens, window, chunk", [(40, 40, 7), (40, 13, 5), (9, 1, 256), (33, 32, 32)])
+def test_attention_received_is_the_summed_group_attention(tokens, window, chunk):
+    """H2O's chunked sum equals the per-query probabilities summed, across chunk boundaries that cut
+    the causal diagonal (chunk 7 of 40 queries), a window shorter than the keys, and one decode query."""
+    keys, _, queries = tensors(tokens, seed=3, queries=window)
+    expected = attention_probs(queries, keys).sum(dim=1)
+    assert torch.allclose(attention_received(queries, keys, chunk), expected, atol=1e-5)
 
 
 def test_h2o_scores_and_kept_tokens_equal_brute_force():

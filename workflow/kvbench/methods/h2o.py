@@ -13,10 +13,8 @@ from typing import Any
 import torch
 
 from kvbench.methods.base import STORAGE, ModelShape, register, tensor_bytes
-from kvbench.methods.eviction import EvictionCache, ScoredLayer, attention_probs, gather, keep_top, protect_recent
+from kvbench.methods.eviction import EvictionCache, ScoredLayer, attention_received, gather, keep_top, protect_recent
 from kvbench.methods.kinds import H2OSettings
-
-QUERY_CHUNK = 256  # prefill attention is accumulated in chunks of queries to bound memory
 
 
 class H2OLayer(ScoredLayer):
@@ -49,10 +47,7 @@ class H2OLayer(ScoredLayer):
             raise RuntimeError("h2o: no queries reached the layer; run the model with the cache attached")
         new = torch.zeros(keys.shape[1], key_states.shape[-2], device=keys.device)  # fp32 scores
         scores = new if self.scores is None else torch.cat([self.scores, new], dim=-1)
-        for start in range(0, queries.shape[-2], QUERY_CHUNK):  # each query's attention, causal
-            chunk = queries[..., start : start + QUERY_CHUNK, :]
-            visible = keys.shape[-2] - queries.shape[-2] + start + chunk.shape[-2]
-            scores[:, :visible] += attention_probs(chunk, keys[..., :visible, :]).sum(dim=1)
+        scores += attention_received(queries, keys)  # each query's attention, causal
         heavy, recent = self.budget
         if keys.shape[-2] > heavy + recent:
             index = keep_top(protect_recent(scores, recent), heavy + recent)
