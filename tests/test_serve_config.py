@@ -29,6 +29,10 @@ SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
         ),
         (lambda c: c["serve"]["load"].update(corpora=["imported"]), "serve.load.corpora: 'imported' is not one of"),
         (
+            lambda c: c["serve"]["load"].update(codecs=["zstd-9"]),
+            "serve.load.codecs: 'zstd-9' is not one of serve.codecs",
+        ),
+        (
             lambda c: c["report"]["scenarios"]["memory-bound"]["serve"]["limits"].update(ttft_s={"max": 1}),
             "report.scenarios.memory-bound.serve.limits",
         ),
@@ -87,3 +91,17 @@ def test_the_serve_only_mode_refuses_dummy_weights_for_a_backend_without_a_dummy
     with pytest.raises(SystemExit):
         parse(["--backend", "vllm-fp8", "--weights", "dummy"])
     assert "--weights dummy serves the valkey backend only" in capsys.readouterr().err
+
+
+def test_the_sweep_runs_every_codec_at_its_lowest_level_and_load_codecs_above():
+    from kvbench.serve.stage import ServeSettings, _query_cells
+
+    config = default_config()
+    check_config(config, SCHEMA)  # fills the schema's defaults
+    s = ServeSettings.of(config["serve"])
+    backends = ["recompute", "prefix", "valkey"]
+    lowest, higher = (_query_cells(backends, s, True, i) for i in (0, 1))
+    assert [c for b, c in lowest if b == "valkey"] == list(s.codecs)
+    assert [c for b, c in higher if b == "valkey"] == [c for c in s.codecs if c in s.load["codecs"]]
+    assert [b for b, _ in higher[:2]] == ["recompute", "prefix"]
+    assert _query_cells(backends, s, False, 0)[2:] == [("valkey", s.codecs[0])]  # off the sweep: the headline

@@ -317,3 +317,26 @@ def test_rank_agreement_counts_only_codecs_sized_by_the_data_and_reads_every_cel
     tau, n = wire_rank_agreement(engine)
     assert n == 3 and tau == pytest.approx(1 / 3)  # (zstd, lz4) discordant, the other two pairs concordant
     assert wire_rank_agreement(engine[engine.corpus == "realistic"]) == (pytest.approx(float("nan"), nan_ok=True), 0)
+
+
+def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
+    """Misses paired with recompute's request at the same index: every miss takes 1.5x its pair
+    while requests differ 10x among themselves, so the paired interval is 1.5 exactly (an
+    unpaired one would span most of that spread); a warm-up pairs by document."""
+    ttfts = [0.2, 2.0, 0.5, 1.0, 0.3, 1.8, 0.9, 1.2]
+    rows = []
+    for i, t in enumerate(ttfts):
+        rows.append(request("recompute", "-", "query", i, True, "x", f"r{i}", ttft=t) | {"doc_id": f"d{i % 4}"})
+        rows.append(request("valkey", "zstd-3", "query", i, True, "x", f"z{i}", ttft=1.5 * t) | {"doc_id": f"d{i % 4}"})
+    for d in range(4):  # one warm-up request per document, 2x recompute's median on it
+        median = sorted(ttfts[d::4])[0] / 2 + sorted(ttfts[d::4])[1] / 2
+        rows.append(request("valkey", "all", "warmup", d, False, "x", f"w{d}", ttft=2 * median) | {"doc_id": f"d{d}"})
+    table = offload_table(pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame(), pd.DataFrame()).set_index("codec")
+    miss = table.loc["zstd-3"]
+    assert miss.miss_vs_recompute == pytest.approx(1.5)
+    assert (miss.miss_vs_recompute_ci_low, miss.miss_vs_recompute_ci_high) == pytest.approx((1.5, 1.5))
+    assert (miss.miss_vs_recompute_n, miss.miss_vs_recompute_paired_by, miss.miss_recompute_n) == (8, "request", 8)
+    warm = table.loc["all"]
+    assert warm.warmup_vs_recompute == pytest.approx(2.0)
+    assert (warm.warmup_vs_recompute_ci_low, warm.warmup_vs_recompute_ci_high) == pytest.approx((2.0, 2.0))
+    assert (warm.warmup_vs_recompute_n, warm.warmup_vs_recompute_paired_by) == (4, "document")

@@ -59,6 +59,9 @@ def _serve_problems(config: Mapping[str, Any]) -> list[str]:
     for corpus in serve["load"]["corpora"]:
         if corpus not in serve["corpora"]:
             found.append(f"serve.load.corpora: {corpus!r} is not one of serve.corpora {serve['corpora']}")
+    for name in serve["load"].get("codecs") or []:
+        if name not in serve["codecs"]:
+            found.append(f"serve.load.codecs: {name!r} is not one of serve.codecs {serve['codecs']}")
     for name in serve["codecs"]:
         try:
             check_codec(name, config["methods"])

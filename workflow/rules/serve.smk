@@ -8,7 +8,7 @@ rule serve_server:
         transfers="results/serve/servers/{server}/transfers.parquet",
     params:
         cfg=lambda wc: serve_run(wc.server),
-        vllm=VLLM_RUN,  # a rerun trigger: the script starts vLLM from config["vllm"] (port, timeouts)
+        vllm=VLLM_RUN,  # with the runtime settings (port, timeouts) the script reads from the config
         methods=lambda wc: serve_methods(wc.server),
         seed=config["seed"],
         # vLLM imports our connector by its module path (kvbench.vllm_server.CONNECTOR_MODULE).

@@ -6,6 +6,7 @@ import pandas as pd
 from kvbench.jobs import job_log
 from kvbench.provenance import provenance, write_table
 from kvbench.serve.stage import ServeSettings, serve_job
+from kvbench.vllm_server import runtime_settings
 
 with job_log(snakemake.log.main, snakemake.config):
     config, cfg = snakemake.config, snakemake.params.cfg
@@ -16,7 +17,7 @@ with job_log(snakemake.log.main, snakemake.config):
         settings,
         docs,
         snakemake.params.methods,
-        config["vllm"],
+        {**snakemake.params.vllm, **runtime_settings(config)},
         snakemake.input.model,
         snakemake.params.seed,
         {"vllm": snakemake.log.vllm, "valkey": snakemake.log.valkey},

@@ -274,7 +274,8 @@ def _serve_vs_recompute(t: pd.DataFrame) -> pd.DataFrame:
                 "TTFT / recompute [95 %]": _interval(
                     [get("vs_recompute")], [get("vs_recompute_ci_low")], [get("vs_recompute_ci_high")]
                 )[0],
-                "n vs recompute's": f"{get('vs_recompute_n'):.0f} vs {get('recompute_n'):.0f}",
+                "pairs (recompute's requests)": f"{get('vs_recompute_n'):.0f} ({get('recompute_n'):.0f})",
+                "paired by": get("vs_recompute_paired_by"),
                 "hit TTFT median s [95 %]": "" if what == "warmup" else _interval(*hit)[0],
                 "hits": "" if what == "warmup" else r["query_hits"],
             }

@@ -10,7 +10,7 @@
   each repeat's log ratio to the baseline's run of the same round averaged over the repeats, or,
   before it existed, from the per-prompt medians of `system` (methods ran as separate jobs).
 
-Each unit carries its source `document` (quality: the first of the sample's `doc_ids`; system: the
+Each unit carries its source `document` (quality: the first of the sample's `doc_ids`, the answer's source; system: the
 prompt's `doc_id`), which pooled cells resample (kvbench.report.cells); a unit without one is its
 own document. A column absent from a stage's table (the protocol, before issue 18) is one group:
 DEFAULT_PROTOCOL.

@@ -30,17 +30,18 @@ def bootstrap(
     return float(low), float(high)
 
 
-def ratio_of_medians(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
-    """median(a) / median(b) and its interval, each group resampled on its own."""
+def paired_ratio_of_medians(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
+    """median(a) / median(b) over pairs (a[i], b[i]) and its interval, the pairs resampled together
+    (a pair with a NaN is left out): what both sides share (the request's document, its place in the
+    round) stays matched in every resample."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
-    if len(a) < 2 or len(b) < 2:
+    keep = ~(np.isnan(a) | np.isnan(b))
+    a, b = a[keep], b[keep]
+    if len(a) < 2:
         return math.nan, math.nan, math.nan
     rng = np.random.default_rng(seed)
-    draws = [
-        np.median(a[rng.integers(0, len(a), len(a))]) / np.median(b[rng.integers(0, len(b), len(b))])
-        for _ in range(RESAMPLES)
-    ]
+    picks = (rng.integers(0, len(a), len(a)) for _ in range(RESAMPLES))
+    draws = [np.median(a[i]) / np.median(b[i]) for i in picks]
     tail = 100 * (1 - LEVEL) / 2
     low, high = np.percentile(draws, [tail, 100 - tail])
     return float(np.median(a) / np.median(b)), float(low), float(high)

@@ -395,10 +395,16 @@ def _servers(
         yield client, store
 
 
-def _query_cells(backends: list[str], s: ServeSettings, swept: bool) -> list[tuple[str, str]]:
+def _query_cells(backends: list[str], s: ServeSettings, swept: bool, level_index: int) -> list[tuple[str, str]]:
+    """recompute, prefix and the valkey codecs of a query round: the headline codec off the sweep,
+    every codec at its lowest level, `load.codecs` above it."""
     cells = [(b, NO_CODEC) for b in ("recompute", "prefix") if b in backends]
     if "valkey" in backends:
-        cells += [("valkey", c) for c in (s.codecs if swept else s.codecs[:1])]
+        codecs = s.codecs[:1]
+        if swept:
+            chosen = s.load.get("codecs") if level_index else None
+            codecs = [c for c in s.codecs if c in chosen] if chosen else s.codecs
+        cells += [("valkey", c) for c in codecs]
     return cells
 
 
@@ -431,7 +437,7 @@ def _main_rounds(
         for level_index, level in enumerate(levels):
             # one plan per level, the same for every cell (paired), other miss prefixes per level
             planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c + level_index)
-            for backend, codec in _query_cells(backends, s, swept):
+            for backend, codec in _query_cells(backends, s, swept, level_index):
                 load = codec if backend == "valkey" else None
                 r.run(backend, codec, corpus, planned, r.params(backend, load, [load] if load else []), level)
     if s.fault_round and "valkey" in backends and r.server == "main":

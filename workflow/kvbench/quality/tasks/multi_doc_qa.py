@@ -44,7 +44,6 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
         anchor = min(anchors, key=lambda f: ANCHORS.index(f.fact))
         distractors = rng.sample(others, k - 1)
         slot = rng.randrange(k)
-        order = distractors[:slot] + [doc] + distractors[slot:]
         for fact in answers:
             question = question_about(anchor.value, fact.question)
             share = (target - prompt_overhead(sources, SPEC, question=question)) // k - 4  # "Passage i:\n"
@@ -68,7 +67,7 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
                         "context": context,
                         "question": question,
                         "answers": [fact.value],
-                        "doc_ids": [d.doc_id for d in order],
+                        "doc_ids": [doc.doc_id] + [d.doc_id for d in distractors],  # the answer's first
                         "fact": fact.fact,
                     }
                 )

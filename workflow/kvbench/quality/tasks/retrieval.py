@@ -67,7 +67,7 @@ def make(sources: Sources, target: int, n: int, rng: random.Random, settings: di
                 "question": rng.choice(unique),
                 "answers": [f"Paragraph {k + 1}"],
                 "paragraphs": len(paragraphs),
-                "doc_ids": [d.doc_id for d in docs[: len(paragraphs)]],
+                "doc_ids": [docs[k].doc_id] + [d.doc_id for j, d in enumerate(docs[: len(paragraphs)]) if j != k],
                 "fact": None,
             }
         )
