@@ -98,7 +98,7 @@ CASES = [
         "kv.context_tokens: 2000 tokens exceed the realistic documents (corpus.realistic.target_tokens: 1024)",
     ),
     (
-        lambda c: c["corpus"]["synthetic"].update(words=512),
+        lambda c: (c["corpus"]["synthetic"].update(words=512), c["system"]["prompts_per_corpus"].update(synthetic=1)),
         "system.context_tokens: 1024 tokens exceed the synthetic documents (corpus.synthetic.words: 512)",
     ),
     # subsets, counts, cross-references

@@ -321,21 +321,29 @@ def test_rank_agreement_counts_only_codecs_sized_by_the_data_and_reads_every_cel
 
 def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
     """Misses paired with recompute's request at the same index: every miss takes 1.5x its pair
-    while requests differ 10x among themselves, so the paired interval is 1.5 exactly (an
-    unpaired one would span most of that spread); a warm-up pairs by document."""
+    while requests differ 10x among themselves, so the paired interval is 1.5 exactly (resampling
+    each side on its own would span most of that spread); a warm-up pairs by document. Recompute's
+    request at index 8 has no counterpart and pairs with nothing."""
     ttfts = [0.2, 2.0, 0.5, 1.0, 0.3, 1.8, 0.9, 1.2]
-    rows = []
+    rows = [request("recompute", "-", "query", 8, True, "r8", "r8", ttft=50.0) | {"doc_id": "d9"}]
     for i, t in enumerate(ttfts):
-        rows.append(request("recompute", "-", "query", i, True, "x", f"r{i}", ttft=t) | {"doc_id": f"d{i % 4}"})
-        rows.append(request("valkey", "zstd-3", "query", i, True, "x", f"z{i}", ttft=1.5 * t) | {"doc_id": f"d{i % 4}"})
+        doc = {"doc_id": f"d{i % 4}"}
+        rows.append(request("recompute", "-", "query", i, True, f"r{i}", f"r{i}", ttft=t) | doc)
+        rows.append(request("valkey", "zstd-3", "query", i, True, f"z{i}", f"z{i}", ttft=1.5 * t) | doc)
     for d in range(4):  # one warm-up request per document, 2x recompute's median on it
-        median = sorted(ttfts[d::4])[0] / 2 + sorted(ttfts[d::4])[1] / 2
-        rows.append(request("valkey", "all", "warmup", d, False, "x", f"w{d}", ttft=2 * median) | {"doc_id": f"d{d}"})
-    table = offload_table(pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame(), pd.DataFrame()).set_index("codec")
+        median = (ttfts[d] + ttfts[d + 4]) / 2
+        rows.append(request("valkey", "all", "warmup", d, False, "w", f"w{d}", ttft=2 * median) | {"doc_id": f"d{d}"})
+    stores = [
+        {**TRANSFERS.iloc[2].to_dict(), "tag": tag}  # a zstd-3 store event per stored request
+        for tag in ["w0", "z0"]
+    ]
+    transfers = pd.DataFrame(stores)
+    requests = compare_outputs(join_transfers(pd.DataFrame(rows), transfers))
+    table = offload_table(requests, transfers, pd.DataFrame(), KV).set_index("codec")
     miss = table.loc["zstd-3"]
     assert miss.miss_vs_recompute == pytest.approx(1.5)
     assert (miss.miss_vs_recompute_ci_low, miss.miss_vs_recompute_ci_high) == pytest.approx((1.5, 1.5))
-    assert (miss.miss_vs_recompute_n, miss.miss_vs_recompute_paired_by, miss.miss_recompute_n) == (8, "request", 8)
+    assert (miss.miss_vs_recompute_n, miss.miss_vs_recompute_paired_by, miss.miss_recompute_n) == (8, "request", 9)
     warm = table.loc["all"]
     assert warm.warmup_vs_recompute == pytest.approx(2.0)
     assert (warm.warmup_vs_recompute_ci_low, warm.warmup_vs_recompute_ci_high) == pytest.approx((2.0, 2.0))

@@ -170,7 +170,9 @@ def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, 
     """median TTFT of `rows` / median TTFT of recompute's query requests at the same concurrency
     (same weights and corpus), paired: a query-round request with recompute's request of the same
     place in the round (every cell of a level runs the same plan), a warm-up request with recompute's
-    median on the same document; the interval resamples the pairs. Both n: pairs, recompute's requests."""
+    median on the same document (taken as exact); the interval resamples the pairs. The pairs share
+    their prompts, not their time: the rounds ran one after another, so drift between them is in the
+    ratio and not in its interval. Both n: pairs, recompute's requests."""
     level = rows.concurrency.min() if len(rows) else None
     ref = requests[
         (requests.backend == "recompute")
@@ -179,7 +181,7 @@ def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, 
         & (requests["round"] == "query")
         & (requests.concurrency == level)
     ]
-    by = "index" if len(rows) and (rows["round"] == "query").all() else "doc_id"
+    by = "doc_id" if (rows["round"] == "warmup").any() else "index"
     # one request per index in a round (the median of one); several per document
     mine, theirs = rows.groupby(by).ttft_s.median(), ref.groupby(by).ttft_s.median()
     pairs = pd.concat([mine.rename("a"), theirs.rename("b")], axis=1, join="inner")
