@@ -330,7 +330,7 @@ def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
         doc = {"doc_id": f"d{i % 4}"}
         rows.append(request("recompute", "-", "query", i, True, f"r{i}", f"r{i}", ttft=t) | doc)
         rows.append(request("valkey", "zstd-3", "query", i, True, f"z{i}", f"z{i}", ttft=1.5 * t) | doc)
-    for d in range(4):  # one warm-up request per document, 2x recompute's median on it
+    for d in range(4):  # one warm-up request per document, 2x recompute's median on it: 4 pairs
         median = (ttfts[d] + ttfts[d + 4]) / 2
         rows.append(request("valkey", "all", "warmup", d, False, "w", f"w{d}", ttft=2 * median) | {"doc_id": f"d{d}"})
     stores = [
@@ -346,5 +346,27 @@ def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
     assert (miss.miss_vs_recompute_n, miss.miss_vs_recompute_paired_by, miss.miss_recompute_n) == (8, "request", 9)
     warm = table.loc["all"]
     assert warm.warmup_vs_recompute == pytest.approx(2.0)
-    assert (warm.warmup_vs_recompute_ci_low, warm.warmup_vs_recompute_ci_high) == pytest.approx((2.0, 2.0))
+    assert pd.isna(warm.warmup_vs_recompute_ci_low) and pd.isna(warm.warmup_vs_recompute_ci_high)  # < 5 pairs
     assert (warm.warmup_vs_recompute_n, warm.warmup_vs_recompute_paired_by) == (4, "document")
+
+
+def test_a_level_that_ran_fewer_codecs_says_its_pick_is_among_those(monkeypatch):
+    """serve.load.codecs: above the lowest level fewer configurations ran; that level's pick names
+    how many of the lowest level's competed (the lowest's pick does not)."""
+    from kvbench.serve import recommend as rec
+
+    rows = [("recompute", "-", 1), ("valkey", "zstd-3", 1), ("valkey", "fp8", 1), ("recompute", "-", 2)]
+    rows += [("valkey", "zstd-3", 2)]
+    table = pd.DataFrame(
+        [
+            {"backend": b, "codec": c, "concurrency": n, "requests": 28, "wire_bytes_per_token": 10.0 + i}
+            for i, (b, c, n) in enumerate(rows)
+        ]
+    )
+    table.loc[table.codec != "zstd-3", "wire_bytes_per_token"] = float("nan")  # one qualifies per level
+    monkeypatch.setattr(rec, "candidates", lambda *args: (table, {}))
+    scenario = {"memory": {"serve": {"limits": {}, "prefer": {"min": "wire_bytes_per_token"}}}}
+    picks, _ = rec.recommend(pd.DataFrame(), pd.DataFrame(), scenario, ["realistic"], 256, 0, pd.DataFrame())
+    why = picks.set_index("concurrency").why
+    assert "configurations run at this level" not in why[1]
+    assert why[2].endswith("; among the 2 of 3 configurations run at this level")

@@ -7,6 +7,8 @@ from typing import Callable
 
 import numpy as np
 
+from kvbench.report.bootstrap import MIN_UNITS
+
 LEVEL = 0.95
 RESAMPLES = 1000
 
@@ -33,12 +35,13 @@ def bootstrap(
 def paired_ratio_of_medians(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
     """median(a) / median(b) over pairs (a[i], b[i]) and its interval, the pairs resampled together
     (a pair with a NaN is left out): what both sides share (the request's document, its place in the
-    round) stays matched in every resample."""
+    round) stays matched in every resample. Below MIN_UNITS pairs, the point alone (a resample of
+    a few pairs has a handful of distinct values)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     keep = ~(np.isnan(a) | np.isnan(b))
     a, b = a[keep], b[keep]
-    if len(a) < 2:
-        return math.nan, math.nan, math.nan
+    if len(a) < MIN_UNITS:
+        return (float(np.median(a) / np.median(b)) if len(a) else math.nan), math.nan, math.nan
     rng = np.random.default_rng(seed)
     picks = (rng.integers(0, len(a), len(a)) for _ in range(RESAMPLES))
     draws = [np.median(a[i]) / np.median(b[i]) for i in picks]

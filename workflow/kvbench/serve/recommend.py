@@ -216,6 +216,12 @@ def recommend(
         "wire_rank_tau",
         "wire_rank_n",
     ]
+    most = {}  # per scenario: configurations at its fullest level (the lowest runs every codec)
+    for row in out:
+        most[row["scenario"]] = max(most.get(row["scenario"], 0), row["candidates"])
+    for row in out:  # a level that ran fewer (serve.load.codecs) picks among those only: say so
+        if row["candidates"] < most[row["scenario"]]:
+            row["why"] += f"; among the {row['candidates']} of {most[row['scenario']]} configurations run at this level"
     return (
         pd.DataFrame(out).reindex(columns=columns),
         pd.concat(behind, ignore_index=True) if behind else pd.DataFrame(),

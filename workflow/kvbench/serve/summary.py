@@ -166,7 +166,9 @@ def _first_level(group: pd.DataFrame) -> pd.DataFrame:
     return query[query.concurrency == query.concurrency.min()] if len(query) else query
 
 
-def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, corpus: str, seed: int) -> dict:
+def _versus_recompute(
+    requests: pd.DataFrame, rows: pd.DataFrame, weights: str, corpus: str, seed: int, warmup: bool
+) -> dict:
     """median TTFT of `rows` / median TTFT of recompute's query requests at the same concurrency
     (same weights and corpus), paired: a query-round request with recompute's request of the same
     place in the round (every cell of a level runs the same plan), a warm-up request with recompute's
@@ -181,7 +183,7 @@ def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, 
         & (requests["round"] == "query")
         & (requests.concurrency == level)
     ]
-    by = "doc_id" if (rows["round"] == "warmup").any() else "index"
+    by = "doc_id" if warmup else "index"
     # one request per index in a round (the median of one); several per document
     mine, theirs = rows.groupby(by).ttft_s.median(), ref.groupby(by).ttft_s.median()
     pairs = pd.concat([mine.rename("a"), theirs.rename("b")], axis=1, join="inner")
@@ -257,7 +259,8 @@ def offload_table(
         }
         if backend == "valkey":
             measured, name = (warm, "warmup") if codec == "all" else (misses, "miss")
-            row |= {f"{name}_{k}": v for k, v in _versus_recompute(requests, measured, weights, corpus, seed).items()}
+            versus = _versus_recompute(requests, measured, weights, corpus, seed, warmup=name == "warmup")
+            row |= {f"{name}_{k}": v for k, v in versus.items()}
             mine = events[
                 (events.backend == "valkey")
                 & (events.weights == weights)
