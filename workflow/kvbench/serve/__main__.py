@@ -75,13 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif args.backend == "example":
             transfer = bk.example_transfer(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-example-")))
-        extra = bk.server_args(server, args.block_size, transfer)
+        run = bk.server_settings(settings, server, args.block_size, transfer)
         if args.backend in ("recompute", "valkey"):  # a valkey hit is then Valkey's, never vLLM's own cache
+            extra = run["extra_args"]
             extra[extra.index("--enable-prefix-caching")] = "--no-enable-prefix-caching"
         client = stack.enter_context(
             vllm_server(
                 args.model,
-                {**settings, "extra_args": extra},
+                run,
                 0,
                 f"{logs}/vllm.log",
                 env=env,

@@ -102,6 +102,17 @@ def server_args(server: str, block_size: int, transfer: dict[str, Any] | None = 
     return args
 
 
+def server_settings(
+    vllm: Mapping[str, Any], server: str, block_size: int, transfer: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The `vllm` settings of one serve server: the config's extra args plus this server's, and
+    whole prefills where our connector runs (it stores a prompt's chunks in the step that computes
+    them, so it refuses chunked prefill on any device)."""
+    ours = transfer is not None and transfer.get("kv_connector_module_path") == CONNECTOR_MODULE
+    args = list(vllm.get("extra_args", [])) + server_args(server, block_size, transfer)
+    return {**vllm, "extra_args": args, "whole_prefill": ours}
+
+
 def valkey_transfer(
     url: str,
     run: str,

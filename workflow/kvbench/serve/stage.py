@@ -388,9 +388,9 @@ def _servers(
             storage.mkdir(parents=True, exist_ok=True)
             stack.callback(shutil.rmtree, storage, True)
             transfer = bk.example_transfer(str(storage))
-        args = list(vllm.get("extra_args", [])) + bk.server_args(server, settings.block_size, transfer)
-        note(f"starting vLLM for {server} ({vllm['dtype']}): {' '.join(args)}")
-        client = stack.enter_context(vllm_server(model_dir, {**vllm, "extra_args": args}, seed, logs["vllm"], env=env))
+        run = bk.server_settings(vllm, server, settings.block_size, transfer)
+        note(f"starting vLLM for {server} ({vllm['dtype']}): {' '.join(run['extra_args'])}")
+        client = stack.enter_context(vllm_server(model_dir, run, seed, logs["vllm"], env=env))
         note(f"vllm pid {client.pid} at {client.base_url}")
         yield client, store
 
