@@ -198,6 +198,15 @@ def _versus_recompute(
     }
 
 
+def tagged_events(transfers: pd.DataFrame, requests: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """Each connector event with `columns` of the request it served (joined by tag; an event of no
+    request is left out), or an empty frame with those columns."""
+    keep = ["tag", *[c for c in columns if c in requests]]
+    if transfers.empty or "event" not in transfers:
+        return pd.DataFrame(columns=["event", "codec", "error", *keep])
+    return transfers.merge(requests[keep], on="tag", how="inner")
+
+
 def offload_table(
     requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.DataFrame, kv: pd.DataFrame, seed: int = 0
 ) -> pd.DataFrame:
@@ -206,9 +215,7 @@ def offload_table(
     codec's; each codec's row carries its share of that warm-up's store cost, and the warm-up's
     stores count towards each codec's bytes. TTFTs are the protocol's query rounds (the lowest
     concurrency); hit TTFT with its median and interval."""
-    events = pd.DataFrame(columns=["tag", "event", "codec", "weights", "backend", "corpus", "round"])
-    if not transfers.empty and "event" in transfers:
-        events = transfers.merge(requests[["tag", "weights", "backend", "corpus", "round"]], on="tag", how="inner")
+    events = tagged_events(transfers, requests, ["weights", "backend", "corpus", "round"])
     rows = []
     for (weights, backend, codec, corpus), group in requests.groupby(KEY, sort=False):
         row: dict = {
@@ -376,13 +383,10 @@ def engine_table(
     TTFTs where it had query rounds; on the benchmark cell (dummy weights, synthetic documents) its
     inflation over the realistic cell (real weights, realistic documents) with a bootstrap
     interval over both cells' documents (and its draws, for the report's test)."""
-    columns = ["tag", "weights", "corpus", "backend", "doc_id", "served_dtype", "dtype_note"]
-    if transfers.empty or "event" not in transfers:
-        return pd.DataFrame(columns=["weights", "corpus", "codec", "ratio", "inflation"])
-    stores = transfers[(transfers.event == "store") & transfers.error.isna()].merge(
-        requests[[c for c in columns if c in requests]], on="tag"
+    events = tagged_events(
+        transfers, requests, ["weights", "corpus", "backend", "doc_id", "served_dtype", "dtype_note"]
     )
-    stores = stores[stores.backend == "valkey"]
+    stores = events[(events.event == "store") & events.error.isna() & (events.backend == "valkey")]
     if stores.empty:
         return pd.DataFrame(columns=["weights", "corpus", "codec", "ratio", "inflation"])
     table = (
