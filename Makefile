@@ -43,9 +43,9 @@ readme-check: setup
 	$(BIN)/python -m kvbench.report.readme --check
 
 # Unbuffered, with the fault handler on for the whole interpreter (exit included): a crash shows
-# how far the run got and where.
+# how far the run got and where; the slowest tests listed at the end (the CI budget is 20 min).
 test: setup readme-check ruff
-	PYTHONUNBUFFERED=1 $(BIN)/python -X faulthandler -m pytest
+	PYTHONUNBUFFERED=1 $(BIN)/python -X faulthandler -m pytest --durations=25
 
 # Fast: no workflow runs, no servers (the real model still loads in some unit tests).
 test-unit: setup
