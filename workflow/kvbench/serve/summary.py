@@ -201,9 +201,9 @@ def _versus_recompute(
 def tagged_events(transfers: pd.DataFrame, requests: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
     """Each connector event with `columns` of the request it served (joined by tag; an event of no
     request is left out), or an empty frame with those columns."""
-    keep = ["tag", *[c for c in columns if c in requests]]
     if transfers.empty or "event" not in transfers:
-        return pd.DataFrame(columns=["event", "codec", "error", *keep])
+        return pd.DataFrame(columns=["event", "codec", "error", "tag", *columns])
+    keep = ["tag", *[c for c in columns if c in requests]]
     return transfers.merge(requests[keep], on="tag", how="inner")
 
 
