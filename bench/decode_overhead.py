@@ -2,8 +2,9 @@
 
 One prefill of the prompt captures every layer's K/V; each method's cache is filled from them
 (the same `update` a prefill makes), then all methods decode the same tokens (full's greedy
-answer), one step each in a shuffled order per step. Each step's time over the same step's `full`
-time is a same-round ratio: drift from other load on the machine cancels; the table gives medians.
+answer), one step each in a shuffled order per step: kvbench.decode's `step`, the one timed step of
+every stage. Each step's time over the same step's `full` time is a same-round ratio: drift from
+other load on the machine cancels; the table gives medians.
 
     .venv/bin/python bench/decode_overhead.py [--context 4096] [--steps 32]
 """
@@ -19,7 +20,8 @@ import pandas as pd
 import torch
 import yaml
 
-from kvbench.harness import attached, generate
+from kvbench.decode import step
+from kvbench.harness import generate, prefill
 from kvbench.kv.study import long_document
 from kvbench.methods.base import ModelShape
 from kvbench.methods.catalog import build_cache
@@ -40,7 +42,7 @@ def prefilled_caches(model, ids: list[int]) -> dict:
     """Every method's cache after the prompt, from one prefill's K/V."""
     shape = ModelShape.of(model.config)
     capture = build_cache({"kind": "full"}, shape)
-    model(input_ids=torch.tensor([ids]), past_key_values=capture, use_cache=True, logits_to_keep=1)
+    prefill(model, capture, ids)
     caches = {}
     for name, spec in METHODS.items():
         cache = build_cache(spec, shape)
@@ -66,28 +68,22 @@ def main() -> None:
     answer = generate(model, {"kind": "full"}, ids, args.steps + 1)["tokens"]
     caches = prefilled_caches(model, ids)
     rng, rows = random.Random(args.seed), []
-    for step, token in enumerate(answer[:-1]):
+    for index, token in enumerate(answer[:-1]):
         for name in rng.sample(list(caches), len(caches)):
-            cache = caches[name]
-            with attached(cache, model):
-                start, cpu = time.perf_counter(), time.process_time()
-                model(
-                    input_ids=torch.tensor([[token]]),
-                    past_key_values=cache,
-                    use_cache=True,
-                    position_ids=torch.tensor([[len(ids) + step]]),
-                )
-                rows.append(
-                    {
-                        "step": step,
-                        "method": name,
-                        "seconds": time.perf_counter() - start,
-                        "cpu_seconds": time.process_time() - cpu,
-                        "kv_bytes": cache.nbytes(),
-                    }
-                )
+            cpu = time.process_time()
+            _, _, errors, seconds = step(model, [caches[name]], [token], [len(ids) + index])
+            assert not errors, errors
+            rows.append(
+                {
+                    "step": index,
+                    "method": name,
+                    "seconds": seconds,
+                    "cpu_seconds": time.process_time() - cpu,
+                    "kv_bytes": caches[name].nbytes(),
+                }
+            )
         print(
-            f"step {step}: " + ", ".join(f"{r['method']} {r['cpu_seconds']:.3f}" for r in rows[-len(caches) :]),
+            f"step {index}: " + ", ".join(f"{r['method']} {r['cpu_seconds']:.3f}" for r in rows[-len(caches) :]),
             flush=True,
         )
     table = pd.DataFrame(rows)

@@ -141,21 +141,44 @@ def timings(model, setup: dict) -> list[dict]:
     return rows
 
 
+def plain_step(model, cache, token: int, position: int) -> tuple[int, float]:
+    """A peer's decode step: one forward pass through its cache and the greedy pick, timed as
+    kvbench.decode.step times ours (the pick is part of the step)."""
+    start = time.perf_counter()
+    out = model(
+        input_ids=torch.tensor([[token]]),
+        past_key_values=cache,
+        use_cache=True,
+        position_ids=torch.tensor([[position]]),
+    )
+    return int(out.logits[0, -1].argmax()), time.perf_counter() - start
+
+
 def step_methods(model, setup: dict) -> dict:
-    """name -> (new cache, context of its prefill, context of its decode steps): the peers', and our
-    methods (`setup["ours"]`: name -> config entry) through kvbench's own cache and hooks."""
+    """name -> (new cache, context of its prefill, timed decode step (cache, token, position) ->
+    (next token, seconds)): the peers' (a plain forward through their cache) and our methods
+    (`setup["ours"]`: name -> config entry) through kvbench's own cache, hooks and decode step, the
+    one every kvbench stage times. Each side's overhead is taken against its own full."""
+    from kvbench.decode import step
     from kvbench.harness import attached
     from kvbench.methods.base import ModelShape
     from kvbench.methods.catalog import build_cache
 
+    def our_step(cache, token: int, position: int) -> tuple[int, float]:
+        _, tops, errors, seconds = step(model, [cache], [token], [position])
+        if errors:
+            raise RuntimeError(errors[0])
+        return tops[0], seconds
+
     null = lambda cache: contextlib.nullcontext()  # noqa: E731
+    peer_step = lambda cache, token, position: plain_step(model, cache, token, position)  # noqa: E731
     methods = {
-        name: (make_cache, (lambda cache, p=press: p(model)) if press is not None else null, null)
+        name: (make_cache, (lambda cache, p=press: p(model)) if press is not None else null, peer_step)
         for name, (make_cache, press) in peers(model, setup).items()
     }
     shape, ours = ModelShape.of(model.config), lambda cache: attached(cache, model)  # noqa: E731
     for name, spec in setup["ours"].items():
-        methods[name] = (lambda spec=spec: build_cache(spec, shape), ours, ours)
+        methods[name] = (lambda spec=spec: build_cache(spec, shape), ours, our_step)
     return methods
 
 
@@ -163,21 +186,15 @@ def step_methods(model, setup: dict) -> dict:
 def decode_steps(model, setup: dict) -> list[dict]:
     """bench/decode_side_by_side.py's round: per prompt, every method's cache (peers' and ours)
     prefilled (`logits_to_keep=1`), then the setup's tokens decoded one step per method, in an order
-    shuffled per step (seeded), each step timed alone (hooks installed before the timer, as in
-    kvbench's harness); the next token it predicts kept, bytes counted after it, outside the timer."""
+    shuffled per step (seeded), each step timed alone; the next token it predicts kept, bytes counted
+    after it, outside the timer."""
     methods = step_methods(model, setup)
-    for name, (make_cache, at_prefill, at_step) in methods.items():  # warm-up, untimed: 256-token prefill, 2 steps
+    for name, (make_cache, at_prefill, decode) in methods.items():  # warm-up, untimed: 256-token prefill, 2 steps
         cache, ids = make_cache(), setup["prompts"][0]["input_ids"][:256]
         with at_prefill(cache):
             prefill(model, ids, cache)
-        for step in range(2):
-            with at_step(cache):
-                model(
-                    input_ids=torch.tensor([[ids[step]]]),
-                    past_key_values=cache,
-                    use_cache=True,
-                    position_ids=torch.tensor([[len(ids) + step]]),
-                )
+        for index in range(2):
+            decode(cache, ids[index], len(ids) + index)
     rng, rows = random.Random(setup["seed"]), []
     for prompt in setup["prompts"]:
         ids, caches = prompt["input_ids"], {}
@@ -185,25 +202,17 @@ def decode_steps(model, setup: dict) -> list[dict]:
             caches[name] = make_cache()
             with at_prefill(caches[name]):
                 prefill(model, ids, caches[name])
-        for step, token in enumerate(prompt["tokens"]):
+        for index, token in enumerate(prompt["tokens"]):
             for name in rng.sample(list(methods), len(methods)):
-                with methods[name][2](caches[name]):
-                    start = time.perf_counter()
-                    out = model(
-                        input_ids=torch.tensor([[token]]),
-                        past_key_values=caches[name],
-                        use_cache=True,
-                        position_ids=torch.tensor([[len(ids) + step]]),
-                    )
-                    seconds = time.perf_counter() - start
+                next_token, seconds = methods[name][2](caches[name], token, len(ids) + index)
                 rows.append(
                     {
                         "method": name,
                         "prompt_id": prompt["prompt_id"],
                         "context_tokens": len(ids),
-                        "step": step,
+                        "step": index,
                         "seconds": seconds,
-                        "next_token": int(out.logits[0, -1].argmax()),
+                        "next_token": next_token,
                         "kv_bytes": caches[name].nbytes() if name in setup["ours"] else cache_bytes(caches[name]),
                     }
                 )

@@ -1,9 +1,14 @@
 """The serve tables from hand-made rows: joins by tag, outputs vs recompute, measured ratios,
 the kv stage's prediction, unsupported backends."""
 
+import math
+
+import numpy as np
 import pandas as pd
 import pytest
 
+from kvbench.report.bootstrap import MIN_UNITS
+from kvbench.serve.intervals import paired_ratio_of_medians
 from kvbench.serve.summary import client_vs_server, compare_outputs, engine_table, join_transfers, offload_table
 
 
@@ -370,3 +375,12 @@ def test_a_level_that_ran_fewer_codecs_says_its_pick_is_among_those(monkeypatch)
     why = picks.set_index("concurrency").why
     assert "configurations run at this level" not in why[1]
     assert why[2].endswith("; among the 2 of 3 configurations run at this level")
+
+
+def test_paired_ratio_counts_only_whole_pairs_and_gives_no_interval_below_min_units():
+    a = np.array([2.0, 4.0, 6.0, np.nan, 8.0, 10.0, 12.0])
+    b = np.array([1.0, 2.0, 3.0, 5.0, 4.0, np.nan, 6.0])
+    ratio, low, high, n = paired_ratio_of_medians(a, b)
+    assert n == 5 and ratio == 2.0 and low == high == 2.0  # every pair's ratio is 2
+    few = paired_ratio_of_medians(a[: MIN_UNITS - 1], b[: MIN_UNITS - 1])
+    assert few[3] == MIN_UNITS - 2 and math.isnan(few[1]) and math.isnan(few[2])

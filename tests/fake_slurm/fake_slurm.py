@@ -3,9 +3,11 @@
 
 Not a scheduler anyone should use: it answers the commands the plugin calls (sbatch, squeue,
 sacct, scancel, srun, sinfo, sacctmgr, sshare), named as such through symlinks in this folder.
-`sbatch` stores the job script and starts a detached runner that waits until the fake node has
-the job's CPUs free (FAKE_SLURM_CPUS, default: this machine's), runs the script locally in its
-own process group with the SLURM_* variables a job sees, and records its state. `scancel`
+`sbatch` stores the job script and starts a detached runner that waits until one of the
+FAKE_SLURM_NODES fake nodes (default 1) has the job's CPUs free (FAKE_SLURM_CPUS per node, default:
+this machine's divided among the nodes), runs the script locally in its own process group with the
+SLURM_* variables a job sees, confined to its node's share of this machine's CPUs (as SLURM's
+cpuset confines a job: a server a job starts binds those), and records its state. `scancel`
 sends SIGTERM to the job's group, then SIGKILL after FAKE_SLURM_KILL_WAIT_S (as KillWait).
 
 State lives in FAKE_SLURM_DIR (default ./.fake_slurm): one JSON file per job. While the file
@@ -27,7 +29,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 STATE = Path(os.environ.get("FAKE_SLURM_DIR", ".fake_slurm")).resolve()
-CPUS = int(os.environ.get("FAKE_SLURM_CPUS", os.cpu_count() or 1))
+NODES = int(os.environ.get("FAKE_SLURM_NODES", "1"))
+MACHINE_CPUS = sorted(os.sched_getaffinity(0))
+CPUS = int(os.environ.get("FAKE_SLURM_CPUS", max(1, len(MACHINE_CPUS) // NODES)))
 KILL_WAIT_S = float(os.environ.get("FAKE_SLURM_KILL_WAIT_S", "10"))
 HOLD = os.environ.get("FAKE_SLURM_HOLD")
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
@@ -143,18 +147,32 @@ def _alive(pgid: int | None) -> bool:
     return True
 
 
+def node_name(node: int) -> str:
+    return "fakenode" if node == 0 else f"fakenode{node}"
+
+
+def node_cpus(node: int) -> set[int]:
+    """This machine's CPUs that fake node `node` runs its jobs on (all of them for one node)."""
+    share = max(1, len(MACHINE_CPUS) // NODES)
+    return set(MACHINE_CPUS[node * share : (node + 1) * share] or MACHINE_CPUS)
+
+
 def _try_start(job_id: int) -> dict[str, Any] | None:
-    """Allocate the job's CPUs if they are free and no older job waits (FIFO)."""
+    """Allocate the job's CPUs on the first node that has them free, if no older job waits (FIFO)."""
     with locked():
         job = read_job(job_id)
         if job["state"] != "PENDING":
             return job
         jobs = all_jobs()
-        used = sum(j["cpus"] for j in jobs if j["state"] in ("RUNNING", "STARTING"))
         older_waiting = any(j["state"] == "PENDING" and j["id"] < job_id for j in jobs)
-        if older_waiting or used + job["cpus"] > CPUS or (HOLD and Path(HOLD).exists()):
+        if older_waiting or (HOLD and Path(HOLD).exists()):
             return None
-        job["state"] = "STARTING"
+        running = [j for j in jobs if j["state"] in ("RUNNING", "STARTING")]
+        used = [sum(j["cpus"] for j in running if j.get("node", 0) == n) for n in range(NODES)]
+        free = [n for n in range(NODES) if used[n] + job["cpus"] <= CPUS]
+        if not free:
+            return None
+        job.update(state="STARTING", node=free[0])
         write_job(job)
         return job
 
@@ -174,7 +192,7 @@ def run(job_id: int) -> int:
         "SLURM_SUBMIT_DIR": job["workdir"],
         "SLURM_JOB_PARTITION": job["partition"],
         "SLURM_CLUSTER_NAME": "fake",
-        "SLURMD_NODENAME": "fakenode",
+        "SLURMD_NODENAME": node_name(job["node"]),
     }
     if job["gpus"]:
         env["SLURM_GPUS"] = job["gpus"]
@@ -188,6 +206,7 @@ def run(job_id: int) -> int:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, node_cpus(job["node"])),
         )
         with locked():
             job = read_job(job_id)
@@ -247,7 +266,8 @@ def _shown_state(job: dict[str, Any]) -> str:
 def sacct(argv: list[str]) -> int:
     if "-j" in argv:  # per-step reasons and node lists after a failure
         if any(a.startswith("nodelist") for a in argv):
-            print("fakenode")
+            job_id = argv[argv.index("-j") + 1].split(".")[0]
+            print(node_name(read_job(job_id).get("node", 0)) if job_file(job_id).exists() else "fakenode")
         return 0
     for job in _named(argv):
         print(f"{job['id']}|{_shown_state(job)}")

@@ -13,9 +13,10 @@ its greedy token differs, its own output and the reference are the same tokens; 
 cache branches off as a free row that continues on the method's own tokens (the row's task answer),
 while the forced row goes on to the reference's end (its fidelity).
 
-Timing, one definition for every stage: a step's wall time (the forward pass and the greedy pick) is
-shared equally by the rows it advanced; a row's TPOT is the sum of its shares over the steps that
-produced its own tokens, divided by their count. With one row that is the steps' wall time per token.
+Timing, one definition for every stage and bench: a step's wall time (`step`: the forward pass and
+the greedy pick) is shared equally by the rows it advanced; a row's TPOT is the sum of its shares
+over the steps that produced its own tokens, divided by their count. With one row that is the
+steps' wall time per token.
 """
 
 from __future__ import annotations
@@ -258,10 +259,26 @@ class Tally:
     seconds: float = 0.0
 
 
+def step(
+    model: torch.nn.Module, caches: list[MethodCache], tokens: list[int], positions: list[int]
+) -> tuple[torch.Tensor, list[int], dict[int, str], float]:
+    """One decode step: token b at position b through caches[b]. Returns the logits [B, V], the greedy
+    picks, the rows whose cache raised and the step's wall time (the forward pass and the greedy pick:
+    what every TPOT here is made of)."""
+    device = next(model.parameters()).device
+    sync(device)
+    start = time.perf_counter()
+    ids = torch.tensor([[token] for token in tokens], device=device)
+    at = torch.tensor([[position] for position in positions], device=device)
+    logits, errors = forward_rows(model, caches, ids, at)
+    tops = logits.argmax(-1).tolist()
+    sync(device)
+    return logits, tops, errors, time.perf_counter() - start
+
+
 def run_rows(model: torch.nn.Module, rows: Iterable[Row], max_batch: int = 64, tally: Tally | None = None) -> list[Row]:
     """Decode every row (and the rows they branch) to its end, at most `max_batch` rows per step.
     Each row starts from its `logits`; a spawned free row joins the next step."""
-    device = next(model.parameters()).device
     pending = list(rows)
     every = list(pending)
     active: list[tuple[Row, int]] = []
@@ -283,14 +300,9 @@ def run_rows(model: torch.nn.Module, rows: Iterable[Row], max_batch: int = 64, t
         if not active:
             break
         batch, active = active[:max_batch], active[max_batch:]
-        sync(device)
-        start = time.perf_counter()
-        ids = torch.tensor([[token] for _, token in batch], device=device)
-        positions = torch.tensor([[row.position] for row, _ in batch], device=device)
-        logits, errors = forward_rows(model, [row.cache for row, _ in batch], ids, positions)
-        tops = logits.argmax(-1).tolist()  # the greedy pick is part of the step
-        sync(device)
-        seconds = time.perf_counter() - start
+        logits, tops, errors, seconds = step(
+            model, [row.cache for row, _ in batch], [token for _, token in batch], [row.position for row, _ in batch]
+        )
         share = seconds / len(batch)
         tally.steps, tally.row_steps, tally.seconds = (
             tally.steps + 1,

@@ -57,6 +57,7 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
     config["kv"].update(
         model="smol",
         corpora=["synthetic", "realistic", "imported"],
+        weights=["real", "dummy"],  # the blog's pair; random weights are the unit tests' (a job costs its imports)
         docs_per_corpus=2,
         context_tokens=160,
         chunk_tokens=64,
@@ -113,10 +114,16 @@ def write_config(workdir: Path, config: dict[str, Any], name: str = "config.yaml
 
 
 def snakemake(
-    workdir: Path, config: dict[str, Any] | None, *args: str, timeout: int = 3600, slurm: bool = False
+    workdir: Path,
+    config: dict[str, Any] | None,
+    *args: str,
+    timeout: int = 3600,
+    slurm: bool = False,
+    fake_slurm_nodes: int = 1,
 ) -> subprocess.CompletedProcess:
     """The snakemake CLI in `workdir`; `slurm=True` runs it through the SLURM executor plugin
-    against the fake SLURM in tests/fake_slurm (its state in workdir/.fake_slurm).
+    against the fake SLURM in tests/fake_slurm (its state in workdir/.fake_slurm) with
+    `fake_slurm_nodes` nodes, each with this machine's CPUs.
 
     On timeout snakemake gets SIGTERM first (it cancels its jobs, as on a real cluster), and any
     fake SLURM job still queued or running is cancelled: nothing outlives a test."""
@@ -126,7 +133,11 @@ def snakemake(
     env = dict(os.environ)
     if slurm:
         cmd += SLURM_ARGS
-        env |= {"PATH": f"{FAKE_SLURM}{os.pathsep}{env['PATH']}", "FAKE_SLURM_DIR": str(workdir / ".fake_slurm")}
+        env |= {
+            "PATH": f"{FAKE_SLURM}{os.pathsep}{env['PATH']}",
+            "FAKE_SLURM_DIR": str(workdir / ".fake_slurm"),
+            "FAKE_SLURM_NODES": str(fake_slurm_nodes),
+        }
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)

@@ -32,7 +32,7 @@ from kvbench.methods.base import STORAGE, ModelShape, layer_seed, register, tens
 from kvbench.methods.eviction import (
     EvictionCache,
     ScoredLayer,
-    attention_probs,
+    attention_received,
     gather,
     keep_count,
     snapkv_scores,
@@ -109,7 +109,7 @@ class CaMLayer(ScoredLayer):
                     raise RuntimeError("cam: no queries reached the layer; run the model with the cache attached")
                 window = min(self.window, keep)
                 scores = snapkv_scores(queries, key_states, window, self.kernel, self.pooling)
-                attn = attention_probs(queries[..., -window:, :], key_states).sum(dim=1)  # [Hkv, T]
+                attn = attention_received(queries[..., -window:, :], key_states)  # [Hkv, T]
                 self._compress(key_states, value_states, scores, attn, keep, tokens)
             return key_states, value_states  # the prefill itself attends to the whole prompt
         compute = key_states.dtype
@@ -123,7 +123,7 @@ class CaMLayer(ScoredLayer):
     def _decode_schedule(self, queries: torch.Tensor | None, keys: torch.Tensor, new: int) -> None:
         if queries is None:
             raise RuntimeError("cam: no queries reached the layer; run the model with the cache attached")
-        step = attention_probs(queries, keys).sum(dim=1)  # [Hkv, T]: this step's attention
+        step = attention_received(queries, keys)  # [Hkv, T]: this step's attention
         grown = keys.shape[-2] - (0 if self.attn is None else self.attn.shape[-1])
         self.attn = (
             step if self.attn is None else torch.cat([self.attn, step.new_zeros(step.shape[0], grown)], 1) + step

@@ -32,19 +32,19 @@ def bootstrap(
     return float(low), float(high)
 
 
-def paired_ratio_of_medians(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
-    """median(a) / median(b) over pairs (a[i], b[i]) and its interval, the pairs resampled together
-    (a pair with a NaN is left out): what both sides share (the request's document, its place in the
-    round) stays matched in every resample. Below MIN_UNITS pairs, the point alone (a resample of
-    a few pairs has a handful of distinct values)."""
+def paired_ratio_of_medians(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, float, float, int]:
+    """median(a) / median(b) over pairs (a[i], b[i]), its interval and the pairs' n, the pairs
+    resampled together (a pair with a NaN is left out and not counted): what both sides share (the
+    request's document, its place in the round) stays matched in every resample. Below MIN_UNITS
+    pairs, the point alone (a resample of a few pairs has a handful of distinct values)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     keep = ~(np.isnan(a) | np.isnan(b))
     a, b = a[keep], b[keep]
     if len(a) < MIN_UNITS:
-        return (float(np.median(a) / np.median(b)) if len(a) else math.nan), math.nan, math.nan
+        return (float(np.median(a) / np.median(b)) if len(a) else math.nan), math.nan, math.nan, len(a)
     rng = np.random.default_rng(seed)
     picks = (rng.integers(0, len(a), len(a)) for _ in range(RESAMPLES))
     draws = [np.median(a[i]) / np.median(b[i]) for i in picks]
     tail = 100 * (1 - LEVEL) / 2
     low, high = np.percentile(draws, [tail, 100 - tail])
-    return float(np.median(a) / np.median(b)), float(low), float(high)
+    return float(np.median(a) / np.median(b)), float(low), float(high), len(a)

@@ -187,12 +187,12 @@ def _versus_recompute(
     # one request per index in a round (the median of one); several per document
     mine, theirs = rows.groupby(by).ttft_s.median(), ref.groupby(by).ttft_s.median()
     pairs = pd.concat([mine.rename("a"), theirs.rename("b")], axis=1, join="inner")
-    ratio, low, high = paired_ratio_of_medians(pairs.a.to_numpy(), pairs.b.to_numpy(), seed)
+    ratio, low, high, n = paired_ratio_of_medians(pairs.a.to_numpy(), pairs.b.to_numpy(), seed)
     return {
         "vs_recompute": ratio,
         "vs_recompute_ci_low": low,
         "vs_recompute_ci_high": high,
-        "vs_recompute_n": int(pairs.notna().all(axis=1).sum()),
+        "vs_recompute_n": n,
         "vs_recompute_paired_by": "request" if by == "index" else "document",
         "recompute_n": len(ref),
     }
