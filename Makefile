@@ -77,7 +77,7 @@ lock: setup
 	$(LOCK_VENV)/bin/pip --isolated install --quiet --upgrade pip
 	$(LOCK_VENV)/bin/pip --isolated install --dry-run --ignore-installed --quiet --report .bench/gpu-lock.json \
 		-r envs/gpu.txt
-	PYTHONPATH=workflow $(BIN)/python -m kvbench.gpu_env .bench/gpu-lock.json envs/gpu.txt > envs/gpu.lock.txt
+	$(BIN)/python -m kvbench.gpu_env .bench/gpu-lock.json envs/gpu.txt > envs/gpu.lock.txt
 
 clean:
 	rm -rf results logs benchmarks .snakemake .fake_slurm

@@ -16,6 +16,7 @@ import random
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 import yaml
@@ -29,6 +30,7 @@ from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
 from kvbench.report.blocks import Block
 from kvbench.report.render import fmt
+from kvbench.serve.intervals import bootstrap
 
 MODEL = "resources/models/smollm2-135m"
 CONFIG_METHODS = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "config.yaml").read_text())["methods"]
@@ -119,13 +121,28 @@ def main() -> None:
 BUDGETS = {"kivi2": 1.3, "turboquant3": 1.5, "turboquant4": 1.5, "turboquant4-mse": 1.5}
 
 
+def step_ratios(t: pd.DataFrame, clock: str = "seconds") -> pd.DataFrame:
+    """Each step's time over the same step's `full` time: [step, method]."""
+    per_step = t.pivot(index="step", columns="method", values=clock)
+    return per_step.div(per_step["full"], axis=0)
+
+
+def interval(ratios: pd.Series) -> tuple[float, float]:
+    """95 % bootstrap interval of the median ratio, steps resampled (seeded)."""
+    return bootstrap(ratios.to_numpy(), np.median)
+
+
 def render(t: pd.DataFrame) -> pd.DataFrame:
     """Per method: the median over steps of the step's time over the same step's `full` time
-    (the bench interleaves methods within a step), wall clock and process CPU time."""
+    (the bench interleaves methods within a step) with its interval, wall clock and process CPU
+    time."""
     columns = {}
     for clock, label in (("seconds", "wall"), ("cpu_seconds", "CPU")):
-        per_step = t.pivot(index="step", columns="method", values=clock)
-        columns[f"TPOT / full ({label})"] = per_step.div(per_step["full"], axis=0).median()
+        columns[f"TPOT / full ({label})"] = step_ratios(t, clock).median()
+    wall = step_ratios(t)
+    columns["95 % interval (wall)"] = pd.Series(
+        {m: "–".join(fmt(v) for v in interval(wall[m])) for m in wall.columns if m != "full"}
+    )
     per_method = t.sort_values("step").groupby("method")
     out = pd.DataFrame(
         {
@@ -139,17 +156,25 @@ def render(t: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values("TPOT / full (wall)").rename_axis("method").reset_index()
 
 
+def budget_verdict(ratios: pd.Series, budget: float) -> str:
+    """`met` when the interval's upper end is within the budget, `missed` when its lower end is
+    over it, `inconclusive` when the interval straddles it."""
+    low, high = interval(ratios)
+    return "met" if high <= budget else "missed" if low > budget else "inconclusive"
+
+
 def render_budgets(t: pd.DataFrame) -> str:
-    """Each budgeted method's wall-clock ratio to `full`, against its budget."""
-    shown = render(t).set_index("method")
+    """Each budgeted method's wall-clock ratio to `full`, with its interval and n, against its budget."""
+    wall = step_ratios(t)
     verdicts = [
-        f"{m} {fmt(shown.loc[m, 'TPOT / full (wall)'])}× (budget ≤ {b}×: "
-        f"{'met' if shown.loc[m, 'TPOT / full (wall)'] <= b else 'missed'})"
+        f"{m} {fmt(wall[m].median())}× [{', '.join(fmt(v) for v in interval(wall[m]))}] "
+        f"(budget ≤ {b}×: {budget_verdict(wall[m], b)})"
         for m, b in BUDGETS.items()
-        if m in shown.index
+        if m in wall.columns
     ]
     tokens = int(t.context_tokens.iloc[0])
-    return f"at {tokens} tokens, TPOT over `full`'s: " + ", ".join(verdicts) if verdicts else "no budgeted method ran"
+    head = f"at {tokens} tokens, TPOT over `full`'s (median over {len(wall)} steps, 95 % interval): "
+    return head + ", ".join(verdicts) if verdicts else "no budgeted method ran"
 
 
 BLOCKS = {

@@ -55,10 +55,20 @@ def prefill(model, ids: list[int], cache):
     return model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
+def plain_step(model, cache, token: int, position: int) -> tuple[int, float]:
+    """A peer's decode step: one forward pass through its cache and the greedy pick, timed as
+    kvbench.decode.step times ours: the inputs made before the clock starts, the pick inside it."""
+    ids, at = torch.tensor([[token]]), torch.tensor([[position]])
+    start = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=at)
+    top = int(out.logits[0, -1].argmax())
+    return top, time.perf_counter() - start
+
+
 @torch.inference_mode()
 def run(model, ids: list[int], make_cache, press, new_tokens: int) -> dict:
     """As kvbench's harness.generate: TTFT is the prefill (kvpress's hooks installed before the
-    timer, as ours are attached before it), TPOT the decode steps after the byte count."""
+    timer, as ours are attached before it), TPOT the decode steps' time (`plain_step`) per token."""
     cache = make_cache()
     with press(model) if press is not None else contextlib.nullcontext():
         start = time.perf_counter()
@@ -66,24 +76,16 @@ def run(model, ids: list[int], make_cache, press, new_tokens: int) -> dict:
         token = int(out.logits[0, -1].argmax())
         ttft = time.perf_counter() - start
     bytes_prefill = cache_bytes(cache)
-    decode_start = time.perf_counter()
-    tokens, position = [token], len(ids)
+    tokens, decode = [token], 0.0
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     while len(tokens) < new_tokens and token not in eos_ids:  # kvbench's harness stops there too
-        out = model(
-            input_ids=torch.tensor([[token]]),
-            past_key_values=cache,
-            use_cache=True,
-            position_ids=torch.tensor([[position]]),
-        )
-        token = int(out.logits[0, -1].argmax())
+        token, seconds = plain_step(model, cache, token, len(ids) + len(tokens) - 1)
         tokens.append(token)
-        position += 1
-    decode = time.perf_counter() - decode_start
+        decode += seconds
     return {
         "ttft_s": ttft,
-        "tpot_s": decode / max(1, len(tokens) - 1),
+        "tpot_s": decode / max(1, len(tokens) - 1),  # the steps' time, as kvbench's TPOT
         "kv_bytes_prefill": bytes_prefill,
         "kv_bytes_end": cache_bytes(cache),
         "output_ids": tokens,
@@ -139,19 +141,6 @@ def timings(model, setup: dict) -> list[dict]:
                 name, prompt["prompt_id"], f"TTFT {result['ttft_s']:.2f} s, TPOT {result['tpot_s']:.3f} s", flush=True
             )
     return rows
-
-
-def plain_step(model, cache, token: int, position: int) -> tuple[int, float]:
-    """A peer's decode step: one forward pass through its cache and the greedy pick, timed as
-    kvbench.decode.step times ours (the pick is part of the step)."""
-    start = time.perf_counter()
-    out = model(
-        input_ids=torch.tensor([[token]]),
-        past_key_values=cache,
-        use_cache=True,
-        position_ids=torch.tensor([[position]]),
-    )
-    return int(out.logits[0, -1].argmax()), time.perf_counter() - start
 
 
 def step_methods(model, setup: dict) -> dict:

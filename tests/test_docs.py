@@ -5,6 +5,7 @@ and a planted hand-typed number fail the check); every benchmark that feeds a bl
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import re
 import shutil
@@ -408,3 +409,68 @@ def test_undocumented_tables_and_columns_are_named(tmp_path):
         "results/kv/other.parquet: no section in the table reference",
         "results/kv/synthetic/summary.parquet: column `surprise` is not documented",
     ]
+
+
+def _top_level(module: Path) -> dict[str, ast.AST]:
+    """The names a module defines or imports at top level -> their node."""
+    names: dict[str, ast.AST] = {}
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id: node for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0]: node for a in node.names}
+    return names
+
+
+def _members(cls: ast.ClassDef) -> set[str]:
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    for n in cls.body:
+        if isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def resolves(reference: str) -> bool:
+    """`kvbench.a.b.C.d`: packages and modules under workflow/, then a top-level name of the module,
+    then members of a class, read from the source (nothing imported)."""
+    parts, path = reference.split("."), REPO / "workflow" / "kvbench"
+    rest = parts[1:]
+    while rest and ((path / rest[0]).is_dir() or (path / f"{rest[0]}.py").is_file()):
+        path = path / rest[0] if (path / rest[0]).is_dir() else path / f"{rest[0]}.py"
+        rest = rest[1:]
+    if not rest:
+        return True
+    module = path / "__init__.py" if path.is_dir() else path
+    node = _top_level(module).get(rest[0]) if module.is_file() else None
+    for attr in rest[1:]:
+        node = node if isinstance(node, ast.ClassDef) and attr in _members(node) else None
+    return node is not None
+
+
+def test_every_kvbench_name_the_docs_and_docstrings_cite_exists():
+    sources = [
+        *(REPO / p for p in ("README.md", "config/README.md", "bench/README.md", "Snakefile")),
+        *(REPO / "docs").glob("*.md"),
+        *(REPO / "workflow").rglob("*.py"),
+        *(REPO / "workflow" / "rules").glob("*.smk"),
+        *(REPO / "bench").glob("*.py"),
+        *(p for p in (REPO / "tests").glob("*.py") if p.name != "test_docs.py"),  # it cites stale ones on purpose
+    ]
+    cited = {
+        (ref, path.relative_to(REPO).as_posix())
+        for path in sources
+        for ref in re.findall(r"\bkvbench(?:\.[A-Za-z_]\w*)+", path.read_text())
+        if "__" not in ref
+    }
+    assert len(cited) > 100
+    assert sorted((ref, where) for ref, where in cited if not resolves(ref)) == []
+
+
+def test_a_stale_kvbench_name_does_not_resolve():
+    assert resolves("kvbench.hub.HUB_FILES") and resolves("kvbench.decode.Row.tpot_s")
+    assert not resolves("kvbench.models.HUB_FILES") and not resolves("kvbench.harness.generate_scored")
+    assert not resolves("kvbench.decode.Row.no_such_member")

@@ -50,7 +50,7 @@ def header_of(text: str) -> list[str]:
 def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(rendered, blocks, tmp_path):
     # full's steps 1, 2, 10 s. "skew": 3, 2, 10 -> same-step ratios 3, 1, 1: median 1 (the ratio of
     # medians would be 1.5). "slow": 2, 4, 30 -> ratios 2, 2, 3: median 2 (inverted: 0.5).
-    seconds = {"full": [1, 2, 10], "skew": [3, 2, 10], "slow": [2, 4, 30]}
+    seconds = {"full": [1, 2, 10], "skew": [3, 2, 10], "slow": [2, 4, 30], "same": [1, 2, 10]}
     rows = [
         {
             "step": step,
@@ -71,12 +71,17 @@ def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(re
     assert slow["TPOT (s, wall)"] == "4" and slow["steps"] == "3" and slow["tokens"] == "4096"
     assert slow["KV MB"] == "3"  # the bytes after the last step (rows were given in reverse)
     assert text.rstrip().splitlines()[-1].startswith("| slow |")  # rows by ratio: the slowest last
-    # The budgets' sentence reads the same medians: no budgeted method ran; renamed kivi2, "skew" meets its budget.
-    budgets = pd.DataFrame(rows).replace({"method": {"skew": "kivi2"}})
+    assert skew["95 % interval (wall)"] == "1–3" and slow["95 % interval (wall)"] == "2–3"  # steps resampled
+    # The budgets' sentence reads the same medians and intervals: no budgeted method ran; renamed,
+    # "same" meets its budget, "skew" straddles it (median 1 but 3 in a quarter of resamples), "slow" misses.
+    renamed = {"same": "turboquant4-mse", "skew": "kivi2", "slow": "turboquant4"}
+    budgets = pd.DataFrame(rows).replace({"method": renamed})
     assert render(blocks["decode-overhead-budgets"], tmp_path) == "no budgeted method ran"
     budgets.assign(**PROV).to_parquet(tmp_path / "bench/decode_overhead.parquet")
     assert render(blocks["decode-overhead-budgets"], tmp_path) == (
-        "at 4096 tokens, TPOT over `full`'s: kivi2 1× (budget ≤ 1.3×: met)"
+        "at 4096 tokens, TPOT over `full`'s (median over 3 steps, 95 % interval): "
+        "kivi2 1× [1, 3] (budget ≤ 1.3×: inconclusive), turboquant4 2× [2, 3] (budget ≤ 1.5×: missed), "
+        "turboquant4-mse 1× [1, 1] (budget ≤ 1.5×: met)"
     )
 
 
@@ -173,14 +178,15 @@ def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(rendered
     snapkv, kivi2 = rows_of["snapkv"], rows_of["kivi2"]
     assert snapkv["peer"] == "kvpress-snapkv" and snapkv["steps"] == "2" and snapkv["rounds"] == "2"
     assert snapkv["TPOT ours/peer"] == "1.25" and snapkv["range over rounds"] == "0.5–2.0"
-    assert snapkv["ours ≤ peer at ≤ its bytes"] == "no" and snapkv["TPOT ours (s)"] == "1.5"  # rounds' TPOTs 2 and 1
+    verdict = "ours faster at ≤ its bytes (every round)"
+    assert snapkv[verdict] == "inconclusive" and snapkv["TPOT ours (s)"] == "1.5"  # rounds' TPOTs 2 and 1
     assert snapkv["same next token %"] == "50"  # step 1 differs in both rounds: 2 of 4 steps agree
     # Over the process's DynamicCache (peer-full: 4 a step in round 0, 1 in round 1): 2/4, 1/1 -> 0.75;
     # over our own full (2, then 1): 1, 1 -> 1.
     assert snapkv["TPOT / DynamicCache, ours"] == "0.75" and snapkv["TPOT / own full, ours"] == "1"
     assert snapkv["KV MB ours"] == "6"  # after the last step
     # kivi2 holds 6 MB after the last step, quanto-int2 5 MB: faster, with 20 % more bytes.
-    assert kivi2["TPOT ours/peer"] == "0.5" and kivi2["ours ≤ peer at ≤ its bytes"] == "faster, +20.0 % bytes"
+    assert kivi2["TPOT ours/peer"] == "0.5" and kivi2[verdict] == "faster, +20.0 % bytes"  # 0.5 in both rounds
     assert len(rows_of) == len(bench.PEER_OF)
 
 

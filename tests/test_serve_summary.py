@@ -378,9 +378,10 @@ def test_a_level_that_ran_fewer_codecs_says_its_pick_is_among_those(monkeypatch)
 
 
 def test_paired_ratio_counts_only_whole_pairs_and_gives_no_interval_below_min_units():
-    a = np.array([2.0, 4.0, 6.0, np.nan, 8.0, 10.0, 12.0])
-    b = np.array([1.0, 2.0, 3.0, 5.0, 4.0, np.nan, 6.0])
+    a = np.array([2.0, 4.0, 6.0, np.nan, 8.0, 100.0, 12.0])
+    b = np.array([1.0, 2.0, 3.0, 0.1, 4.0, np.nan, 6.0])
     ratio, low, high, n = paired_ratio_of_medians(a, b)
-    assert n == 5 and ratio == 2.0 and low == high == 2.0  # every pair's ratio is 2
+    # every whole pair's ratio is 2; the halves of broken pairs left in would give 7 / 2.5
+    assert n == 5 and ratio == 2.0 and low == high == 2.0
     few = paired_ratio_of_medians(a[: MIN_UNITS - 1], b[: MIN_UNITS - 1])
     assert few[3] == MIN_UNITS - 2 and math.isnan(few[1]) and math.isnan(few[2])

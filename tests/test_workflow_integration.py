@@ -39,6 +39,7 @@ from kvbench.serve.summary import client_vs_server
 from kvbench.tinyrun import REPO, checkout_python, snakemake, tiny_config, write_config
 
 pytestmark = pytest.mark.integration
+NODES = min(2, len(os.sched_getaffinity(0)))  # fake SLURM nodes (tests/test_fake_slurm.py)
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +47,26 @@ def run(model_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("workflow")
     config = tiny_config(model_dir, workdir)
     # Two fake nodes: jobs run side by side, as on a cluster (most of a tiny job is its imports).
-    result = snakemake(workdir, config, slurm=True, fake_slurm_nodes=2)
+    result = snakemake(workdir, config, slurm=True, fake_slurm_nodes=NODES)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return workdir, config
 
 
 def test_every_job_ran_as_a_fake_slurm_job_and_completed(run):
     workdir, config = run
-    jobs = [json.loads(p.read_text()) for p in (workdir / ".fake_slurm" / "jobs").glob("*.json")]
-    for job in jobs:
-        job["rule"] = re.match(r"rule_(\w+?)(_wildcards_|$)", job["comment"]).group(1)
+    jobs = slurm_jobs(workdir)
     assert sorted(j["rule"] for j in jobs) == sorted(cluster_jobs(config))  # light rules ran locally
     assert {j["state"] for j in jobs} == {"COMPLETED"}
     assert all(j["gpus"] and j["partition"] == "gpu" for j in jobs)  # every job here loads the model
-    assert {j["node"] for j in jobs} == {0, 1}  # side by side on both fake nodes
+    assert {j["node"] for j in jobs} == set(range(NODES))  # side by side on every fake node
+
+
+def slurm_jobs(workdir) -> list[dict]:
+    """The fake SLURM's record of every job the run submitted, with its rule."""
+    jobs = [json.loads(p.read_text()) for p in (workdir / ".fake_slurm" / "jobs").glob("*.json")]
+    for job in jobs:
+        job["rule"] = re.match(r"rule_(\w+?)(_wildcards_|$)", job["comment"]).group(1)
+    return jobs
 
 
 def cluster_jobs(config) -> list[str]:
@@ -589,6 +596,7 @@ def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(r
     import sys
 
     workdir, config = run
+    (job1,) = [j for j in slurm_jobs(workdir) if j["rule"] == "quality_reference"]
     out = tmp_path / "kivi2.parquet"
     cli = [
         sys.executable,
@@ -607,8 +615,8 @@ def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(r
         "--out",
         str(out),
         "--threads",
-        str(len(os.sched_getaffinity(0))),
-    ]  # as the rule (MACHINE_THREADS)
+        str(len(job1["cpu_ids"])),
+    ]  # as the job ran: MACHINE_THREADS of its fake node's cpuset (a thread count changes float sums)
     done = subprocess.run(cli, cwd=workdir, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     key = ["protocol", "task", "sample_id"]

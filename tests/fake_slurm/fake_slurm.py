@@ -4,11 +4,11 @@
 Not a scheduler anyone should use: it answers the commands the plugin calls (sbatch, squeue,
 sacct, scancel, srun, sinfo, sacctmgr, sshare), named as such through symlinks in this folder.
 `sbatch` stores the job script and starts a detached runner that waits until one of the
-FAKE_SLURM_NODES fake nodes (default 1) has the job's CPUs free (FAKE_SLURM_CPUS per node, default:
-this machine's divided among the nodes), runs the script locally in its own process group with the
-SLURM_* variables a job sees, confined to its node's share of this machine's CPUs (as SLURM's
-cpuset confines a job: a server a job starts binds those), and records its state. `scancel`
-sends SIGTERM to the job's group, then SIGKILL after FAKE_SLURM_KILL_WAIT_S (as KillWait).
+FAKE_SLURM_NODES fake nodes (default 1) has the job's CPUs free, runs the script locally in its own
+process group with the SLURM_* variables a job sees, confined to the CPUs it was given (as SLURM's
+cpuset confines a job: a server the job starts binds those), and records its state. The nodes split
+this machine's CPUs between them; a job asking for more CPUs than a node has gets the whole node
+(the profile's counts are for real GPU nodes). `scancel` sends SIGTERM to the job's group, then SIGKILL after FAKE_SLURM_KILL_WAIT_S (as KillWait).
 
 State lives in FAKE_SLURM_DIR (default ./.fake_slurm): one JSON file per job. While the file
 FAKE_SLURM_HOLD names exists, no job starts (a queue wait a test can end when it chooses).
@@ -29,9 +29,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 STATE = Path(os.environ.get("FAKE_SLURM_DIR", ".fake_slurm")).resolve()
-NODES = int(os.environ.get("FAKE_SLURM_NODES", "1"))
 MACHINE_CPUS = sorted(os.sched_getaffinity(0))
-CPUS = int(os.environ.get("FAKE_SLURM_CPUS", max(1, len(MACHINE_CPUS) // NODES)))
+NODES = int(os.environ.get("FAKE_SLURM_NODES", "1"))
+if not 1 <= NODES <= len(MACHINE_CPUS):
+    sys.exit(f"fake slurm: FAKE_SLURM_NODES={NODES}: between 1 and this machine's {len(MACHINE_CPUS)} CPUs")
+# Node n's CPUs: consecutive shares of this machine's, as even as they divide.
+NODE_CPUS = [MACHINE_CPUS[n * len(MACHINE_CPUS) // NODES : (n + 1) * len(MACHINE_CPUS) // NODES] for n in range(NODES)]
 KILL_WAIT_S = float(os.environ.get("FAKE_SLURM_KILL_WAIT_S", "10"))
 HOLD = os.environ.get("FAKE_SLURM_HOLD")
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
@@ -114,7 +117,8 @@ def sbatch(argv: list[str]) -> int:
                 "id": job_id,
                 "name": options.get("--job-name") or options.get("-J", "sbatch"),
                 "comment": options.get("--comment", ""),
-                "cpus": min(int(cpus), CPUS),
+                "cpus": int(cpus),  # asked for; at the start, what it got
+                "cpu_ids": [],
                 "gpus": options.get("--gpus") or options.get("--gres", ""),
                 "partition": options.get("-p", ""),
                 "workdir": workdir,
@@ -151,12 +155,6 @@ def node_name(node: int) -> str:
     return "fakenode" if node == 0 else f"fakenode{node}"
 
 
-def node_cpus(node: int) -> set[int]:
-    """This machine's CPUs that fake node `node` runs its jobs on (all of them for one node)."""
-    share = max(1, len(MACHINE_CPUS) // NODES)
-    return set(MACHINE_CPUS[node * share : (node + 1) * share] or MACHINE_CPUS)
-
-
 def _try_start(job_id: int) -> dict[str, Any] | None:
     """Allocate the job's CPUs on the first node that has them free, if no older job waits (FIFO)."""
     with locked():
@@ -167,14 +165,14 @@ def _try_start(job_id: int) -> dict[str, Any] | None:
         older_waiting = any(j["state"] == "PENDING" and j["id"] < job_id for j in jobs)
         if older_waiting or (HOLD and Path(HOLD).exists()):
             return None
-        running = [j for j in jobs if j["state"] in ("RUNNING", "STARTING")]
-        used = [sum(j["cpus"] for j in running if j.get("node", 0) == n) for n in range(NODES)]
-        free = [n for n in range(NODES) if used[n] + job["cpus"] <= CPUS]
-        if not free:
-            return None
-        job.update(state="STARTING", node=free[0])
-        write_job(job)
-        return job
+        taken = {c for j in jobs if j["state"] in ("RUNNING", "STARTING") for c in j["cpu_ids"]}
+        for node, cpus in enumerate(NODE_CPUS):
+            free, need = [c for c in cpus if c not in taken], min(job["cpus"], len(cpus))
+            if len(free) >= need:
+                job.update(state="STARTING", node=node, cpus=need, cpu_ids=free[:need])
+                write_job(job)
+                return job
+        return None
 
 
 def run(job_id: int) -> int:
@@ -198,16 +196,22 @@ def run(job_id: int) -> int:
         env["SLURM_GPUS"] = job["gpus"]
     Path(job["output"]).parent.mkdir(parents=True, exist_ok=True)
     with open(job["output"], "ab") as out:
-        proc = subprocess.Popen(
-            ["/bin/sh", str(STATE / "jobs" / f"{job_id}.sh")],
-            cwd=job["workdir"],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, node_cpus(job["node"])),
-        )
+        try:
+            proc = subprocess.Popen(
+                ["/bin/sh", str(STATE / "jobs" / f"{job_id}.sh")],
+                cwd=job["workdir"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: os.sched_setaffinity(0, job["cpu_ids"]),
+            )
+        except OSError as err:  # the job never started: it fails and frees its CPUs
+            out.write(f"fake slurm: could not start the job: {err}\n".encode())
+            with locked():
+                write_job(read_job(job_id) | {"state": "FAILED", "exit_code": 1, "ended": time.time()})
+            return 0
         with locked():
             job = read_job(job_id)
             job.update(state="RUNNING", pgid=proc.pid, started=time.time())

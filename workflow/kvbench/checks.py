@@ -23,7 +23,7 @@ from kvbench.config import (
     system_models,
 )
 from kvbench.corpus.factsheets import vocabulary  # each domain's document types
-from kvbench.methods.kinds import spec_problems
+from kvbench.methods.kinds import settings_of, spec_problems
 from kvbench.quality.kinds import quality_problems
 from kvbench.serve.backends import servers, unsupported
 from kvbench.serve.names import check_codec
@@ -131,16 +131,18 @@ def _cam_problems(config: Mapping[str, Any]) -> list[str]:
         and spec["kind"] == "cam"
         and "target" in spec
         and not {"keep_ratio", "capacity"} & set(spec)
+        and not spec_problems(spec)  # an invalid entry is reported as such
     }
     if not decode_only:
         return []
     caps = _qa_answer_caps(config)
     found = []
     for name, spec in decode_only.items():
-        late = [key for key, cap in caps.items() if int(spec.get("interval", 32)) > cap - 1]
+        interval = settings_of(spec).interval
+        late = [key for key, cap in caps.items() if interval > cap - 1]
         if late:
             found.append(
-                f"methods.{name}.interval: {spec.get('interval', 32)} decode steps before CaM's first "
+                f"methods.{name}.interval: {interval} decode steps before CaM's first "
                 f"compression, but {', '.join(late)} answer in at most {min(caps[k] for k in late)} tokens: "
                 f"{name} would equal full there by construction; lower the interval (or leave QA out)"
             )

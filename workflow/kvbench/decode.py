@@ -24,8 +24,9 @@ from __future__ import annotations
 import copy
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -113,24 +114,37 @@ def causal_mask(n: int, cache: MethodCache, index: int, query: torch.Tensor) -> 
     return torch.zeros(n, total, dtype=query.dtype, device=query.device).masked_fill(later, float("-inf"))[None, None]
 
 
+@contextmanager
+def routed(model: torch.nn.Module, caches: list[MethodCache]) -> Iterator[RowsCache]:
+    """The rows' caches as one cache for a forward pass of `model`, attention routed row by row;
+    the routes are removed on exit."""
+    rows = RowsCache(caches, model.config.num_hidden_layers)
+    for cache in caches:
+        cache.decoding(True)
+    handles = route_attention(model, {i: rows.attend for i in range(model.config.num_hidden_layers)})
+    try:
+        yield rows
+    finally:
+        for handle in handles:
+            handle.remove()
+        for cache in caches:
+            cache.decoding(False)
+
+
+def _last_logits(model: torch.nn.Module, rows: RowsCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids, position_ids=positions, past_key_values=rows, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].float()
+
+
 @torch.inference_mode()
 def forward_rows(
     model: torch.nn.Module, caches: list[MethodCache], ids: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, dict[int, str]]:
     """One forward pass of `ids` [B, n] at `positions` [B, n], row b through caches[b]: the last
     position's logits [B, V] (float32), and the rows whose cache raised (row -> error)."""
-    rows = RowsCache(caches, model.config.num_hidden_layers)
-    for cache in caches:
-        cache.decoding(True)
-    handles = route_attention(model, {i: rows.attend for i in range(model.config.num_hidden_layers)})
-    try:
-        out = model(input_ids=ids, position_ids=positions, past_key_values=rows, use_cache=True, logits_to_keep=1)
-    finally:
-        for handle in handles:
-            handle.remove()
-        for cache in caches:
-            cache.decoding(False)
-    return out.logits[:, -1].float(), rows.errors
+    with routed(model, caches) as rows:
+        logits = _last_logits(model, rows, ids, positions)
+    return logits, rows.errors
 
 
 @dataclass(eq=False)
@@ -259,21 +273,25 @@ class Tally:
     seconds: float = 0.0
 
 
+@torch.inference_mode()
 def step(
     model: torch.nn.Module, caches: list[MethodCache], tokens: list[int], positions: list[int]
 ) -> tuple[torch.Tensor, list[int], dict[int, str], float]:
     """One decode step: token b at position b through caches[b]. Returns the logits [B, V], the greedy
-    picks, the rows whose cache raised and the step's wall time (the forward pass and the greedy pick:
-    what every TPOT here is made of)."""
+    picks, the rows whose cache raised and the step's wall time: the forward pass and the greedy pick,
+    what every TPOT here is made of (the inputs and the attention routes are set up before the clock
+    starts, as a peer's bare forward pass has neither)."""
     device = next(model.parameters()).device
-    sync(device)
-    start = time.perf_counter()
     ids = torch.tensor([[token] for token in tokens], device=device)
     at = torch.tensor([[position] for position in positions], device=device)
-    logits, errors = forward_rows(model, caches, ids, at)
-    tops = logits.argmax(-1).tolist()
-    sync(device)
-    return logits, tops, errors, time.perf_counter() - start
+    with routed(model, caches) as rows:
+        sync(device)
+        start = time.perf_counter()
+        logits = _last_logits(model, rows, ids, at)
+        tops = logits.argmax(-1).tolist()
+        sync(device)
+        seconds = time.perf_counter() - start
+    return logits, tops, rows.errors, seconds
 
 
 def run_rows(model: torch.nn.Module, rows: Iterable[Row], max_batch: int = 64, tally: Tally | None = None) -> list[Row]:

@@ -1,6 +1,7 @@
 """The tiny run: the real workflow (snakemake CLI of this venv) on a small config, as the tests and
-the benchmarks run it. It lives in the library so that bench/ and tests/ share it without importing
-each other (both import kvbench through the editable install)."""
+the benchmarks run it. It lives in the library so that bench/ and tests/ share it and bench/ never
+imports tests/ (tests load a bench script only to test that script; both import kvbench through
+the editable install)."""
 
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def snakemake(
 ) -> subprocess.CompletedProcess:
     """The snakemake CLI in `workdir`; `slurm=True` runs it through the SLURM executor plugin
     against the fake SLURM in tests/fake_slurm (its state in workdir/.fake_slurm) with
-    `fake_slurm_nodes` nodes, each with this machine's CPUs.
+    `fake_slurm_nodes` nodes that split this machine's CPUs.
 
     On timeout snakemake gets SIGTERM first (it cancels its jobs, as on a real cluster), and any
     fake SLURM job still queued or running is cancelled: nothing outlives a test."""

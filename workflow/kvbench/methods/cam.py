@@ -20,6 +20,10 @@ same positions) or `per_head` (as `snapkv`). Two schedules, either or both:
   in the seed study). kvpress 0.5.5 (the peer bench's pin) rotates every buffered query with the
   current step's RoPE angle; we keep each query's own position, as later kvpress releases do by
   buffering each step's angles. Buffered queries and A are method state, counted in the bytes.
+A is kvpress's: per step, the softmax of the step's queries over every cached key, averaged per
+GQA group, summed over steps (`eviction.attention_received`), kept in fp32 (kvpress sums in the
+model's dtype). The paper's code (zyxxmu/cam `local_cam_mask`) instead averages a start- and
+recent-masked attention over all queries and divides by a maximum, not a window mean.
 """
 
 from __future__ import annotations
