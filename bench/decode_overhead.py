@@ -12,6 +12,7 @@ other load on the machine cancels; the table gives medians.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from kvbench.methods.catalog import build_cache
 from kvbench.models import load_model, load_tokenizer
 from kvbench.provenance import provenance, write_table
 from kvbench.report.blocks import Block
+from kvbench.report.bootstrap import MIN_UNITS
 from kvbench.report.render import fmt
 from kvbench.serve.intervals import bootstrap
 
@@ -117,6 +119,7 @@ def main() -> None:
     )
 
 
+MIN_STEPS = MIN_UNITS  # fewer steps give no interval, and no budget verdict
 # Decode cost per token vs the fp16 `full` at this bench's context: KIVI-2 <= 1.3x, TurboQuant <= 1.5x.
 BUDGETS = {"kivi2": 1.3, "turboquant3": 1.5, "turboquant4": 1.5, "turboquant4-mse": 1.5}
 
@@ -128,8 +131,17 @@ def step_ratios(t: pd.DataFrame, clock: str = "seconds") -> pd.DataFrame:
 
 
 def interval(ratios: pd.Series) -> tuple[float, float]:
-    """95 % bootstrap interval of the median ratio, steps resampled (seeded)."""
+    """95 % bootstrap interval of the median ratio, steps resampled as if independent (seeded): how
+    steady the ratio is over one prompt's steps in one process, not how it varies between prompts
+    or runs. None below MIN_STEPS steps."""
+    if ratios.notna().sum() < MIN_STEPS:
+        return math.nan, math.nan
     return bootstrap(ratios.to_numpy(), np.median)
+
+
+def shown_interval(ratios: pd.Series) -> str:
+    low, high = interval(ratios)
+    return f"{fmt(low)}–{fmt(high)}" if low == low else f"none (n < {MIN_STEPS})"
 
 
 def render(t: pd.DataFrame) -> pd.DataFrame:
@@ -140,9 +152,7 @@ def render(t: pd.DataFrame) -> pd.DataFrame:
     for clock, label in (("seconds", "wall"), ("cpu_seconds", "CPU")):
         columns[f"TPOT / full ({label})"] = step_ratios(t, clock).median()
     wall = step_ratios(t)
-    columns["95 % interval (wall)"] = pd.Series(
-        {m: "–".join(fmt(v) for v in interval(wall[m])) for m in wall.columns if m != "full"}
-    )
+    columns["95 % interval (wall)"] = pd.Series({m: shown_interval(wall[m]) if m != "full" else "—" for m in wall})
     per_method = t.sort_values("step").groupby("method")
     out = pd.DataFrame(
         {
@@ -167,8 +177,7 @@ def render_budgets(t: pd.DataFrame) -> str:
     """Each budgeted method's wall-clock ratio to `full`, with its interval and n, against its budget."""
     wall = step_ratios(t)
     verdicts = [
-        f"{m} {fmt(wall[m].median())}× [{', '.join(fmt(v) for v in interval(wall[m]))}] "
-        f"(budget ≤ {b}×: {budget_verdict(wall[m], b)})"
+        f"{m} {fmt(wall[m].median())}× [{shown_interval(wall[m])}] (budget ≤ {b}×: {budget_verdict(wall[m], b)})"
         for m, b in BUDGETS.items()
         if m in wall.columns
     ]

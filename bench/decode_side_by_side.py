@@ -46,6 +46,7 @@ PEER_OF = {
     "kivi4": "quanto-int4",
 }
 OWN_FULL = {"ours": "full", "peer": "peer-full"}
+MIN_ROUNDS = 5  # a verdict needs every one of at least this many rounds on one side
 
 
 def run_round(setup: dict[str, Any]) -> dict:
@@ -177,8 +178,10 @@ def render(pairs: pd.DataFrame) -> pd.DataFrame:
     DynamicCache and over its own full cache; both sides' bytes after the last step; how often the
     two predict the same next token; the verdict: `yes` only where ours is faster in every round
     while holding at most the peer's bytes (faster with more: by how much), `no` where it is slower
-    in every round, `inconclusive` where the rounds disagree."""
-    faster, slower = pairs.tpot_ratio_max < 1, pairs.tpot_ratio_min > 1
+    in every round, `inconclusive` where the rounds disagree or are fewer than MIN_ROUNDS (a sign
+    test: all of 5 exchangeable rounds fall on one side by chance with probability 1/16 per side)."""
+    enough = pairs.rounds >= MIN_ROUNDS
+    faster, slower = enough & (pairs.tpot_ratio_max < 1), enough & (pairs.tpot_ratio_min > 1)
     extra = 100 * (pairs.bytes_ours / pairs.bytes_peer - 1)
     more = "faster, +" + extra.round(1).astype(str) + " % bytes"
     verdict = np.select([faster & (extra <= 0), faster, slower], ["yes", more, "no"], "inconclusive")

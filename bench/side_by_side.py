@@ -71,6 +71,17 @@ class Dynamic(DynamicCache):
     def attach(self, model: Any) -> list:
         return []
 
+    def decoding(self, on: bool) -> None:
+        """No layer here attends over a stored form (kvbench.decode's loop asks every cache)."""
+
+    def attend(
+        self, index: int, original: Any, module: Any, query: Any, key: Any, value: Any, mask: Any, **kwargs: Any
+    ):
+        """A decode step's attention at layer `index` (kvbench.decode routes each row through its
+        cache): DynamicCache's own update (concatenating), then attention over what it returns."""
+        keys, values = self.update(key, value, index)
+        return original(module, query, keys, values, mask, **kwargs)
+
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for layer in self.layers for t in (layer.keys, layer.values))
 

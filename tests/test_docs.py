@@ -425,12 +425,12 @@ def _top_level(module: Path) -> dict[str, ast.AST]:
     return names
 
 
-def _members(cls: ast.ClassDef) -> set[str]:
-    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+def _members(cls: ast.ClassDef) -> dict[str, ast.AST]:
+    names = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     for n in cls.body:
         if isinstance(n, (ast.Assign, ast.AnnAssign)):
             targets = n.targets if isinstance(n, ast.Assign) else [n.target]
-            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+            names |= {t.id: n for t in targets if isinstance(t, ast.Name)}
     return names
 
 
@@ -446,8 +446,8 @@ def resolves(reference: str) -> bool:
         return True
     module = path / "__init__.py" if path.is_dir() else path
     node = _top_level(module).get(rest[0]) if module.is_file() else None
-    for attr in rest[1:]:
-        node = node if isinstance(node, ast.ClassDef) and attr in _members(node) else None
+    for attr in rest[1:]:  # members of a class, declared in its body (a chain goes on only through classes)
+        node = _members(node).get(attr) if isinstance(node, ast.ClassDef) else None
     return node is not None
 
 
@@ -473,4 +473,4 @@ def test_every_kvbench_name_the_docs_and_docstrings_cite_exists():
 def test_a_stale_kvbench_name_does_not_resolve():
     assert resolves("kvbench.hub.HUB_FILES") and resolves("kvbench.decode.Row.tpot_s")
     assert not resolves("kvbench.models.HUB_FILES") and not resolves("kvbench.harness.generate_scored")
-    assert not resolves("kvbench.decode.Row.no_such_member")
+    assert not resolves("kvbench.decode.Row.no_such_member") and not resolves("kvbench.decode.Row.tokens.tpot_s")

@@ -13,8 +13,9 @@ import pytest
 
 from kvbench.tinyrun import FAKE_SLURM
 
+# A job step through srun (as the SLURM plugin starts each rule) reports its CPUs.
 SCRIPT = """#!/bin/sh
-python3 -c "import os; print(sorted(os.sched_getaffinity(0)), os.environ['SLURM_CPUS_PER_TASK'])" > {out}
+{srun} -n1 python3 -c "import os; print(sorted(os.sched_getaffinity(0)), os.environ['SLURM_CPUS_PER_TASK'])" > {out}
 sleep {sleep}
 """
 
@@ -30,9 +31,12 @@ def test_fake_slurm_runs_jobs_side_by_side_each_confined_to_its_node_cpus(tmp_pa
     env = dict(os.environ) | {"FAKE_SLURM_DIR": str(state), "FAKE_SLURM_NODES": "2", "FAKE_SLURM_HOLD": str(hold)}
     for i in range(3):
         script = tmp_path / f"job{i}.sh"
-        script.write_text(SCRIPT.format(out=tmp_path / f"job{i}.out", sleep=3 if i < 2 else 0))
+        script.write_text(
+            SCRIPT.format(srun=FAKE_SLURM / "srun", out=tmp_path / f"job{i}.out", sleep=3 if i < 2 else 0)
+        )
+        asked = str(len(os.sched_getaffinity(0)))  # more than a node has: it gets its node
         subprocess.run(
-            [str(FAKE_SLURM / "sbatch"), "--parsable", "--cpus-per-task", "16", "-D", str(tmp_path), str(script)],
+            [str(FAKE_SLURM / "sbatch"), "--parsable", "--cpus-per-task", asked, "-D", str(tmp_path), str(script)],
             env=env,
             check=True,
             capture_output=True,
@@ -54,6 +58,8 @@ def test_fake_slurm_runs_jobs_side_by_side_each_confined_to_its_node_cpus(tmp_pa
 
 
 def test_fake_slurm_refuses_more_nodes_than_cpus(tmp_path):
-    env = dict(os.environ) | {"FAKE_SLURM_DIR": str(tmp_path), "FAKE_SLURM_NODES": str(os.cpu_count() * 4 + 1)}
-    result = subprocess.run([str(FAKE_SLURM / "squeue")], env=env, capture_output=True, text=True)
+    nodes = str(len(os.sched_getaffinity(0)) + 1)
+    env = dict(os.environ) | {"FAKE_SLURM_DIR": str(tmp_path), "FAKE_SLURM_NODES": nodes}
+    result = subprocess.run([str(FAKE_SLURM / "sbatch"), "--wrap", "true"], env=env, capture_output=True, text=True)
     assert result.returncode != 0 and "FAKE_SLURM_NODES" in result.stderr
+    assert not (tmp_path / "jobs").exists()  # nothing queued

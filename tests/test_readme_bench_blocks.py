@@ -47,7 +47,7 @@ def header_of(text: str) -> list[str]:
     return [c.strip() for c in next(line for line in text.splitlines() if line.startswith("| ")).strip("|").split("|")]
 
 
-def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(rendered, blocks, tmp_path):
+def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(rendered, blocks, tmp_path, monkeypatch):
     # full's steps 1, 2, 10 s. "skew": 3, 2, 10 -> same-step ratios 3, 1, 1: median 1 (the ratio of
     # medians would be 1.5). "slow": 2, 4, 30 -> ratios 2, 2, 3: median 2 (inverted: 0.5).
     seconds = {"full": [1, 2, 10], "skew": [3, 2, 10], "slow": [2, 4, 30], "same": [1, 2, 10]}
@@ -63,6 +63,10 @@ def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(re
         for m, times in seconds.items()
         for step, s in enumerate(times)
     ]
+    bench = bench_script(REPO, "decode_overhead")
+    few = rendered("decode-overhead", {"bench/decode_overhead.parquet": pd.DataFrame(rows[::-1])})
+    assert dict(zip(header_of(few), row_of(few, "skew")))["95 % interval (wall)"] == "none (n < 5)"  # 3 steps
+    monkeypatch.setattr(bench, "MIN_STEPS", 3)
     text = rendered("decode-overhead", {"bench/decode_overhead.parquet": pd.DataFrame(rows[::-1])})
     header = header_of(text)
     skew, slow = dict(zip(header, row_of(text, "skew"))), dict(zip(header, row_of(text, "slow")))
@@ -80,8 +84,8 @@ def test_decode_overhead_is_the_median_over_steps_of_same_step_ratios_to_full(re
     budgets.assign(**PROV).to_parquet(tmp_path / "bench/decode_overhead.parquet")
     assert render(blocks["decode-overhead-budgets"], tmp_path) == (
         "at 4096 tokens, TPOT over `full`'s (median over 3 steps, 95 % interval): "
-        "kivi2 1× [1, 3] (budget ≤ 1.3×: inconclusive), turboquant4 2× [2, 3] (budget ≤ 1.5×: missed), "
-        "turboquant4-mse 1× [1, 1] (budget ≤ 1.5×: met)"
+        "kivi2 1× [1–3] (budget ≤ 1.3×: inconclusive), turboquant4 2× [2–3] (budget ≤ 1.5×: missed), "
+        "turboquant4-mse 1× [1–1] (budget ≤ 1.5×: met)"
     )
 
 
@@ -143,7 +147,7 @@ def test_peer_block_shows_medians_of_same_round_ratios_ours_over_peer(rendered, 
     assert len(row_of_all(text, "p1k")) == len(side_by_side.PEER_OF)
 
 
-def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(rendered):
+def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(rendered, monkeypatch):
     bench = bench_script(REPO, "decode_side_by_side")
     # Two rounds of two steps. snapkv vs kvpress-snapkv: round 0 (1+3)/(1+1) = 2, round 1 (1+1)/(2+2)
     # = 0.5: median 1.25 (the median of per-step ratios would be 1; of inverted ratios 1.25 too, so
@@ -156,6 +160,10 @@ def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(rendered
         ("quanto-int2", 1): [2, 2],
         ("full", 0): [2, 2],
         ("peer-full", 0): [4, 4],
+        ("snapkv-fp32", 0): [3, 3],  # slower than kvpress-snapkv in both rounds (3 and 1.5)
+        ("snapkv-fp32", 1): [3, 3],
+        ("kivi4", 0): [0.5, 0.5],  # faster than quanto-int4 in both rounds, at its bytes
+        ("kivi4", 1): [0.5, 0.5],
     }
     rows = []
     for method in dict.fromkeys(list(bench.PEER_OF) + list(bench.PEER_OF.values())):
@@ -173,12 +181,18 @@ def test_decode_peer_block_takes_medians_of_summed_steps_ours_over_peer(rendered
                         "next_token": 7 if (method, step) == ("snapkv", 1) else 3,
                     }
                 )
-    text = rendered("peers-decode", {"bench/decode_side_by_side_pairs.parquet": bench.pairs(pd.DataFrame(rows))})
+    table = {"bench/decode_side_by_side_pairs.parquet": bench.pairs(pd.DataFrame(rows))}
+    verdict = "ours faster at ≤ its bytes (every round)"
+    text = rendered("peers-decode", table)
+    two_rounds = [dict(zip(header_of(text), r)) for r in row_of_all(text, "p4k")]
+    assert {row[verdict] for row in two_rounds} == {"inconclusive"}  # 2 rounds < MIN_ROUNDS decide nothing
+    monkeypatch.setattr(bench, "MIN_ROUNDS", 2)
+    text = rendered("peers-decode", table)
     rows_of = {r[2]: dict(zip(header_of(text), r)) for r in row_of_all(text, "p4k")}
     snapkv, kivi2 = rows_of["snapkv"], rows_of["kivi2"]
+    assert rows_of["snapkv-fp32"][verdict] == "no" and rows_of["kivi4"][verdict] == "yes"
     assert snapkv["peer"] == "kvpress-snapkv" and snapkv["steps"] == "2" and snapkv["rounds"] == "2"
     assert snapkv["TPOT ours/peer"] == "1.25" and snapkv["range over rounds"] == "0.5–2.0"
-    verdict = "ours faster at ≤ its bytes (every round)"
     assert snapkv[verdict] == "inconclusive" and snapkv["TPOT ours (s)"] == "1.5"  # rounds' TPOTs 2 and 1
     assert snapkv["same next token %"] == "50"  # step 1 differs in both rounds: 2 of 4 steps agree
     # Over the process's DynamicCache (peer-full: 4 a step in round 0, 1 in round 1): 2/4, 1/1 -> 0.75;

@@ -29,12 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 STATE = Path(os.environ.get("FAKE_SLURM_DIR", ".fake_slurm")).resolve()
-MACHINE_CPUS = sorted(os.sched_getaffinity(0))
 NODES = int(os.environ.get("FAKE_SLURM_NODES", "1"))
-if not 1 <= NODES <= len(MACHINE_CPUS):
-    sys.exit(f"fake slurm: FAKE_SLURM_NODES={NODES}: between 1 and this machine's {len(MACHINE_CPUS)} CPUs")
-# Node n's CPUs: consecutive shares of this machine's, as even as they divide.
-NODE_CPUS = [MACHINE_CPUS[n * len(MACHINE_CPUS) // NODES : (n + 1) * len(MACHINE_CPUS) // NODES] for n in range(NODES)]
 KILL_WAIT_S = float(os.environ.get("FAKE_SLURM_KILL_WAIT_S", "10"))
 HOLD = os.environ.get("FAKE_SLURM_HOLD")
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
@@ -48,6 +43,16 @@ def locked() -> Iterator[None]:
     with open(STATE / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def node_cpus() -> list[list[int]]:
+    """Node n's CPUs: consecutive shares of the submitting process's CPUs, as even as they divide,
+    fixed by the first sbatch (in STATE) so that every runner splits them the same way. Call locked."""
+    path = STATE / "nodes.json"
+    if not path.exists():
+        cpus = sorted(os.sched_getaffinity(0))
+        path.write_text(json.dumps([cpus[n * len(cpus) // NODES : (n + 1) * len(cpus) // NODES] for n in range(NODES)]))
+    return json.loads(path.read_text())
 
 
 def job_file(job_id: int | str) -> Path:
@@ -104,7 +109,14 @@ def sbatch(argv: list[str]) -> int:
         print("sbatch: error: no script and no --wrap", file=sys.stderr)
         return 1
     cpus = options.get("--cpus-per-task") or options.get("-c") or options.get("--cpus-per-gpu") or "1"
+    if not 1 <= NODES <= len(os.sched_getaffinity(0)):
+        print(f"sbatch: error: FAKE_SLURM_NODES={NODES}: between 1 and the CPUs here", file=sys.stderr)
+        return 1
+    if int(cpus) < 1:
+        print(f"sbatch: error: --cpus-per-task={cpus}", file=sys.stderr)
+        return 1
     with locked():
+        node_cpus()
         counter = STATE / "last_id"
         job_id = int(counter.read_text()) + 1 if counter.exists() else 1000
         counter.write_text(str(job_id))
@@ -166,7 +178,7 @@ def _try_start(job_id: int) -> dict[str, Any] | None:
         if older_waiting or (HOLD and Path(HOLD).exists()):
             return None
         taken = {c for j in jobs if j["state"] in ("RUNNING", "STARTING") for c in j["cpu_ids"]}
-        for node, cpus in enumerate(NODE_CPUS):
+        for node, cpus in enumerate(node_cpus()):
             free, need = [c for c in cpus if c not in taken], min(job["cpus"], len(cpus))
             if len(free) >= need:
                 job.update(state="STARTING", node=node, cpus=need, cpu_ids=free[:need])
@@ -194,28 +206,30 @@ def run(job_id: int) -> int:
     }
     if job["gpus"]:
         env["SLURM_GPUS"] = job["gpus"]
-    Path(job["output"]).parent.mkdir(parents=True, exist_ok=True)
-    with open(job["output"], "ab") as out:
-        try:
-            proc = subprocess.Popen(
-                ["/bin/sh", str(STATE / "jobs" / f"{job_id}.sh")],
-                cwd=job["workdir"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=lambda: os.sched_setaffinity(0, job["cpu_ids"]),
-            )
-        except OSError as err:  # the job never started: it fails and frees its CPUs
-            out.write(f"fake slurm: could not start the job: {err}\n".encode())
-            with locked():
-                write_job(read_job(job_id) | {"state": "FAILED", "exit_code": 1, "ended": time.time()})
-            return 0
+    try:
+        Path(job["output"]).parent.mkdir(parents=True, exist_ok=True)
+        out = open(job["output"], "ab")
+        proc = subprocess.Popen(
+            ["/bin/sh", str(STATE / "jobs" / f"{job_id}.sh")],
+            cwd=job["workdir"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, job["cpu_ids"]),
+        )
+    except (OSError, subprocess.SubprocessError) as err:  # the job never started: it fails, its CPUs free
+        with locked():
+            write_job(read_job(job_id) | {"state": "FAILED", "exit_code": 1, "ended": time.time(), "reason": str(err)})
+        return 0
+    with out:
         with locked():
             job = read_job(job_id)
             job.update(state="RUNNING", pgid=proc.pid, started=time.time())
             write_job(job)
+            if job.get("cancel_requested"):  # scancel came while it was starting (no group to signal yet)
+                os.killpg(proc.pid, signal.SIGTERM)
         code = proc.wait()
     with locked():
         job = read_job(job_id)

@@ -279,8 +279,8 @@ def step(
 ) -> tuple[torch.Tensor, list[int], dict[int, str], float]:
     """One decode step: token b at position b through caches[b]. Returns the logits [B, V], the greedy
     picks, the rows whose cache raised and the step's wall time: the forward pass and the greedy pick,
-    what every TPOT here is made of (the inputs and the attention routes are set up before the clock
-    starts, as a peer's bare forward pass has neither)."""
+    what every TPOT here is made of. The inputs and the attention routes are set up before the clock
+    starts; inside the pass, attention still goes row by row through each row's cache."""
     device = next(model.parameters()).device
     ids = torch.tensor([[token] for token in tokens], device=device)
     at = torch.tensor([[position] for position in positions], device=device)
