@@ -340,3 +340,15 @@ def test_turboquant_scores_block_shows_each_methods_measured_errors(rendered, bl
         "at 4 bits the product variant's score bias is -0.0020 (MSE variant +0.0400) but its error spreads 0.91 "
         "against 0.4 (2.27×), giving attention KL 0.22 vs 0.04 and next-token KL 0.32 vs 0.13"
     )
+
+
+def test_a_block_measured_on_uncommitted_changes_says_so(blocks, tmp_path):
+    table = pd.DataFrame({"prompt_id": ["p"], "layer": [0], "head": [0], "kept_ours": [[1]], "kept_kvpress": [[1]]})
+    table = table.assign(shared=1.0, max_relative_score_gap=0.0, context_tokens=8)
+    (tmp_path / "bench").mkdir(parents=True, exist_ok=True)
+    for commit, shown in (
+        ("0123456789abcdef+dirty", "commit 0123456789ab+dirty"),
+        ("0123456789abcdef", "commit 0123456789ab)"),
+    ):
+        table.assign(**(PROV | {"git_commit": commit})).to_parquet(tmp_path / "bench/snapkv_agreement.parquet")
+        assert shown in render(blocks["snapkv-agreement"], tmp_path)
