@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from report_frames import quality, report, system
+from report_frames import fidelity, quality, report, system
 
 from kvbench.report.joined import MEASURED
 from kvbench.report.recommend import NONE, Scenario
@@ -245,3 +245,59 @@ def test_each_protocol_gets_its_own_answer_and_says_which_it_read():
     }
     rows = recs({"memory-bound": MEMORY}, frames=frames).set_index("protocol").best
     assert rows.to_dict() == {"context-only": "turboquant3", "query-aware": "kivi2"}
+
+
+def test_a_pick_not_separated_from_its_runner_up_is_undecided_and_both_are_named():
+    # kivi2 leads turboquant3 by 0.01 on average, but the per-sample differences swing +-0.1: the
+    # paired interval holds 0, so neither is the answer at this n (the old rule named kivi2).
+    scores = quality({"kivi2": {"qa": 0.5}, "turboquant3": {"qa": 0.49}}, samples=12)
+    noise = np.random.default_rng(3).normal(0, 0.1, 12)
+    scores.loc[scores.method == "kivi2", "score"] += noise - noise.mean()
+    only = {"limits": {"quality": {"min": 0.3}}, "prefer": {"max": "quality"}}
+    (row,) = recs({"only": only}, frames={"quality_scores": scores}).to_dict("records")
+    assert row["best"] == "undecided at n = 12 samples: kivi2 or turboquant3" and row["best_candidate"] == "kivi2"
+    assert row["versus_runner_up"] == pytest.approx(0.01) and row["versus_runner_up_n"] == 12
+    assert row["versus_runner_up_low"] < 0 < row["versus_runner_up_high"]
+    assert "includes no-effect" in row["why"] and "paired difference of means" in row["versus_runner_up_test"]
+
+
+def test_a_pick_separated_by_the_paired_difference_is_named_although_the_intervals_overlap():
+    # Both methods swing +-0.2 from sample to sample, the same way; kivi2 is 0.03 above turboquant3 on
+    # every sample: the two intervals overlap, the paired difference does not hold 0.
+    swing = np.random.default_rng(4).normal(0, 0.2, 10)
+    scores = quality({m: {"qa": q} for m, q in {"full": 0.6, "kivi2": 0.6, "turboquant3": 0.57}.items()}, samples=10)
+    for method in ("full", "kivi2", "turboquant3"):
+        scores.loc[scores.method == method, "score"] += swing
+    only = {"limits": {"quality": {"min": 0.3}}, "prefer": {"max": "quality"}}
+    frames = {"quality_scores": scores[scores.method != "full"]}
+    (row,) = recs({"only": only}, frames=frames).to_dict("records")
+    assert (row["best"], row["runner_up"], row["best_candidate"]) == ("kivi2", "turboquant3", "kivi2")
+    assert row["best_ci_low"] < row["runner_up_value"]  # the runner-up's value lies inside the pick's interval
+    assert row["versus_runner_up"] == pytest.approx(0.03) and row["versus_runner_up_low"] > 0
+    assert "(separated)" in row["why"]
+
+
+def test_methods_tied_on_the_preferred_column_are_compared_on_the_tie_break():
+    # Equal quality on every sample: the smaller KV decides, and is what the paired test compares.
+    scores = quality({m: {"qa": 0.5} for m in ("full", "kivi4", "kivi2")}, samples=6)
+    sys_rows = system(
+        {"full": {"kv_bytes_end": 1e6}, "kivi4": {"kv_bytes_end": 0.4e6}, "kivi2": {"kv_bytes_end": 0.25e6}}, prompts=6
+    )
+    keep = {"limits": {"kv_bytes": {"max": 0.5, "relative": True}}, "prefer": {"max": "quality"}}
+    (row,) = recs({"keep": keep}, frames={"system": sys_rows, "quality_scores": scores}).to_dict("records")
+    assert (row["best"], row["runner_up"]) == ("kivi2", "kivi4")
+    assert (
+        "kivi2 / kivi4 on kv_bytes: 0.625" in row["versus_runner_up_test"] and "prompts" in row["versus_runner_up_test"]
+    )
+
+
+def test_a_fidelity_preference_is_compared_by_the_position_weighted_difference():
+    scores = quality({m: {"qa": 0.5} for m in ("full", "kivi4", "kivi2")}, samples=6)
+    agree = fidelity({"kivi4": {"qa": 0.97}, "kivi2": {"qa": 0.9}}, samples=6)
+    agree.loc[agree.method == "kivi2", "top1_agreement"] += np.tile([0.02, -0.02], 3)
+    faithful = {"limits": {"quality": {"min": 0.2}}, "prefer": {"max": "top1_agreement"}}
+    frames = {"quality_scores": scores, "quality_fidelity": agree}
+    (row,) = recs({"faithful": faithful}, frames=frames).to_dict("records")
+    # full agrees with itself (1.0) and leads kivi4 by 0.03 on every sample
+    assert (row["best"], row["runner_up"]) == ("full", "kivi4")
+    assert row["versus_runner_up"] == pytest.approx(0.03) and row["versus_runner_up_low"] > 0

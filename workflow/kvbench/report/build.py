@@ -18,6 +18,7 @@ from kvbench.report.power import DEFAULT_EFFECTS, POWER, power_table
 from kvbench.report.recommend import recommendations, scenarios_from_config
 from kvbench.report.render import html_page
 from kvbench.report.samples import paired_quality, system_units
+from kvbench.report.versus import Versus
 
 
 @dataclass
@@ -170,7 +171,12 @@ def build(tables: Tables, cfg: Mapping[str, Any], methods: Mapping[str, dict], s
         corpora=corpus_table(tables, cfg["kv_dtype"], cfg["kv_codec"]),
         correlations=corr,
         claims=evaluate(evidence),
-        recommendations=recommendations(joined, scenarios_from_config(cfg["scenarios"]), baseline),
+        recommendations=recommendations(
+            joined,
+            scenarios_from_config(cfg["scenarios"]),
+            baseline,
+            Versus(paired, units, baseline, n_boot, seed, level),
+        ),
         stages=stage_status(tables),
         differences=quality_differences(paired, baseline, n_boot, seed, level, effects, power),
         system_ratios=system_ratios(units, system_source, in_process, baseline, n_boot, seed, level, effects, power),

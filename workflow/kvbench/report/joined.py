@@ -90,9 +90,25 @@ def _relative(r: Resample, score: np.ndarray, base: np.ndarray, is_baseline: boo
     return replace(rel, changed=int(np.count_nonzero(np.isfinite(score) & np.isfinite(base) & (score != base))))
 
 
-def _log_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+def log_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where((num > 0) & (den > 0), np.log(num / den), np.nan)
+
+
+def fidelity_units(
+    col: dict[str, np.ndarray], positions: np.ndarray, is_baseline: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(KL, top-1 agreement, first divergence) per sample of one method; the baseline agrees with
+    itself (KL 0, top-1 1, no divergence within the reference continuation's `positions`)."""
+    if is_baseline:
+        known = np.isfinite(positions)
+        return np.where(known, 0.0, np.nan), np.where(known, 1.0, np.nan), positions
+    return col["kl_mean"], col["top1_agreement"], col["first_divergence"]
+
+
+def position_weights(positions: np.ndarray) -> np.ndarray:
+    """Fidelity is pooled over positions: a sample weighs its continuation's length (at least 1)."""
+    return np.nan_to_num(positions, nan=1.0).clip(min=1.0)
 
 
 def quality_side(paired: pd.DataFrame, baseline: str, n_boot: int, seed: int, level: float) -> pd.DataFrame:
@@ -143,12 +159,8 @@ def quality_side(paired: pd.DataFrame, baseline: str, n_boot: int, seed: int, le
                 _relative(r, col["score"], base["score"], method == baseline),
                 level,
             )
-            if method == baseline:
-                known = np.isfinite(positions)
-                kl, top1, fd = np.where(known, 0.0, np.nan), np.where(known, 1.0, np.nan), positions
-            else:
-                kl, top1, fd = col["kl_mean"], col["top1_agreement"], col["first_divergence"]
-            weights = np.nan_to_num(positions, nan=1.0).clip(min=1.0)
+            kl, top1, fd = fidelity_units(col, positions, method == baseline)
+            weights = position_weights(positions)
             kl_est = r.mean(kl, weights) if np.isfinite(kl).any() else None
             top1_est = r.mean(top1, weights) if np.isfinite(top1).any() else None
             _put(out, "kl_mean", kl_est, None, level)
@@ -163,7 +175,7 @@ def quality_side(paired: pd.DataFrame, baseline: str, n_boot: int, seed: int, le
             )
             for c in PER_SAMPLE:
                 measured = np.isfinite(col[c]).any()
-                rel = r.geometric_mean(_log_ratio(col[c], base[c])) if measured and np.isfinite(base[c]).any() else None
+                rel = r.geometric_mean(log_ratio(col[c], base[c])) if measured and np.isfinite(base[c]).any() else None
                 _put(out, c, r.median(col[c]) if measured else None, rel, level)
             rows.append(out)
     return pd.DataFrame(rows)

@@ -15,7 +15,10 @@ what was not measured. A method that failed on any sample of the cell does not q
 empty output is a score of 0, not a failure). Among the methods that qualify the best is the best
 point estimate of the preferred column (it carries its interval and n); methods tied on it are told
 apart by the smaller KV (or, preferring KV, the shorter TTFT); a tie on both is reported as a tie,
-never settled by the name. Each row reads the quality stage's protocol it names (context-only is
+never settled by the name. The pick is named only if it beats the runner-up (the next qualifying
+method) by a paired comparison on the preferred column (or on the tie-break column, when the two
+tie on the preferred one) whose interval excludes no-effect (kvbench.report.versus); otherwise the
+answer is `undecided at n = ...: pick or runner-up`, the leader kept in `best_candidate`. Each row reads the quality stage's protocol it names (context-only is
 the cache-reuse case: a context compressed once and asked many questions); the system stage's
 columns are the same in both.
 """
@@ -24,14 +27,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import pandas as pd
 
 from kvbench.report.joined import MEASURED
+from kvbench.report.versus import Comparison
+
+Compare = Callable[[Mapping[str, Any], Mapping[str, Any], str], Comparison | None]
 
 NONE = "none qualifies"
 UNDECIDED = "undecided at n = {n}"
+NOT_SEPARATED = "undecided at n = {n}: {pick} or {runner}"
 QUALITY_LIMITS = {"quality", "kl_mean", "top1_agreement", "first_divergence"}
 SYSTEM_ONLY = {"decode_tok_s", "peak_memory_mb"}
 MET, FAILS, OPEN, UNMEASURED = "met", "fails", "undecided", "not measured"
@@ -176,7 +183,7 @@ def _undecided_n(rows: list[Mapping[str, Any]], scenario: Scenario) -> str:
     return f"{n:.0f} {unit}"
 
 
-def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dict[str, Any]:
+def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str, versus: Compare) -> dict[str, Any]:
     rows = cell.to_dict("records")
     judged = [(row, *_judge(row, scenario, baseline)) for row in rows]
     sign = -1 if scenario.order == "max" else 1
@@ -200,12 +207,18 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dic
         "qualifying": len(ok),
         "candidates": len(rows),
         "best": NONE,
+        "best_candidate": None,
         "runner_up": None,
         "best_value": math.nan,
         "best_ci_low": math.nan,
         "best_ci_high": math.nan,
         "best_n": math.nan,
         "runner_up_value": math.nan,
+        "versus_runner_up": math.nan,
+        "versus_runner_up_low": math.nan,
+        "versus_runner_up_high": math.nan,
+        "versus_runner_up_n": math.nan,
+        "versus_runner_up_test": None,
         "tied": None,
         "undecided": ", ".join(r["method"] for r in maybe) or None,
     }
@@ -228,6 +241,7 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dic
         name = " = ".join([best["method"], *unresolved]) if unresolved else best["method"]
         out |= {
             "best": f"tie: {name}" if unresolved else name,
+            "best_candidate": name,
             "best_value": best.get(scenario.prefer),
             "best_ci_low": _num(best, f"{scenario.prefer}_low"),
             "best_ci_high": _num(best, f"{scenario.prefer}_high"),
@@ -251,14 +265,28 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dic
             runner = rest[0]
             out |= {"runner_up": runner["method"], "runner_up_value": runner.get(scenario.prefer)}
             why += f"; runner-up {runner['method']} ({_value(runner, scenario.prefer, baseline)})"
-            low, high = _num(runner, f"{scenario.prefer}_low"), _num(runner, f"{scenario.prefer}_high")
-            if (
-                low == low
-                and out["best_ci_low"] == out["best_ci_low"]
-                and low <= out["best_ci_high"]
-                and out["best_ci_low"] <= high
-            ):
-                why += " (their intervals overlap: not separated at this n)"
+            on_tie = key(runner, scenario.prefer) == key(best, scenario.prefer)
+            column, order = (second, "min") if on_tie else (scenario.prefer, scenario.order)
+            comparison = versus(best, runner, column)
+            if comparison is None:
+                why += f"; no paired comparison with it on {column} (no per-unit values)"
+                n = _num(best, f"{column}_n")
+                n_text = f"{n:.0f} {unit_of(best, column)}" if n == n else "?"
+            else:
+                out |= {
+                    "versus_runner_up": comparison.estimate,
+                    "versus_runner_up_low": comparison.low,
+                    "versus_runner_up_high": comparison.high,
+                    "versus_runner_up_n": comparison.n,
+                    "versus_runner_up_test": comparison.text(name, runner["method"]),
+                }
+                why += f"; {comparison.text(name, runner['method'])}"
+                n_text = comparison.n_text
+            if comparison is not None and comparison.favours_pick(order):
+                why += " (separated)"
+            elif not unresolved:
+                out["best"] = NOT_SEPARATED.format(n=n_text, pick=name, runner=runner["method"])
+                why += " (includes no-effect: not separated at this n)" if comparison is not None else ""
         better = [r for r in maybe if preference(r) < preference(best)]
         if better:
             why += (
@@ -291,7 +319,7 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str) -> dic
     return out
 
 
-def recommendations(table: pd.DataFrame, scenarios: list[Scenario], baseline: str) -> pd.DataFrame:
+def recommendations(table: pd.DataFrame, scenarios: list[Scenario], baseline: str, versus: Compare) -> pd.DataFrame:
     rows = []
     cells = ["model", "protocol", "category", "bucket"]
     for scenario in scenarios:
@@ -320,7 +348,7 @@ def recommendations(table: pd.DataFrame, scenarios: list[Scenario], baseline: st
                 {
                     "scenario": scenario.name,
                     **dict(zip(cells, key)),
-                    **recommend_cell(cell, scenario, baseline),
+                    **recommend_cell(cell, scenario, baseline, versus),
                     **common,
                 }
             )
@@ -331,12 +359,18 @@ def recommendations(table: pd.DataFrame, scenarios: list[Scenario], baseline: st
         "category",
         "bucket",
         "best",
+        "best_candidate",
         "runner_up",
         "best_value",
         "best_ci_low",
         "best_ci_high",
         "best_n",
         "runner_up_value",
+        "versus_runner_up",
+        "versus_runner_up_low",
+        "versus_runner_up_high",
+        "versus_runner_up_n",
+        "versus_runner_up_test",
         "tied",
         "undecided",
         "numbers",
