@@ -148,17 +148,12 @@ def step_methods(model, setup: dict) -> dict:
     (next token, seconds)): the peers' (a plain forward through their cache) and our methods
     (`setup["ours"]`: name -> config entry) through kvbench's own cache, hooks and decode step, the
     one every kvbench stage times. Each side's overhead is taken against its own full."""
-    from kvbench.decode import step
+    from kvbench.decode import step_one
     from kvbench.harness import attached
     from kvbench.methods.base import ModelShape
     from kvbench.methods.catalog import build_cache
 
-    def our_step(cache, token: int, position: int) -> tuple[int, float]:
-        _, tops, errors, seconds = step(model, [cache], [token], [position])
-        if errors:
-            raise RuntimeError(errors[0])
-        return tops[0], seconds
-
+    our_step = lambda cache, token, position: step_one(model, cache, token, position)  # noqa: E731
     null = lambda cache: contextlib.nullcontext()  # noqa: E731
     peer_step = lambda cache, token, position: plain_step(model, cache, token, position)  # noqa: E731
     methods = {

@@ -289,3 +289,25 @@ def test_a_method_that_fails_is_a_run_with_its_error_and_the_job_goes_on(model, 
 def test_context_buckets_scale_to_the_model():
     assert [context_bucket(t, 8192) for t in (100, 4095, 4096, 8191, 9000)] == ["0-4k", "0-4k", "4-8k", "4-8k", "8k+"]
     assert [context_bucket(t, 131072) for t in (3000, 5000, 10000)] == ["0-4k", "4-8k", "8k+"]
+
+
+def test_a_bench_step_picks_what_generate_picks_and_raises_what_the_cache_raised(model, ids):
+    from kvbench.decode import step_one
+    from kvbench.methods.catalog import build_cache
+    from kvbench.harness import prefill
+
+    cache = build_cache({"kind": "full"}, ModelShape.of(model.config))
+    with torch.inference_mode():
+        logits, _ = prefill(model, cache, ids)
+    first = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+    expected = generate(model, {"kind": "full"}, ids, 2)["tokens"]
+    with torch.inference_mode():
+        top, seconds = step_one(model, cache, first, len(ids))
+    assert [first, top] == expected and seconds > 0
+
+    def broken(*args, **kwargs):
+        raise ValueError("layer lost")
+
+    cache.attend = broken
+    with pytest.raises(RuntimeError, match="ValueError: layer lost"), torch.inference_mode():
+        step_one(model, cache, top, len(ids) + 1)

@@ -294,6 +294,15 @@ def step(
     return logits, tops, rows.errors, seconds
 
 
+def step_one(model: torch.nn.Module, cache: MethodCache, token: int, position: int) -> tuple[int, float]:
+    """`step` for one cache (the benches' loop): (the greedy pick, the step's wall time); a cache
+    that raised raises here, since a bench has no row to record it in."""
+    _, tops, errors, seconds = step(model, [cache], [token], [position])
+    if errors:
+        raise RuntimeError(errors[0])
+    return tops[0], seconds
+
+
 def run_rows(model: torch.nn.Module, rows: Iterable[Row], max_batch: int = 64, tally: Tally | None = None) -> list[Row]:
     """Decode every row (and the rows they branch) to its end, at most `max_batch` rows per step.
     Each row starts from its `logits`; a spawned free row joins the next step."""
