@@ -293,8 +293,8 @@ def test_context_buckets_scale_to_the_model():
 
 def test_a_bench_step_picks_what_generate_picks_and_raises_what_the_cache_raised(model, ids):
     from kvbench.decode import step_one
-    from kvbench.methods.catalog import build_cache
     from kvbench.harness import prefill
+    from kvbench.methods.catalog import build_cache
 
     cache = build_cache({"kind": "full"}, ModelShape.of(model.config))
     with torch.inference_mode():
