@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 import yaml
 from report_frames import fidelity, quality, report, system
+from scipy import stats
 
 from kvbench.report.joined import MEASURED
 from kvbench.report.recommend import NONE, Scenario
@@ -210,19 +211,44 @@ def test_a_better_method_still_undecided_is_named_next_to_the_pick():
     assert row["best"] == "kivi4" and "kivi2 might do better but is undecided at n = 8 samples" in row["why"]
 
 
-def test_a_relative_quality_that_differs_from_the_baseline_on_few_samples_is_undecided():
-    # 0/1 scores: kivi4 misses 4 of 100 samples full answers (0.96x full). The bootstrap's interval
-    # would put the ratio above 0.90 (drawing none of the 4 is rare); an exact sign test on 4
-    # changed samples cannot decide anything, so neither may the limit.
+def rel_interval(scores: pd.DataFrame, method: str) -> tuple[float, float]:
+    row = report({"quality_scores": scores}).methods.set_index("method").loc[method]
+    return row.quality_rel_low, row.quality_rel_high
+
+
+def test_a_relative_quality_that_differs_from_the_baseline_on_few_samples_gets_an_exact_bound():
+    # 0/1 scores: kivi4 misses 4 of 100 samples full answers (0.96x full). The bootstrap would put
+    # the ratio within ~0.92-1.0 (drawing none of the 4 is rare); the exact bound (the share of
+    # samples that differ <= its Clopper-Pearson bound, each costing at most 1) is 0.90 to 1.10:
+    # a 0.95 limit stays undecided, a 0.85 limit is met.
     scores = quality({"full": {"qa": 1.0}, "kivi4": {"qa": 1.0}}, samples=100, spread=0.0)
     scores.loc[(scores.method == "kivi4") & (scores["sample"] < 4), "score"] = 0.0
-    keep = {"limits": {"quality": {"min": 0.90, "relative": True}}, "prefer": {"max": "quality"}}
+    keep = {"limits": {"quality": {"min": 0.95, "relative": True}}, "prefer": {"max": "quality"}}
     (row,) = recs({"keep": keep}, frames={"quality_scores": scores}).to_dict("records")
     assert row["undecided"] == "kivi4" and row["qualifying"] == 1 and row["best"] == "full"
-    # from 5 changed samples on, the interval decides again
+    p = stats.beta.ppf(0.975, 5, 96)
+    assert rel_interval(scores, "kivi4") == pytest.approx((1 - p, 1 + p))
+    loose = {"limits": {"quality": {"min": 0.85, "relative": True}}, "prefer": {"min": "quality"}}
+    (row,) = recs({"loose": loose}, frames={"quality_scores": scores}).to_dict("records")
+    assert row["undecided"] is None and row["qualifying"] == 2 and row["best_candidate"] == "kivi4"
+    # from 5 changed samples on, the bootstrap decides again (its interval is narrower)
     scores.loc[(scores.method == "kivi4") & (scores["sample"] < 5), "score"] = 0.0
-    (row,) = recs({"keep": keep}, frames={"quality_scores": scores}).to_dict("records")
+    (row,) = recs(
+        {"keep": {**keep, "limits": {"quality": {"min": 0.90, "relative": True}}}}, frames={"quality_scores": scores}
+    ).to_dict("records")
     assert row["undecided"] is None and row["qualifying"] == 2
+
+
+def test_a_method_equal_to_the_baseline_on_every_sample_is_decided_once_n_bounds_it():
+    # no sample differs: 8 samples bound the ratio only to [0.63, 1.37] (p <= 0.37 at 97.5 %),
+    # 100 samples to [0.96, 1.04]
+    keep = {"limits": {"quality": {"min": 0.95, "relative": True}}, "prefer": {"max": "quality"}}
+    for n, decided in ((8, False), (100, True)):
+        scores = quality({"full": {"qa": 1.0}, "kivi4": {"qa": 1.0}}, samples=n, spread=0.0)
+        (row,) = recs({"keep": keep}, frames={"quality_scores": scores}).to_dict("records")
+        assert (row["qualifying"] == 2) == decided and (row["undecided"] is None) == decided
+        p = stats.beta.ppf(0.975, 1, n)
+        assert rel_interval(scores, "kivi4") == pytest.approx((1 - p, 1 + p))
 
 
 def test_too_few_units_leave_every_answer_undecided():

@@ -134,6 +134,8 @@ class Estimate:
     n_units: int | None = None
     mask: np.ndarray | None = field(default=None, repr=False, compare=False)
     restrict: Callable[[np.ndarray], "Estimate"] | None = field(default=None, repr=False, compare=False)
+    # level -> (low, high): an exact bound for when too few units differ for the bootstrap
+    exact: Callable[[float], tuple[float, float]] | None = field(default=None, repr=False, compare=False)
 
     def __sub__(self, other: "Estimate") -> "Estimate":
         a, b = self, other
@@ -153,8 +155,24 @@ class Estimate:
         few units (fewer than MIN_UNITS differ): the bootstrap's tail there is the chance of drawing
         none of them, far thinner than an exact sign test's."""
         if self.changed is not None and self.changed < MIN_UNITS:
+            if self.exact is not None and self.n >= MIN_UNITS:
+                low, high = self.exact(level)
+                return Interval(self.estimate, low, high, self.n, math.nan, math.nan, level, null, self.n_units)
             return replace(interval(self.estimate, self.draws, 0, level, null, self.n_units), n=self.n)
         return interval(self.estimate, self.draws, self.n, level, null, self.n_units)
+
+
+def sparse_ratio_bound(changed: int, n: int, base_mean: float, score_range: float, level: float) -> tuple[float, float]:
+    """An exact bound for a paired ratio of means (method / baseline) over n units of which only
+    `changed` differ, each difference within +-score_range: the share of units that differ is at
+    most its Clopper-Pearson bound p at one-sided (1 + level) / 2, so the mean difference lies
+    within +-p * score_range and the ratio within 1 +- p * score_range / base_mean. It ignores
+    the direction of the differences seen, so it is wide, but unlike the bootstrap it does not
+    call a handful of changed units (or none) a precise ratio."""
+    if n <= 0 or not base_mean > 0:
+        return math.nan, math.nan
+    p = 1.0 if changed >= n else float(special.betaincinv(changed + 1, n - changed, (1 + level) / 2))
+    return 1 - p * score_range / base_mean, 1 + p * score_range / base_mean
 
 
 def _present(*vectors: np.ndarray) -> np.ndarray:

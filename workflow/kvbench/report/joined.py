@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.kv.summary import pooled_ratios
-from kvbench.report.bootstrap import Estimate, Resample
+from kvbench.report.bootstrap import Estimate, Resample, sparse_ratio_bound
 from kvbench.report.cells import ALL, quality_panel, system_panel
 from kvbench.report.contracts import CONTRACTS, DEFAULT_PROTOCOL, Tables
 from kvbench.report.samples import CONTROL_CORPUS, paired_quality, system_units
@@ -37,6 +37,7 @@ MEASURED = [
     "peak_memory_mb",
 ]
 BOUNDS = ["low", "high", "rel_low", "rel_high", "n"]
+SCORE_RANGE = 1.0  # every task metric scores a sample in [0, 1] (kvbench.quality.metrics)
 
 
 def _sources(tables: Tables, *names: str) -> str:
@@ -82,12 +83,26 @@ def _put(out: dict, column: str, value: Estimate | None, rel: Estimate | None, l
 
 def _relative(r: Resample, score: np.ndarray, base: np.ndarray, is_baseline: bool) -> Estimate:
     """The ratio of mean scores to the baseline's on the same samples, with the samples where the
-    two differ (`changed`): fewer than MIN_UNITS give no interval (a sparse 0/1 difference), as for
-    a difference of means. The baseline's own ratio is 1 by definition."""
+    two differ (`changed`). Where fewer than MIN_UNITS differ (a sparse 0/1 difference, or none)
+    the bootstrap's interval would be far too narrow: the interval is then the exact bound of
+    kvbench.report.bootstrap.sparse_ratio_bound over the units (documents where they are
+    resampled: a document counts as changed if any of its samples is), scores lying in
+    [0, SCORE_RANGE]. The baseline's own ratio is 1 by definition."""
     rel = r.ratio(score, base)
     if is_baseline:
         return rel
-    return replace(rel, changed=int(np.count_nonzero(np.isfinite(score) & np.isfinite(base) & (score != base))))
+    both = np.isfinite(score) & np.isfinite(base)
+    differ = both & (score != base)
+    if r.clusters is None:
+        units, changed = int(both.sum()), int(differ.sum())
+    else:
+        units, changed = len(np.unique(r.clusters[both])), len(np.unique(r.clusters[differ]))
+    base_mean = float(base[both].mean()) if both.any() else math.nan
+
+    def exact(level: float) -> tuple[float, float]:
+        return sparse_ratio_bound(changed, units, base_mean, SCORE_RANGE, level)
+
+    return replace(rel, changed=int(differ.sum()), exact=exact)
 
 
 def log_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

@@ -6,8 +6,9 @@ A scenario (config `report.scenarios`) is a set of limits on measured columns of
 table, absolute or relative to the baseline method, and the column to prefer among the methods
 that meet them. A method meets a limit only if its interval's unfavourable end does (the upper end
 for a maximum, the lower for a minimum: a one-sided bound at (1 + level) / 2); an interval that
-straddles the limit, or a point without an interval (too few units, or a ratio to the baseline
-that differs from it on fewer than MIN_UNITS samples: see kvbench.report.bootstrap.Estimate), is
+straddles the limit, or a point without an interval (too few units: see
+kvbench.report.bootstrap.Estimate; a relative quality that differs from the baseline's on a few
+samples only has an exact bound instead, kvbench.report.bootstrap.sparse_ratio_bound), is
 undecided, and a cell where no method qualifies but some are undecided says `undecided at n = ...`. A limit on
 a column this run did not measure cannot be met, and neither can the preferred column (a method is
 never named best on a number nobody measured): the answer then says "none qualifies" and names
