@@ -352,7 +352,17 @@ def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
     warm = table.loc["all"]
     assert warm.warmup_vs_recompute == pytest.approx(2.0)
     assert pd.isna(warm.warmup_vs_recompute_ci_low) and pd.isna(warm.warmup_vs_recompute_ci_high)  # < 5 pairs
-    assert (warm.warmup_vs_recompute_n, warm.warmup_vs_recompute_paired_by) == (4, "document")
+    assert (warm.warmup_vs_recompute_n, warm.warmup_vs_recompute_paired_by) == (4, "document (recompute)")
+    # with a prefix warm-up (the same cold prefill, the round before) the warm-up pairs with it instead
+    prefix = [
+        request("prefix", "-", "warmup", d, False, "p", f"p{d}", ttft=4 * (ttfts[d] + ttfts[d + 4]) / 2)
+        | {"doc_id": f"d{d}"}
+        for d in range(4)
+    ]
+    requests = compare_outputs(join_transfers(pd.DataFrame(rows + prefix), transfers))
+    warm = offload_table(requests, transfers, pd.DataFrame(), KV).set_index("codec").loc["all"]
+    assert warm.warmup_vs_recompute == pytest.approx(0.5) and warm.warmup_recompute_n == 4
+    assert warm.warmup_vs_recompute_paired_by == "document (prefix warm-up)"
 
 
 def test_a_level_that_ran_fewer_codecs_says_its_pick_is_among_those(monkeypatch):

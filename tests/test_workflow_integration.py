@@ -508,28 +508,34 @@ def test_hits_load_whole_chunks_and_lossless_codecs_answer_as_recompute(run):
         assert (workdir / f"results/serve/{figure}.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_valkey_killed_and_restarted_costs_recomputes_not_requests_then_loads_again(run):
-    """The fault round: a document loads (before); Valkey is killed with the run's chunks in it and
-    started again, empty, on its port; the same document is a miss that is answered as recompute
-    answers (after-restart) and stored again; then it loads from the new store (reloaded)."""
+def test_valkey_killed_mid_round_costs_recomputes_not_requests_then_loads_again(run):
+    """The fault round: a document loads (before); in the next pass (the document twice) Valkey is
+    killed with the run's chunks in it at the first request's first token, while it streams, and
+    started again, empty, on its port; the second request finds nothing and is answered as
+    recompute answers, and stored again; then the document loads from the new store (reloaded)."""
     workdir, config = run
     requests = read(workdir, "results/serve/requests.parquet")
-    fault = requests[requests["round"] == "fault"].set_index("phase")
-    assert list(fault.index) == ["before", "after-restart", "reloaded"]
+    fault = requests[requests["round"] == "fault"].sort_values(["phase", "index"]).set_index("phase")
+    assert sorted(fault.index) == ["before", "during", "during", "reloaded"]
     assert fault.error.isna().all() and fault.ttft_s.notna().all() and fault.doc_id.nunique() == 1
-    before, after, again = (fault.loc[p] for p in ("before", "after-restart", "reloaded"))
-    assert before.kv_loaded and before.loaded_chunks > 0 and not after.kv_loaded and after.cached_tokens == 0
+    before, again = fault.loc["before"], fault.loc["reloaded"]
+    streaming, after = (row for _, row in fault.loc[["during"]].iterrows())
+    assert before.kv_loaded and before.loaded_chunks > 0 and streaming.kv_loaded  # loaded before the kill
+    assert not after.kv_loaded and after.cached_tokens == 0  # the store it found was the empty one
     assert again.kv_loaded and again.loaded_chunks == before.loaded_chunks
     # answered as recompute answers (NA would mean no reference: a failure too), lossless codec
     assert fault.output_matches_recompute.notna().all() and fault.output_matches_recompute.astype(bool).all()
     metrics = read(workdir, "results/serve/server_metrics.parquet")
-    lost = metrics[(metrics["round"] == "fault") & (metrics.phase == "after-restart")].lost_chunks
-    assert len(lost) == 1 and lost.iloc[0] > 0
+    during = metrics[(metrics["round"] == "fault") & (metrics.phase == "during")]
+    assert len(during) == 1 and during.lost_chunks.iloc[0] > 0 and during.killed_at_request.iloc[0] == 0
+    # killed while the first request streamed: after its start, before its end
+    assert streaming.start < during.killed_at.iloc[0] < streaming.end and during.down_s.iloc[0] > 0
     offload = read(workdir, "results/serve/offload.parquet").set_index(["backend", "codec", "corpus"])
     row = offload.loc[("valkey", config["serve"]["codecs"][0], config["serve"]["corpora"][0])]
-    assert row.fault_requests == 3 and row.fault_lost_chunks == lost.iloc[0] and row.load_failures == 0
+    assert row.fault_requests == 4 and row.fault_lost_chunks == during.lost_chunks.iloc[0] and row.fault_errors == 0
+    assert row.load_failures == 0
     log = (workdir / "logs/serve/main.log").read_text()
-    assert "fault: killing valkey" in log
+    assert "fault: valkey killed at request 0's first token" in log
 
 
 def process_group(pgid):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import aiohttp
 
@@ -32,8 +32,16 @@ def chat_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     }
 
 
+FirstToken = Callable[[int], None]
+
+
 async def _one(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], gate: asyncio.Semaphore
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    gate: asyncio.Semaphore,
+    index: int,
+    on_first_token: FirstToken | None,
 ) -> dict[str, Any]:
     async with gate:
         row: dict[str, Any] = {"start": time.time(), "ttft_s": None, "error": None}
@@ -54,6 +62,8 @@ async def _one(
                             text = (choice.get("delta") or {}).get("content") or ""
                             if text and row["ttft_s"] is None:
                                 row["ttft_s"] = time.perf_counter() - start
+                                if on_first_token is not None:
+                                    on_first_token(index)
                             texts.append(text)
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             row["error"] = f"{type(err).__name__}: {err}"
@@ -67,13 +77,20 @@ async def _one(
 
 
 async def _all(
-    base_url: str, bodies: Sequence[dict[str, Any]], max_inflight: int, timeout_s: float, api_key: str | None
+    base_url: str,
+    bodies: Sequence[dict[str, Any]],
+    max_inflight: int,
+    timeout_s: float,
+    api_key: str | None,
+    on_first_token: FirstToken | None,
 ) -> list[dict[str, Any]]:
     gate = asyncio.Semaphore(max_inflight)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, headers=bearer(api_key)) as session:
         url = f"{base_url}/v1/chat/completions"
-        return list(await asyncio.gather(*(_one(session, url, body, gate) for body in bodies)))
+        return list(
+            await asyncio.gather(*(_one(session, url, body, gate, i, on_first_token) for i, body in enumerate(bodies)))
+        )
 
 
 def send_all(
@@ -82,7 +99,9 @@ def send_all(
     max_inflight: int,
     timeout_s: float = 900,
     api_key: str | None = None,
+    on_first_token: FirstToken | None = None,
 ) -> list[dict[str, Any]]:
     """One row per body, in order; a failed request is a row with its error, never dropped.
-    `api_key`: the server's (sent as a bearer token)."""
-    return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s, api_key))
+    `api_key`: the server's (sent as a bearer token); `on_first_token(i)`: called in the client's
+    event loop when request i streams its first token (the other requests wait while it runs)."""
+    return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s, api_key, on_first_token))

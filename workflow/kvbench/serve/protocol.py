@@ -17,7 +17,7 @@ class Planned:
     doc_id: str
     prompt: str
     miss: bool  # a query-round request with a unique prefix
-    phase: str | None = None  # fault round: before the kill, after the restart, reloaded
+    phase: str | None = None  # fault round: before, during (killed and restarted), reloaded
 
 
 def parse_ratio(text: str) -> tuple[int, int]:

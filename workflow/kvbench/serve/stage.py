@@ -8,7 +8,7 @@ backend x codec a round per level, with enough requests for `hits_per_cell` hits
 round per backend at `max_inflight` (Valkey with the first codec). After every Valkey round the
 stage waits until the store's tally of queued chunks is 0, so background stores never overlap the
 next round. The dummy-weights server runs the Valkey warm-up and query rounds; the fault round
-(main server) kills Valkey between two passes and starts it again.
+(main server) kills Valkey in the middle of a pass, while a request streams, and starts it again.
 """
 
 from __future__ import annotations
@@ -115,9 +115,12 @@ class Rounds:
         planned: list[Planned],
         params: Callable[[Planned, str, str], dict[str, Any]],
         concurrency: int,
+        fault: "MidRoundKill | None" = None,
         **extra: Any,
     ) -> None:
-        """One round at `concurrency` requests in flight; Valkey rounds end when their stores have."""
+        """One round at `concurrency` requests in flight; Valkey rounds end when their stores have.
+        `fault`: kills and restarts Valkey at the round's first token (its timings go in the round's
+        metrics)."""
         tags = [
             f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.c{concurrency}.{p.phase or ''}.{p.index}"
             for p in planned
@@ -125,8 +128,9 @@ class Rounds:
         bodies = [chat_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
         before = scrape(self.base_url)
         start = time.monotonic()
-        results = send_all(self.base_url, bodies, concurrency, api_key=self.api_key)
+        results = send_all(self.base_url, bodies, concurrency, api_key=self.api_key, on_first_token=fault)
         round_s = time.monotonic() - start
+        extra |= fault.info if fault is not None else {}
         flush_s = self.flush() if backend == "valkey" else 0.0
         server = delta(before, scrape(self.base_url))
         key = {
@@ -444,21 +448,42 @@ def _main_rounds(
         _fault_round(r, s, docs, store)
 
 
+class MidRoundKill:
+    """Kills the stage's Valkey (SIGKILL) when the round's first request streams its first token
+    (its chunks loaded, the request still decoding, the round's other requests queued or in
+    flight) and starts it again, empty, on the same port, before the client reads on: the
+    requests after it find the store gone or empty."""
+
+    def __init__(self, store: RestartableValkey) -> None:
+        self.store, self.info = store, {}
+
+    def __call__(self, index: int) -> None:
+        if self.info:
+            return
+        start = time.time()
+        self.store.kill()
+        self.store.restart()
+        self.info = {"killed_at": start, "killed_at_request": index, "down_s": time.time() - start}
+        note(f"fault: valkey killed at request {index}'s first token, back after {self.info['down_s']:.2f} s")
+
+
 def _fault_round(
     r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]], store: RestartableValkey | ValkeyAddress | None
 ) -> None:
-    """Every document of the first load corpus loads (pass `before`); Valkey is killed (SIGKILL)
-    with every chunk of the run in it, and started again, empty, on the same port; each document
-    is asked again (`after-restart`: a hit that finds nothing, recomputed and stored again), and
-    once more (`reloaded`: loaded from the restarted store)."""
+    """Every document of the first load corpus loads (pass `before`); then each is asked twice
+    (`during`) and Valkey, with every chunk of the run in it, is killed and started again, empty,
+    at the first token of that pass's first request (MidRoundKill): the requests after it are hits
+    that find nothing, recomputed and stored again; then each once more (`reloaded`: loaded from
+    the restarted store)."""
     if not isinstance(store, RestartableValkey):
         raise ValueError("serve.fault_round kills Valkey: it needs the stage's own server (serve.valkey.url: null)")
     corpus = next((c for c in s.corpora if c in s.load["corpora"]), s.corpora[0])
     codec = next((c for c in s.codecs if is_lossless(c)), s.headline)  # lossless: a wrong load would show
     params = r.params("valkey", codec, [codec])
 
-    def fault_pass(phase: str, **extra: Any) -> None:
-        planned = [Planned("fault", i, doc, text, False, phase) for i, (doc, text) in enumerate(docs[corpus].items())]
+    def fault_pass(phase: str, times: int = 1, **extra: Any) -> None:
+        items = list(docs[corpus].items()) * times
+        planned = [Planned("fault", i, doc, text, False, phase) for i, (doc, text) in enumerate(items)]
         r.run("valkey", codec, corpus, planned, params, s.max_inflight, **extra)
 
     fault_pass("before")
@@ -468,11 +493,9 @@ def _fault_round(
         for key in client.scan_iter(match=f"kvbench:{r.run_id}:*", count=1000)
         if key.decode() != pending_key(r.run_id)
     )
-    note(f"fault: killing valkey (SIGKILL) with {lost} chunks of this run in it, then starting it again")
-    store.kill()
-    store.restart()
+    note(f"fault: {lost} chunks of this run in valkey; it is killed at the next pass's first token")
+    fault_pass("during", times=2, fault=MidRoundKill(store), lost_chunks=lost)
     note(f"fault: valkey pid {store.proc.pid} at {store.url}")
-    fault_pass("after-restart", lost_chunks=lost)
     fault_pass("reloaded")
 
 

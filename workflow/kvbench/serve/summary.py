@@ -169,31 +169,35 @@ def _first_level(group: pd.DataFrame) -> pd.DataFrame:
 def _versus_recompute(
     requests: pd.DataFrame, rows: pd.DataFrame, weights: str, corpus: str, seed: int, warmup: bool
 ) -> dict:
-    """median TTFT of `rows` / median TTFT of recompute's query requests at the same concurrency
-    (same weights and corpus), paired: a query-round request with recompute's request of the same
-    place in the round (every cell of a level runs the same plan), a warm-up request with recompute's
-    median on the same document (taken as exact); the interval resamples the pairs. The pairs share
-    their prompts, not their time: the rounds ran one after another, so drift between them is in the
-    ratio and not in its interval. Both n: pairs, recompute's requests."""
+    """median TTFT of `rows` / a recompute's median TTFT, paired. A query-round request pairs with
+    recompute's request at the same place of the same round plan (every cell of a level runs the
+    same plan, at the same concurrency). A warm-up request pairs by document with the prefix
+    warm-up, where the server ran one: the same cold prefill of the same document with nothing
+    stored outside vLLM, in the round just before (the query rounds run minutes later); else with
+    recompute's median on the document (taken as exact). The interval resamples the pairs. The
+    pairs share their prompts, not their time: rounds run one after another, so drift between
+    them is in the ratio and not in its interval. Both n: pairs, the reference's requests."""
     level = rows.concurrency.min() if len(rows) else None
-    ref = requests[
-        (requests.backend == "recompute")
-        & (requests.weights == weights)
-        & (requests.corpus == corpus)
-        & (requests["round"] == "query")
-        & (requests.concurrency == level)
-    ]
+    mine = (requests.weights == weights) & (requests.corpus == corpus)
+    prefix = requests[mine & (requests.backend == "prefix") & (requests["round"] == "warmup")]
+    if warmup and len(prefix):
+        ref, paired_by = prefix, "document (prefix warm-up)"
+    else:
+        ref = requests[
+            mine & (requests.backend == "recompute") & (requests["round"] == "query") & (requests.concurrency == level)
+        ]
+        paired_by = "document (recompute)" if warmup else "request"
     by = "doc_id" if warmup else "index"
     # one request per index in a round (the median of one); several per document
-    mine, theirs = rows.groupby(by).ttft_s.median(), ref.groupby(by).ttft_s.median()
-    pairs = pd.concat([mine.rename("a"), theirs.rename("b")], axis=1, join="inner")
+    measured, theirs = rows.groupby(by).ttft_s.median(), ref.groupby(by).ttft_s.median()
+    pairs = pd.concat([measured.rename("a"), theirs.rename("b")], axis=1, join="inner")
     ratio, low, high, n = paired_ratio_of_medians(pairs.a.to_numpy(), pairs.b.to_numpy(), seed)
     return {
         "vs_recompute": ratio,
         "vs_recompute_ci_low": low,
         "vs_recompute_ci_high": high,
         "vs_recompute_n": n,
-        "vs_recompute_paired_by": "request" if by == "index" else "document",
+        "vs_recompute_paired_by": paired_by,
         "recompute_n": len(ref),
     }
 
@@ -287,6 +291,9 @@ def offload_table(
             )
             if "lost_chunks" in fault and fault.lost_chunks.notna().any():
                 row["fault_lost_chunks"] = int(fault.lost_chunks.max())
+            if "down_s" in fault and fault.down_s.notna().any():
+                row["fault_down_s"] = float(fault.down_s.max())
+            row["fault_errors"] = int(group[group["round"] == "fault"].error.notna().sum())
         if backend == "example" and "disk_bytes_written" in metrics:
             written = metrics[(metrics.backend == backend) & (metrics.corpus == corpus)].disk_bytes_written
             row |= {"wire_bytes": int(written.sum())}
