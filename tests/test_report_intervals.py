@@ -47,15 +47,18 @@ def test_differences_pair_each_sample_with_the_reference():
     scores.loc[failed, ["score", "error"]] = [math.nan, "OOM"]
     diff = quality_differences(paired_quality(tables(quality_scores=scores), "full"), "full", 500, 1, 0.95)
     row = _row(diff, method="kivi2", category="qa", bucket="0-4k", quantity="score")
-    assert row.difference == pytest.approx(-0.1) and (row.ci_low, row.ci_high) == (pytest.approx(-0.1),) * 2
+    assert row.difference == pytest.approx(-0.1)
+    # 5 pairs, all 0.1 apart: even an exact sign test could not decide (p = 2 / 2^5), so no interval
+    assert math.isnan(row.ci_low) and math.isnan(row.ci_high) and math.isnan(row.p_value)
     assert (row.n, row.failed) == (5, 1)  # the failed sample is counted, and left out of the pairs
     # over the 5 paired samples (sample 0, +0.02 for both, left out)
     assert row.reference_value == pytest.approx(0.596) and row.value == pytest.approx(0.496)
     pooled = _row(diff, method="kivi2", category="all", bucket="all", quantity="score")
     assert pooled.n == 11 and pooled.difference == pytest.approx(-0.1)
+    assert (pooled.ci_low, pooled.ci_high) == (pytest.approx(-0.1),) * 2  # 11 pairs: the bootstrap reads them
     assert set(diff.protocol) == {"query-aware"} and "full" not in set(diff.method)
     assert (diff.level == 0.95).all() and (diff.bootstrap_seed == 1).all()
-    assert diff[diff.method == "kivi2"].p_value.notna().all()
+    assert diff[(diff.method == "kivi2") & (diff.category != "qa")].p_value.notna().all()
     # kivi4 scores as full on every sample: a difference of 0 everywhere has no interval to read
     assert diff[(diff.method == "kivi4") & (diff.quantity == "score")].ci_low.isna().all()
 

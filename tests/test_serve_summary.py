@@ -359,6 +359,14 @@ def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
         | {"doc_id": f"d{d}"}
         for d in range(4)
     ]
+    # neither the prefix backend's query round nor another corpus's warm-up is the reference
+    prefix += [
+        request("prefix", "-", "query", d, True, "pq", f"pq{d}", ttft=100.0) | {"doc_id": f"d{d}"} for d in range(4)
+    ]
+    prefix += [
+        request("prefix", "-", "warmup", d, False, "po", f"po{d}", ttft=100.0) | {"doc_id": f"d{d}", "corpus": "other"}
+        for d in range(4)
+    ]
     requests = compare_outputs(join_transfers(pd.DataFrame(rows + prefix), transfers))
     warm = offload_table(requests, transfers, pd.DataFrame(), KV).set_index("codec").loc["all"]
     assert warm.warmup_vs_recompute == pytest.approx(0.5) and warm.warmup_recompute_n == 4

@@ -30,6 +30,10 @@ import numpy as np
 from scipy import special
 
 MIN_UNITS = 5  # fewer units give no interval: a resample of 3 samples has 10 distinct values
+# A paired difference that is 0 on all but fewer than this many units gets no bootstrap interval:
+# with 5 changes all in one direction an exact sign test gives p = 2 / 2^5 = 0.0625, while the
+# bootstrap's tail (the chance of drawing none of them) says far less.
+MIN_CHANGED = 6
 TAIL_DRAWS = 20  # a tail holding fewer draws is extrapolated from a normal fit
 
 
@@ -151,10 +155,11 @@ class Estimate:
         return Estimate(a.estimate - b.estimate, a.draws - b.draws, min(a.n, b.n), units, changed, n_units)
 
     def interval(self, level: float, null: float = 0.0) -> Interval:
-        """The interval and p-value for `null`; none for a paired difference that is 0 on all but a
-        few units (fewer than MIN_UNITS differ): the bootstrap's tail there is the chance of drawing
-        none of them, far thinner than an exact sign test's."""
-        if self.changed is not None and self.changed < MIN_UNITS:
+        """The interval and p-value for `null`; for a paired difference that is 0 on all but a few
+        units (fewer than MIN_CHANGED differ) the `exact` bound where the estimate has one (no
+        p-value), else none: the bootstrap's tail there is the chance of drawing none of them, far
+        thinner than an exact sign test's."""
+        if self.changed is not None and self.changed < MIN_CHANGED:
             if self.exact is not None and self.n >= MIN_UNITS:
                 low, high = self.exact(level)
                 return Interval(self.estimate, low, high, self.n, math.nan, math.nan, level, null, self.n_units)

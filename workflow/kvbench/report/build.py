@@ -287,11 +287,12 @@ def _recommendation_rows(recs: pd.DataFrame) -> pd.DataFrame:
             "best_interval",
             "best_n",
             "runner_up",
+            "versus_runner_up_test",
             "undecided",
             "numbers",
             "why",
         ]
-    ]
+    ].rename(columns={"versus_runner_up_test": "vs runner-up"})
 
 
 def recommendations_page(report: ReportTables, baseline: str) -> str:
@@ -325,7 +326,8 @@ def recommendations_page(report: ReportTables, baseline: str) -> str:
     ]
     sections.append(
         (
-            f"The numbers behind it (per method; *_rel = / {baseline}; *_low, *_high: bootstrap interval)",
+            f"The numbers behind it (per method; *_rel = / {baseline}; *_low, *_high: bootstrap interval, "
+            f"for quality_rel an exact bound where fewer than 6 samples differ from {baseline}'s)",
             _not_run_note(report.stages),
             report.methods[shown] if shown else None,
         )
@@ -410,7 +412,18 @@ def overview_page(report: ReportTables) -> str:
             ["scenario", "_first", "model"], kind="stable"
         )
         glance = _recommendation_rows(glance).assign(scenario=glance.scenario)[
-            ["scenario", "model", "protocol", "category", "bucket", "best", "best_interval", "best_n", "undecided"]
+            [
+                "scenario",
+                "model",
+                "protocol",
+                "category",
+                "bucket",
+                "best",
+                "best_interval",
+                "best_n",
+                "vs runner-up",
+                "undecided",
+            ]
         ]
     decided = report.claims.verdict.isin([CONFIRMED, CONTRADICTED]).sum() if len(report.claims) else 0
     return html_page(
@@ -419,8 +432,10 @@ def overview_page(report: ReportTables) -> str:
             (
                 "Recommendation per scenario",
                 "The best method within every limit of the scenario (limits met by the "
-                "interval's unfavourable end), its preferred value with interval and n; `undecided at n = ...` where the "
-                f"intervals are too wide to tell. {PROTOCOL_NOTE} Details: page Recommendation.",
+                "interval's unfavourable end), its preferred value with interval and n, and the paired comparison "
+                "with the runner-up that decided it; `undecided at n = ...` where no method's interval meets every "
+                "limit, `undecided at n = ...: a or b` where the best does not beat the runner-up. "
+                f"{PROTOCOL_NOTE} Details: page Recommendation.",
                 glance,
             ),
             (

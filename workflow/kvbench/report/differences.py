@@ -16,7 +16,7 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from kvbench.report.bootstrap import MIN_UNITS
+from kvbench.report.bootstrap import MIN_CHANGED
 from kvbench.report.cells import quality_panel, system_panel
 from kvbench.report.power import DEFAULT_EFFECTS, POWER, mde, n_needed
 from kvbench.report.samples import QUANTITIES
@@ -106,7 +106,7 @@ def quality_differences(
                 diffs = d[method].to_numpy(float)
                 est = cell.resample.mean(diffs, weights)
                 iv = est.interval(level)
-                if np.count_nonzero(np.nan_to_num(diffs) != 0) < MIN_UNITS:
+                if np.count_nonzero(np.nan_to_num(diffs) != 0) < MIN_CHANGED:
                     # A difference that is 0 on all but a few samples: the bootstrap's tail is the chance
                     # of drawing none of them, far thinner than an exact sign test's; no interval.
                     iv = replace(iv, low=math.nan, high=math.nan, p_value=math.nan)

@@ -197,8 +197,8 @@ def tradeoff_figure(
         )
     _method_legend(fig, colors, table.method if len(table) else [])
     fig.suptitle(
-        "Trade-offs per method (bars: bootstrap intervals; quality and bytes per sample, timings per "
-        "prompt, paired with the baseline)"
+        "Trade-offs per method (bars: bootstrap intervals, an exact bound for a quality that differs from the "
+        "baseline's on < 6 samples; quality and bytes per sample, timings per prompt, paired with the baseline)"
     )
     save(fig, png, svg)
 

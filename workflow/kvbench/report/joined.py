@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
@@ -67,6 +68,16 @@ SYSTEM_ONLY = ["decode_tok_s", "peak_memory_mb"]
 QUALITY_COLUMNS = ["quality", "kl_mean", "top1_agreement", "first_divergence"]
 
 
+def from_quality_pass(row: Mapping[str, Any], column: str) -> bool:
+    """Whether a joined row's column rests on quality samples (else on system-stage prompts)."""
+    if column in QUALITY_COLUMNS:
+        return True
+    if column in SYSTEM_ONLY:
+        return False
+    source = row.get("timing_source" if column in TIMINGS else "bytes_source")
+    return source == CONTRACTS["quality_scores"].path
+
+
 def _put(out: dict, column: str, value: Estimate | None, rel: Estimate | None, level: float) -> None:
     """column, column_rel and their intervals and n from an estimate of the value and one of its
     ratio to the baseline (None: not defined)."""
@@ -83,7 +94,7 @@ def _put(out: dict, column: str, value: Estimate | None, rel: Estimate | None, l
 
 def _relative(r: Resample, score: np.ndarray, base: np.ndarray, is_baseline: bool) -> Estimate:
     """The ratio of mean scores to the baseline's on the same samples, with the samples where the
-    two differ (`changed`). Where fewer than MIN_UNITS differ (a sparse 0/1 difference, or none)
+    two differ (`changed`). Where fewer than MIN_CHANGED differ (a sparse 0/1 difference, or none)
     the bootstrap's interval would be far too narrow: the interval is then the exact bound of
     kvbench.report.bootstrap.sparse_ratio_bound over the units (documents where they are
     resampled: a document counts as changed if any of its samples is), scores lying in
@@ -94,13 +105,13 @@ def _relative(r: Resample, score: np.ndarray, base: np.ndarray, is_baseline: boo
     both = np.isfinite(score) & np.isfinite(base)
     differ = both & (score != base)
     if r.clusters is None:
-        units, changed = int(both.sum()), int(differ.sum())
+        units, changed_units = int(both.sum()), int(differ.sum())
     else:
-        units, changed = len(np.unique(r.clusters[both])), len(np.unique(r.clusters[differ]))
+        units, changed_units = len(np.unique(r.clusters[both])), len(np.unique(r.clusters[differ]))
     base_mean = float(base[both].mean()) if both.any() else math.nan
 
     def exact(level: float) -> tuple[float, float]:
-        return sparse_ratio_bound(changed, units, base_mean, SCORE_RANGE, level)
+        return sparse_ratio_bound(changed_units, units, base_mean, SCORE_RANGE, level)
 
     return replace(rel, changed=int(differ.sum()), exact=exact)
 

@@ -28,20 +28,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import pandas as pd
 
-from kvbench.report.joined import MEASURED
-from kvbench.report.versus import Comparison
-
-Compare = Callable[[Mapping[str, Any], Mapping[str, Any], str], Comparison | None]
+from kvbench.report.joined import MEASURED, QUALITY_COLUMNS, from_quality_pass
+from kvbench.report.versus import Versus
 
 NONE = "none qualifies"
 UNDECIDED = "undecided at n = {n}"
 NOT_SEPARATED = "undecided at n = {n}: {pick} or {runner}"
-QUALITY_LIMITS = {"quality", "kl_mean", "top1_agreement", "first_divergence"}
-SYSTEM_ONLY = {"decode_tok_s", "peak_memory_mb"}
 MET, FAILS, OPEN, UNMEASURED = "met", "fails", "undecided", "not measured"
 
 
@@ -52,12 +48,7 @@ def _num(row: Mapping[str, Any], column: str) -> float:
 
 def unit_of(row: Mapping[str, Any], column: str) -> str:
     """What a column's n counts in this row: quality samples or system prompts."""
-    if column in QUALITY_LIMITS:
-        return "samples"
-    if column in SYSTEM_ONLY:
-        return "prompts"
-    source = row.get("timing_source" if column in ("ttft_s", "tpot_s") else "bytes_source")
-    return "samples" if isinstance(source, str) and "quality" in source else "prompts"
+    return "samples" if from_quality_pass(row, column) else "prompts"
 
 
 @dataclass(frozen=True)
@@ -184,7 +175,7 @@ def _undecided_n(rows: list[Mapping[str, Any]], scenario: Scenario) -> str:
     return f"{n:.0f} {unit}"
 
 
-def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str, versus: Compare) -> dict[str, Any]:
+def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str, versus: Versus) -> dict[str, Any]:
     rows = cell.to_dict("records")
     judged = [(row, *_judge(row, scenario, baseline)) for row in rows]
     sign = -1 if scenario.order == "max" else 1
@@ -226,7 +217,7 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str, versus
     unjudged = sorted(
         row["method"]
         for row in rows
-        if any(pd.isna(row.get(limit.column)) for limit in scenario.limits if limit.column in QUALITY_LIMITS)
+        if any(pd.isna(row.get(limit.column)) for limit in scenario.limits if limit.column in QUALITY_COLUMNS)
     )
     note = (
         f"; quality not measured for {', '.join(unjudged)} (the quality stage did not run them here), "
@@ -266,11 +257,13 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str, versus
             runner = rest[0]
             out |= {"runner_up": runner["method"], "runner_up_value": runner.get(scenario.prefer)}
             why += f"; runner-up {runner['method']} ({_value(runner, scenario.prefer, baseline)})"
+        if rest and not unresolved:
             on_tie = key(runner, scenario.prefer) == key(best, scenario.prefer)
             column, order = (second, "min") if on_tie else (scenario.prefer, scenario.order)
             comparison = versus(best, runner, column)
+            side = 0 if comparison is None else comparison.favours(order)
             if comparison is None:
-                why += f"; no paired comparison with it on {column} (no per-unit values)"
+                why += f"; no paired comparison with it on {column} ({versus.why_not})"
                 n = _num(best, f"{column}_n")
                 n_text = f"{n:.0f} {unit_of(best, column)}" if n == n else "?"
             else:
@@ -278,16 +271,18 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str, versus
                     "versus_runner_up": comparison.estimate,
                     "versus_runner_up_low": comparison.low,
                     "versus_runner_up_high": comparison.high,
-                    "versus_runner_up_n": comparison.n,
+                    "versus_runner_up_n": comparison.samples,
                     "versus_runner_up_test": comparison.text(name, runner["method"]),
                 }
                 why += f"; {comparison.text(name, runner['method'])}"
                 n_text = comparison.n_text
-            if comparison is not None and comparison.favours_pick(order):
-                why += " (separated)"
-            elif not unresolved:
+                why += {
+                    1: " (separated)",
+                    0: " (includes no-effect: not separated at this n)",
+                    -1: f" (favours {runner['method']}: the {column} point estimates and the paired comparison disagree)",
+                }[side]
+            if side != 1:
                 out["best"] = NOT_SEPARATED.format(n=n_text, pick=name, runner=runner["method"])
-                why += " (includes no-effect: not separated at this n)" if comparison is not None else ""
         better = [r for r in maybe if preference(r) < preference(best)]
         if better:
             why += (
@@ -320,7 +315,7 @@ def recommend_cell(cell: pd.DataFrame, scenario: Scenario, baseline: str, versus
     return out
 
 
-def recommendations(table: pd.DataFrame, scenarios: list[Scenario], baseline: str, versus: Compare) -> pd.DataFrame:
+def recommendations(table: pd.DataFrame, scenarios: list[Scenario], baseline: str, versus: Versus) -> pd.DataFrame:
     rows = []
     cells = ["model", "protocol", "category", "bucket"]
     for scenario in scenarios:

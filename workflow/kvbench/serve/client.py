@@ -32,7 +32,7 @@ def chat_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-FirstToken = Callable[[int], None]
+Hook = Callable[[int], None]  # called with the request's index
 
 
 async def _one(
@@ -41,7 +41,8 @@ async def _one(
     body: dict[str, Any],
     gate: asyncio.Semaphore,
     index: int,
-    on_first_token: FirstToken | None,
+    on_first_token: Hook | None,
+    on_done: Hook | None,
 ) -> dict[str, Any]:
     async with gate:
         row: dict[str, Any] = {"start": time.time(), "ttft_s": None, "error": None}
@@ -73,6 +74,8 @@ async def _one(
         row["prompt_tokens"] = usage.get("prompt_tokens")
         row["output_tokens"] = usage.get("completion_tokens")
         row["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if on_done is not None:
+            on_done(index)  # still holding its slot: with one in flight, the next request waits for it
         return row
 
 
@@ -82,14 +85,17 @@ async def _all(
     max_inflight: int,
     timeout_s: float,
     api_key: str | None,
-    on_first_token: FirstToken | None,
+    on_first_token: Hook | None,
+    on_done: Hook | None,
 ) -> list[dict[str, Any]]:
     gate = asyncio.Semaphore(max_inflight)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, headers=bearer(api_key)) as session:
         url = f"{base_url}/v1/chat/completions"
         return list(
-            await asyncio.gather(*(_one(session, url, body, gate, i, on_first_token) for i, body in enumerate(bodies)))
+            await asyncio.gather(
+                *(_one(session, url, body, gate, i, on_first_token, on_done) for i, body in enumerate(bodies))
+            )
         )
 
 
@@ -99,9 +105,11 @@ def send_all(
     max_inflight: int,
     timeout_s: float = 900,
     api_key: str | None = None,
-    on_first_token: FirstToken | None = None,
+    on_first_token: Hook | None = None,
+    on_done: Hook | None = None,
 ) -> list[dict[str, Any]]:
     """One row per body, in order; a failed request is a row with its error, never dropped.
-    `api_key`: the server's (sent as a bearer token); `on_first_token(i)`: called in the client's
-    event loop when request i streams its first token (the other requests wait while it runs)."""
-    return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s, api_key, on_first_token))
+    `api_key`: the server's (sent as a bearer token). `on_first_token(i)`, `on_done(i)`: called in
+    the client's event loop when request i streams its first token, and when it has ended (before
+    its slot is free); the client waits while they run."""
+    return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s, api_key, on_first_token, on_done))

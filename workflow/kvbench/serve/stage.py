@@ -119,7 +119,7 @@ class Rounds:
         **extra: Any,
     ) -> None:
         """One round at `concurrency` requests in flight; Valkey rounds end when their stores have.
-        `fault`: kills and restarts Valkey at the round's first token (its timings go in the round's
+        `fault`: kills Valkey during the round and starts it again (what it did goes in the round's
         metrics)."""
         tags = [
             f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.c{concurrency}.{p.phase or ''}.{p.index}"
@@ -128,7 +128,8 @@ class Rounds:
         bodies = [chat_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
         before = scrape(self.base_url)
         start = time.monotonic()
-        results = send_all(self.base_url, bodies, concurrency, api_key=self.api_key, on_first_token=fault)
+        hooks = {"on_first_token": fault.first_token, "on_done": fault.done} if fault is not None else {}
+        results = send_all(self.base_url, bodies, concurrency, api_key=self.api_key, **hooks)
         round_s = time.monotonic() - start
         extra |= fault.info if fault is not None else {}
         flush_s = self.flush() if backend == "valkey" else 0.0
@@ -450,31 +451,52 @@ def _main_rounds(
 
 class MidRoundKill:
     """Kills the stage's Valkey (SIGKILL) when the round's first request streams its first token
-    (its chunks loaded, the request still decoding, the round's other requests queued or in
-    flight) and starts it again, empty, on the same port, before the client reads on: the
-    requests after it find the store gone or empty."""
+    (its chunks loaded, the request decoding, the round's other requests queued or in flight) and
+    starts it again, empty, on the same port when the next request has ended: that request meets
+    a store that is gone (its lookup refused, its stores failing), the ones after it an empty one.
+    A kill or restart that fails is recorded (`fault_error`), never raised: the round goes on."""
 
-    def __init__(self, store: RestartableValkey) -> None:
-        self.store, self.info = store, {}
+    def __init__(self, store: RestartableValkey, run_id: str) -> None:
+        self.store, self.run_id = store, run_id
+        self.info: dict[str, Any] = {}
 
-    def __call__(self, index: int) -> None:
+    def first_token(self, index: int) -> None:
         if self.info:
             return
-        start = time.time()
-        self.store.kill()
-        self.store.restart()
-        self.info = {"killed_at": start, "killed_at_request": index, "down_s": time.time() - start}
-        note(f"fault: valkey killed at request {index}'s first token, back after {self.info['down_s']:.2f} s")
+        try:
+            client = self.store.client()
+            keys = client.scan_iter(match=f"kvbench:{self.run_id}:*", count=1000)
+            lost = sum(1 for key in keys if key.decode() != pending_key(self.run_id))
+            self.info = {"killed_at": time.time(), "killed_at_request": index, "lost_chunks": lost}
+            self.store.kill()
+            note(f"fault: valkey killed (SIGKILL) at request {index}'s first token with {lost} chunks of this run")
+        except Exception as err:  # the round must go on: what failed is in its metrics
+            self.info = {"fault_error": f"kill: {type(err).__name__}: {err}"}
+            note(f"fault: {self.info['fault_error']}")
+
+    def done(self, index: int) -> None:
+        if "killed_at" not in self.info or "restarted_at" in self.info or index <= self.info["killed_at_request"]:
+            return
+        try:
+            self.store.restart()
+            self.info |= {"restarted_at": time.time(), "restarted_after_request": index}
+            self.info["down_s"] = self.info["restarted_at"] - self.info["killed_at"]
+            note(f"fault: valkey back after request {index} ended ({self.info['down_s']:.2f} s down), empty")
+        except Exception as err:
+            self.info["fault_error"] = f"restart: {type(err).__name__}: {err}"
+            note(f"fault: {self.info['fault_error']}")
 
 
 def _fault_round(
     r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]], store: RestartableValkey | ValkeyAddress | None
 ) -> None:
-    """Every document of the first load corpus loads (pass `before`); then each is asked twice
-    (`during`) and Valkey, with every chunk of the run in it, is killed and started again, empty,
-    at the first token of that pass's first request (MidRoundKill): the requests after it are hits
-    that find nothing, recomputed and stored again; then each once more (`reloaded`: loaded from
-    the restarted store)."""
+    """Every document of the first load corpus loads (pass `before`); then (`during`) each is
+    asked at least twice, three requests at least, and Valkey, with every chunk of the run in it,
+    is killed at the first token of that pass's first request and started again, empty, when the
+    second has ended (MidRoundKill): the second finds no store, later ones an empty one; each is
+    recomputed and stored again (when the store is back); then each once more (`reloaded`: loaded
+    from the restarted store). With more than one request in flight, others overlap the outage at
+    any point of theirs."""
     if not isinstance(store, RestartableValkey):
         raise ValueError("serve.fault_round kills Valkey: it needs the stage's own server (serve.valkey.url: null)")
     corpus = next((c for c in s.corpora if c in s.load["corpora"]), s.corpora[0])
@@ -487,14 +509,7 @@ def _fault_round(
         r.run("valkey", codec, corpus, planned, params, s.max_inflight, **extra)
 
     fault_pass("before")
-    client = store.client()
-    lost = sum(
-        1
-        for key in client.scan_iter(match=f"kvbench:{r.run_id}:*", count=1000)
-        if key.decode() != pending_key(r.run_id)
-    )
-    note(f"fault: {lost} chunks of this run in valkey; it is killed at the next pass's first token")
-    fault_pass("during", times=2, fault=MidRoundKill(store), lost_chunks=lost)
+    fault_pass("during", times=max(2, -(-3 // len(docs[corpus]))), fault=MidRoundKill(store, r.run_id))
     note(f"fault: valkey pid {store.proc.pid} at {store.url}")
     fault_pass("reloaded")
 

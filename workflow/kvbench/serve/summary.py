@@ -293,7 +293,12 @@ def offload_table(
                 row["fault_lost_chunks"] = int(fault.lost_chunks.max())
             if "down_s" in fault and fault.down_s.notna().any():
                 row["fault_down_s"] = float(fault.down_s.max())
-            row["fault_errors"] = int(group[group["round"] == "fault"].error.notna().sum())
+            if "fault_error" in fault and fault.fault_error.notna().any():
+                row["fault_error"] = "; ".join(fault.fault_error.dropna().astype(str))
+            faulted = group[group["round"] == "fault"]
+            if len(faulted):
+                row["fault_errors"] = int(faulted.error.notna().sum())
+                row["fault_lookup_errors"] = int(faulted.lookup_failed.sum())
         if backend == "example" and "disk_bytes_written" in metrics:
             written = metrics[(metrics.backend == backend) & (metrics.corpus == corpus)].disk_bytes_written
             row |= {"wire_bytes": int(written.sum())}
