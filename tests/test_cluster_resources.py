@@ -160,3 +160,12 @@ def test_a_plain_local_run_counts_one_gpu_per_device_job(tmp_path):
     assert {taken[r] for r in device & set(taken)} == {"1"} and device <= set(taken)
     assert {taken[r] for r in set(taken) - device} <= {None, "0"}
     assert yaml.safe_load((REPO / "profiles" / "default" / "config.yaml").read_text())["resources"] == ["gpu=1"]
+
+
+def test_a_serve_job_asks_host_memory_for_the_valkey_it_starts_and_its_store_queue():
+    serve = GPU_CONFIG["serve"]
+    own = profile_resources(GPU_CONFIG)["serve_server"]["mem_mb"]
+    elsewhere = {**GPU_CONFIG, "serve": {**serve, "valkey": {**serve["valkey"], "url": "valkey://store:6379"}}}
+    assert own - profile_resources(elsewhere)["serve_server"]["mem_mb"] == serve["valkey"]["maxmemory_mb"]
+    assert own >= serve["valkey"]["maxmemory_mb"] + serve["store"]["queue_mb"]
+    assert profile_resources(elsewhere)["system_job"] == profile_resources(GPU_CONFIG)["system_job"]

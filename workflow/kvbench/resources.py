@@ -10,6 +10,7 @@ hours of a config: the formula behind workflow/profiles/slurm/config.yaml (docs/
       A  = one layer's working set of the longest prefill: tokens x (4 hidden + 2 intermediate) x 2 bytes
            (attention through SDPA/flash: linear in tokens; layers run one after another)
     host memory = 2 W + 8 GiB (a safetensors copy while weights move to the GPU; the process)
+                  [serve jobs: + the Valkey the job starts (its maxmemory) + the connector's store queue]
     runtime     = 2 x (startup + prefill tokens x s/token + decode steps x s/step + codec bytes / B/s),
                   at least 30 minutes; startup = a fixed part + W / load B/s (+ compile for a vLLM
                   server without enforce_eager)
@@ -336,15 +337,25 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
     return work
 
 
+def serve_host_extra_mb(serve: Mapping[str, Any]) -> int:
+    """Host memory a serve job holds beyond its model: the Valkey it starts (a `valkey` backend
+    and no `valkey.url`: its maxmemory) and the connector's queue of chunk copies."""
+    valkey = serve.get("valkey") or {}
+    own = "valkey" in serve["backends"] and not valkey.get("url")
+    store = serve.get("store") or {}
+    return (int(valkey.get("maxmemory_mb", 0)) if own else 0) + int(store.get("queue_mb", 512))
+
+
 def profile_resources(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
     """Per GPU rule, the largest need over its models: gpu_mem_mb, mem_mb, runtime (minutes)."""
     out: dict[str, dict[str, int]] = {}
     vllm_len = config["vllm"]["max_model_len"]
     for work in workloads(config):
         shape = model_shape(config, work.model)
+        extra = serve_host_extra_mb(config["serve"]) if work.rule == "serve_server" else 0
         need = {
             "gpu_mem_mb": math.ceil(gpu_bytes(work, shape, vllm_len) / 2**20),
-            "mem_mb": math.ceil(host_bytes(shape) / 2**20),
+            "mem_mb": math.ceil(host_bytes(shape) / 2**20) + extra,
             "runtime": runtime_minutes(work, shape, config["vllm"]["enforce_eager"]),
         }
         prev = out.get(work.rule, {})
