@@ -458,18 +458,32 @@ def test_the_power_tables_spread_counts_documents_where_units_share_them():
 
 
 def test_a_difference_of_means_that_differ_on_few_units_has_no_interval():
-    # 0/1 scores equal on 96 of 100 samples: the bootstrap's interval of the paired difference would
-    # exclude 0 (drawing none of the 4 is rare), an exact sign test gives p = 0.125. No interval below
-    # MIN_UNITS changed units; from there on, the usual one.
-    from kvbench.report.bootstrap import MIN_UNITS, Resample
+    # 0/1 scores equal on 95 of 100 samples: the bootstrap's interval of the paired difference would
+    # exclude 0 (drawing none of the 5 is rare), an exact sign test gives p = 2 / 2^5 = 0.0625. No
+    # interval below MIN_CHANGED = 6 changed units; from 6 on (p = 0.031), the usual one.
+    from kvbench.report.bootstrap import MIN_CHANGED
 
+    assert MIN_CHANGED == 6 and stats.binomtest(5, 5).pvalue > 0.05 > stats.binomtest(6, 6).pvalue
     r = Resample.of([100], 2000, np.random.default_rng(3))
     full = np.ones(100)
-    few, many = full.copy(), full.copy()
-    few[: MIN_UNITS - 1] = 0.0
-    many[:30] = 0.0
+    few, six, many = full.copy(), full.copy(), full.copy()
+    few[:5], six[:6], many[:30] = 0.0, 0.0, 0.0
     sparse = (r.mean(few) - r.mean(full)).interval(0.95)
-    assert sparse.estimate == pytest.approx(-(MIN_UNITS - 1) / 100) and sparse.n == 100
+    assert sparse.estimate == pytest.approx(-0.05) and sparse.n == 100
     assert math.isnan(sparse.low) and math.isnan(sparse.p_value)
+    assert (r.mean(six) - r.mean(full)).interval(0.95).high < 0
     dense = (r.mean(many) - r.mean(full)).interval(0.95)
     assert dense.high < 0 and dense.p_value < 0.05 and dense.n == 100
+
+
+def test_where_documents_are_resampled_the_changes_are_counted_in_documents():
+    # 40 samples of 20 documents; 6 samples change, in 4 documents: 4 independent changes, no interval
+    documents = np.repeat(np.arange(20), 2)
+    r = Resample.clustered(documents, 2000, np.random.default_rng(4))
+    full = np.ones(40)
+    four_docs, six_docs = full.copy(), full.copy()
+    four_docs[[0, 1, 2, 3, 4, 6]] = 0.0  # documents 0, 1, 2, 3
+    six_docs[[0, 2, 4, 6, 8, 10]] = 0.0  # documents 0 to 5
+    assert (r.mean(four_docs) - r.mean(full)).changed == 4
+    assert math.isnan((r.mean(four_docs) - r.mean(full)).interval(0.95).low)
+    assert (r.mean(six_docs) - r.mean(full)).interval(0.95).high < 0

@@ -10,7 +10,8 @@ hours of a config: the formula behind workflow/profiles/slurm/config.yaml (docs/
       A  = one layer's working set of the longest prefill: tokens x (4 hidden + 2 intermediate) x 2 bytes
            (attention through SDPA/flash: linear in tokens; layers run one after another)
     host memory = 2 W + 8 GiB (a safetensors copy while weights move to the GPU; the process)
-                  [serve jobs: + the Valkey the job starts (its maxmemory) + the connector's store queue]
+                  [serve jobs: + the Valkey the job starts (its maxmemory, or the run's bound) + the
+                   connector's store queue + LMCache's CPU buffer]
     runtime     = 2 x (startup + prefill tokens x s/token + decode steps x s/step + codec bytes / B/s),
                   at least 30 minutes; startup = a fixed part + W / load B/s (+ compile for a vLLM
                   server without enforce_eager)
@@ -22,6 +23,7 @@ A100/H100-class GPU, scaled by parameter count (GPU_COST below); replace them wi
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -337,13 +339,30 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
     return work
 
 
-def serve_host_extra_mb(serve: Mapping[str, Any]) -> int:
-    """Host memory a serve job holds beyond its model: the Valkey it starts (a `valkey` backend
-    and no `valkey.url`: its maxmemory) and the connector's queue of chunk copies."""
+LMCACHE_CPU_BUFFER_MB = (
+    5 * 1024
+)  # LMCache's pinned CPU buffer (max_local_cpu_size's default), held with its CPU tier off
+
+
+def serve_host_extra_mb(serve: Mapping[str, Any], shape: Shape) -> int:
+    """Host memory a serve job holds beyond its model: the Valkey it starts (a `valkey` or
+    `lmcache` backend and no `valkey.url`; its maxmemory, or when that is 0 the stage's own bound
+    for the run at 2 bytes a value: kvbench.serve.stage.store_bound_mb), the connector's queue of
+    chunk copies, and LMCache's CPU buffer where it runs."""
+    from kvbench.config import schema_errors
+    from kvbench.serve.stage import ServeSettings, store_bound_mb
+
+    full = {"serve": copy.deepcopy(dict(serve))}
+    schema_errors(full, Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml")  # its defaults
+    serve = full["serve"]
+    settings = ServeSettings.of(serve)
     valkey = serve.get("valkey") or {}
-    own = "valkey" in serve["backends"] and not valkey.get("url")
-    store = serve.get("store") or {}
-    return (int(valkey.get("maxmemory_mb", 0)) if own else 0) + int(store.get("queue_mb", 512))
+    own = bool({"valkey", "lmcache"} & set(serve["backends"])) and not valkey.get("url")
+    cap = int(valkey.get("maxmemory_mb") or 0) or store_bound_mb(
+        settings, shape.kv_bytes_per_token * settings.block_size
+    )
+    lmcache = LMCACHE_CPU_BUFFER_MB if "lmcache" in serve["backends"] else 0
+    return (cap if own else 0) + int((serve.get("store") or {}).get("queue_mb", 512)) + lmcache
 
 
 def profile_resources(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
@@ -352,7 +371,7 @@ def profile_resources(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
     vllm_len = config["vllm"]["max_model_len"]
     for work in workloads(config):
         shape = model_shape(config, work.model)
-        extra = serve_host_extra_mb(config["serve"]) if work.rule == "serve_server" else 0
+        extra = serve_host_extra_mb(config["serve"], shape) if work.rule == "serve_server" else 0
         need = {
             "gpu_mem_mb": math.ceil(gpu_bytes(work, shape, vllm_len) / 2**20),
             "mem_mb": math.ceil(host_bytes(shape) / 2**20) + extra,

@@ -140,6 +140,7 @@ class Estimate:
     restrict: Callable[[np.ndarray], "Estimate"] | None = field(default=None, repr=False, compare=False)
     # level -> (low, high): an exact bound for when too few units differ for the bootstrap
     exact: Callable[[float], tuple[float, float]] | None = field(default=None, repr=False, compare=False)
+    clusters: np.ndarray | None = field(default=None, repr=False, compare=False)  # each unit's document
 
     def __sub__(self, other: "Estimate") -> "Estimate":
         a, b = self, other
@@ -150,7 +151,9 @@ class Estimate:
         units = changed = None
         if a.units is not None and b.units is not None and len(a.units) == len(b.units):
             units = a.units - b.units
-            changed = int(np.count_nonzero(np.isfinite(units) & (units != 0)))
+            differ = np.isfinite(units) & (units != 0)
+            # where documents are resampled, the independent changes are the documents that hold one
+            changed = int(differ.sum()) if a.clusters is None else len(np.unique(a.clusters[differ]))
         n_units = None if a.n_units is None or b.n_units is None else min(a.n_units, b.n_units)
         return Estimate(a.estimate - b.estimate, a.draws - b.draws, min(a.n, b.n), units, changed, n_units)
 
@@ -231,6 +234,7 @@ class Resample:
                 n_units=n_units,
                 mask=ok,
                 restrict=lambda mask: self.mean(np.where(mask, values, np.nan), w),
+                clusters=self.clusters,
             )
 
     def ratio(self, num: np.ndarray, den: np.ndarray) -> Estimate:

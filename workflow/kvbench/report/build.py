@@ -408,23 +408,11 @@ def overview_page(report: ReportTables) -> str:
     recs = report.recommendations
     glance = None
     if len(recs):
-        glance = recs.assign(_first=recs.protocol != CONTEXT_ONLY).sort_values(
+        ordered = recs.assign(_first=recs.protocol != CONTEXT_ONLY).sort_values(
             ["scenario", "_first", "model"], kind="stable"
         )
-        glance = _recommendation_rows(glance).assign(scenario=glance.scenario)[
-            [
-                "scenario",
-                "model",
-                "protocol",
-                "category",
-                "bucket",
-                "best",
-                "best_interval",
-                "best_n",
-                "vs runner-up",
-                "undecided",
-            ]
-        ]
+        glance = _recommendation_rows(ordered).drop(columns=["runner_up", "numbers", "why"])
+        glance.insert(0, "scenario", ordered.scenario)
     decided = report.claims.verdict.isin([CONFIRMED, CONTRADICTED]).sum() if len(report.claims) else 0
     return html_page(
         "kvbench report: the answer, the evidence, the stages",

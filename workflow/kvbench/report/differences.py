@@ -106,7 +106,7 @@ def quality_differences(
                 diffs = d[method].to_numpy(float)
                 est = cell.resample.mean(diffs, weights)
                 iv = est.interval(level)
-                if np.count_nonzero(np.nan_to_num(diffs) != 0) < MIN_CHANGED:
+                if cell.resample.count(np.nan_to_num(diffs) != 0)[0] < MIN_CHANGED:  # documents where resampled
                     # A difference that is 0 on all but a few samples: the bootstrap's tail is the chance
                     # of drawing none of them, far thinner than an exact sign test's; no interval.
                     iv = replace(iv, low=math.nan, high=math.nan, p_value=math.nan)

@@ -113,7 +113,7 @@ def _relative(r: Resample, score: np.ndarray, base: np.ndarray, is_baseline: boo
     def exact(level: float) -> tuple[float, float]:
         return sparse_ratio_bound(changed_units, units, base_mean, SCORE_RANGE, level)
 
-    return replace(rel, changed=int(differ.sum()), exact=exact)
+    return replace(rel, changed=changed_units, exact=exact)
 
 
 def log_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

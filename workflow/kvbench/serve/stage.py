@@ -222,6 +222,11 @@ def prewarm(vllm: VLLMClient, settings: ServeSettings, connector: bool) -> None:
     send_all(vllm.base_url, bodies, settings.max_inflight, api_key=vllm.api_key)
 
 
+def fault_repeats(docs: int) -> int:
+    """How often the fault round's `during` pass asks each document: twice, three requests at least."""
+    return max(2, -(-3 // docs))
+
+
 def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
     """Valkey's memory cap: every chunk the run can store, each at raw size (lossless codecs stay
     within it, lossy ones far below), plus room for the server itself."""
@@ -237,7 +242,7 @@ def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
         len(settings.corpora) * docs * n_codecs  # warm-ups
         + len(swept) * len(settings.load["concurrency"]) * misses * n_codecs
         + (len(settings.corpora) - len(swept)) * misses
-        + 2 * docs
+        + fault_repeats(docs) * docs
     )  # other corpora, fault round
     return int(stored_docs * chunks_per_doc * chunk_bytes * 1.1 / 2**20) + 128
 
@@ -509,7 +514,7 @@ def _fault_round(
         r.run("valkey", codec, corpus, planned, params, s.max_inflight, **extra)
 
     fault_pass("before")
-    fault_pass("during", times=max(2, -(-3 // len(docs[corpus]))), fault=MidRoundKill(store, r.run_id))
+    fault_pass("during", times=fault_repeats(len(docs[corpus])), fault=MidRoundKill(store, r.run_id))
     note(f"fault: valkey pid {store.proc.pid} at {store.url}")
     fault_pass("reloaded")
 
