@@ -468,19 +468,19 @@ class MidRoundKill:
     def first_token(self, index: int) -> None:
         if self.info:
             return
+        self.info = {"killed_at": time.time(), "killed_at_request": index}
         try:
             client = self.store.client()
             keys = client.scan_iter(match=f"kvbench:{self.run_id}:*", count=1000)
-            lost = sum(1 for key in keys if key.decode() != pending_key(self.run_id))
-            self.info = {"killed_at": time.time(), "killed_at_request": index, "lost_chunks": lost}
+            self.info["lost_chunks"] = sum(1 for key in keys if key.decode() != pending_key(self.run_id))
             self.store.kill()
-            note(f"fault: valkey killed (SIGKILL) at request {index}'s first token with {lost} chunks of this run")
-        except Exception as err:  # the round must go on: what failed is in its metrics
-            self.info = {"fault_error": f"kill: {type(err).__name__}: {err}"}
+            note(f"fault: valkey killed (SIGKILL) at request {index}'s first token, {self.info['lost_chunks']} chunks")
+        except Exception as err:  # the round goes on (and the restart is still tried): what failed is recorded
+            self.info["fault_error"] = f"kill: {type(err).__name__}: {err}"
             note(f"fault: {self.info['fault_error']}")
 
     def done(self, index: int) -> None:
-        if "killed_at" not in self.info or "restarted_at" in self.info or index <= self.info["killed_at_request"]:
+        if not self.info or "restarted_at" in self.info or index <= self.info["killed_at_request"]:
             return
         try:
             self.store.restart()
@@ -498,10 +498,11 @@ def _fault_round(
     """Every document of the first load corpus loads (pass `before`); then (`during`) each is
     asked at least twice, three requests at least, and Valkey, with every chunk of the run in it,
     is killed at the first token of that pass's first request and started again, empty, when the
-    second has ended (MidRoundKill): the second finds no store, later ones an empty one; each is
-    recomputed and stored again (when the store is back); then each once more (`reloaded`: loaded
-    from the restarted store). With more than one request in flight, others overlap the outage at
-    any point of theirs."""
+    second has ended (MidRoundKill): the second finds no store; later ones find the restarted store,
+    a miss (recomputed and stored again) until the pass has stored their document again, then a
+    load; then each once more (`reloaded`: loaded from the restarted store). With more than one
+    request in flight, others overlap the outage at any point of theirs, and the restart follows
+    the first of them to end."""
     if not isinstance(store, RestartableValkey):
         raise ValueError("serve.fault_round kills Valkey: it needs the stage's own server (serve.valkey.url: null)")
     corpus = next((c for c in s.corpora if c in s.load["corpora"]), s.corpora[0])
