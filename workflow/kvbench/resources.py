@@ -348,7 +348,10 @@ def serve_host_extra_mb(serve: Mapping[str, Any], shape: Shape) -> int:
     """Host memory a serve job holds beyond its model: the Valkey it starts (a `valkey` or
     `lmcache` backend and no `valkey.url`; its maxmemory, or when that is 0 the stage's own bound
     for the run at 2 bytes a value: kvbench.serve.stage.store_bound_mb), the connector's queue of
-    chunk copies, and LMCache's CPU buffer where it runs."""
+    chunk copies, its transient buffers (a store thread holds a request's encoded and sealed chunks,
+    ~2 R; a load its replies, decoded chunks and pinned staging, ~4 R, one request at a time in
+    the worker's load loop; R a document's KV at 2 bytes a value), and LMCache's CPU buffer where
+    it runs."""
     from kvbench.config import schema_errors
     from kvbench.serve.stage import ServeSettings, store_bound_mb
 
@@ -362,7 +365,10 @@ def serve_host_extra_mb(serve: Mapping[str, Any], shape: Shape) -> int:
         settings, shape.kv_bytes_per_token * settings.block_size
     )
     lmcache = LMCACHE_CPU_BUFFER_MB if "lmcache" in serve["backends"] else 0
-    return (cap if own else 0) + int((serve.get("store") or {}).get("queue_mb", 512)) + lmcache
+    store = serve.get("store") or {}
+    request = settings.doc_tokens * shape.kv_bytes_per_token
+    transient = math.ceil((2 * int(store.get("threads", 1)) + 4) * request / 2**20)
+    return (cap if own else 0) + int(store.get("queue_mb", 512)) + transient + lmcache
 
 
 def profile_resources(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
