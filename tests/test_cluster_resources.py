@@ -164,6 +164,7 @@ def test_a_plain_local_run_counts_one_gpu_per_device_job(tmp_path):
 
 
 def test_a_serve_job_asks_host_memory_for_the_valkey_it_starts_and_its_store_queue():
+    from kvbench.config import with_schema_defaults
     from kvbench.serve.stage import ServeSettings, store_bound_mb
 
     serve = GPU_CONFIG["serve"]
@@ -173,7 +174,8 @@ def test_a_serve_job_asks_host_memory_for_the_valkey_it_starts_and_its_store_que
     # maxmemory_mb 0: the stage's own bound for the run, here for the largest model's 256-token chunks
     shape = resources.model_shape(GPU_CONFIG, serve["model"])
     bound = store_bound_mb(
-        ServeSettings.of(_with_schema_defaults(serve)), shape.kv_bytes_per_token * serve["block_size"]
+        ServeSettings.of(with_schema_defaults({"serve": serve})["serve"]),
+        shape.kv_bytes_per_token * serve["block_size"],
     )
     assert freed == bound and freed > 64 * 1024  # what the run stores does not fit the old 64 GB cap
     capped = {**GPU_CONFIG, "serve": {**serve, "valkey": {**serve["valkey"], "maxmemory_mb": 1000}}}
@@ -188,11 +190,3 @@ def test_a_serve_job_asks_host_memory_for_the_valkey_it_starts_and_its_store_que
         own - freed == math.ceil(resources.host_bytes(shape) / 2**20) + serve["store"]["queue_mb"] + transient + lmcache
     )
     assert profile_resources(elsewhere)["system_job"] == profile_resources(GPU_CONFIG)["system_job"]
-
-
-def _with_schema_defaults(serve):
-    from kvbench.config import schema_errors
-
-    full = {"serve": json.loads(json.dumps(serve))}
-    schema_errors(full, REPO / "workflow" / "schemas" / "config.schema.yaml")
-    return full["serve"]

@@ -39,6 +39,9 @@ def _filling_defaults(cls: Any) -> Any:
     return jsonschema.validators.extend(cls, {"properties": properties})
 
 
+SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+
+
 def schema_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     """Every schema violation as one line that starts with the offending key's dotted path.
     Fills in the schema's defaults on the way."""
@@ -49,6 +52,13 @@ def schema_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
         where = ".".join(map(str, err.absolute_path)) or "(top level)"
         lines.append(f"config key {where}: {err.message}")
     return lines
+
+
+def with_schema_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of (part of) a config with every missing key the schema gives a default filled in."""
+    filled = copy.deepcopy(dict(config))
+    schema_errors(filled, SCHEMA)
+    return filled
 
 
 def model_dir(config: Mapping[str, Any], name: str) -> str:

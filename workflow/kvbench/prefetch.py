@@ -18,9 +18,8 @@ from pathlib import Path
 import yaml
 
 from kvbench.checks import check_config
+from kvbench.config import SCHEMA
 from kvbench.hub import PrefetchError, cache_root, hub_env, missing, prefetch
-
-SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,6 @@ A100/H100-class GPU, scaled by parameter count (GPU_COST below); replace them wi
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from dataclasses import dataclass
@@ -352,12 +351,10 @@ def serve_host_extra_mb(serve: Mapping[str, Any], shape: Shape) -> int:
     ~2 R; a load its replies, decoded chunks and pinned staging, ~4 R, one request at a time in
     the worker's load loop; R a document's KV at 2 bytes a value), and LMCache's CPU buffer where
     it runs."""
-    from kvbench.config import schema_errors
+    from kvbench.config import with_schema_defaults
     from kvbench.serve.stage import ServeSettings, store_bound_mb
 
-    full = {"serve": copy.deepcopy(dict(serve))}
-    schema_errors(full, Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml")  # its defaults
-    serve = full["serve"]
+    serve = with_schema_defaults({"serve": serve})["serve"]
     settings = ServeSettings.of(serve)
     valkey = serve.get("valkey") or {}
     own = bool({"valkey", "lmcache"} & set(serve["backends"])) and not valkey.get("url")

@@ -19,9 +19,8 @@ from pathlib import Path
 import yaml
 
 from kvbench.checks import check_config
+from kvbench.config import SCHEMA
 from kvbench.hub import hub_env, require_prefetched
-
-SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from typing import Callable, Union
 import pandas as pd
 import yaml
 
+from kvbench.config import SCHEMA
 from kvbench.report.render import fmt, markdown_table
 
 Shown = Union[pd.DataFrame, str]  # a table, or markdown (a sentence) already rendered
@@ -364,8 +365,7 @@ def _schema_rows(node: dict, path: str) -> list[dict]:
 
 def _config_options() -> pd.DataFrame:
     """Every key of workflow/schemas/config.schema.yaml: type, default, allowed values, description."""
-    schema = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
-    return pd.DataFrame(_schema_rows(yaml.safe_load(schema.read_text()), ""))
+    return pd.DataFrame(_schema_rows(yaml.safe_load(SCHEMA.read_text()), ""))
 
 
 def _gpu_cost() -> str:

@@ -151,9 +151,8 @@ class Estimate:
         units = changed = None
         if a.units is not None and b.units is not None and len(a.units) == len(b.units):
             units = a.units - b.units
-            differ = np.isfinite(units) & (units != 0)
             # where documents are resampled, the independent changes are the documents that hold one
-            changed = int(differ.sum()) if a.clusters is None else len(np.unique(a.clusters[differ]))
+            changed = count_units(np.isfinite(units) & (units != 0), a.clusters)
         n_units = None if a.n_units is None or b.n_units is None else min(a.n_units, b.n_units)
         return Estimate(a.estimate - b.estimate, a.draws - b.draws, min(a.n, b.n), units, changed, n_units)
 
@@ -183,6 +182,11 @@ def sparse_ratio_bound(changed: int, n: int, base_mean: float, score_range: floa
     return 1 - p * score_range / base_mean, 1 + p * score_range / base_mean
 
 
+def count_units(ok: np.ndarray, clusters: np.ndarray | None) -> int:
+    """How many units `ok` selects: documents where they are resampled (`clusters`), else units."""
+    return int(ok.sum()) if clusters is None else len(np.unique(clusters[ok]))
+
+
 def _present(*vectors: np.ndarray) -> np.ndarray:
     return np.logical_and.reduce([np.isfinite(np.asarray(v, float)) for v in vectors])
 
@@ -209,9 +213,7 @@ class Resample:
 
     def count(self, ok: np.ndarray) -> tuple[int, int | None]:
         """(n, units behind it): n counts documents where they are resampled."""
-        if self.clusters is None:
-            return int(ok.sum()), None
-        return len(np.unique(self.clusters[ok])), int(ok.sum())
+        return count_units(ok, self.clusters), None if self.clusters is None else int(ok.sum())
 
     def _sums(self, values: np.ndarray, ok: np.ndarray) -> tuple[float, np.ndarray]:
         filled = np.where(ok, values, 0.0)

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from kvbench.report.bootstrap import MIN_CHANGED
 from kvbench.report.claims import CONFIRMED, CONTRADICTED, INCONCLUSIVE, NOT_MEASURABLE, NOT_RUN, Evidence, evaluate
 from kvbench.report.contracts import CONTEXT_ONLY, CONTRACTS, STAGES, Tables
 from kvbench.report.correlations import correlation_table
@@ -327,7 +328,7 @@ def recommendations_page(report: ReportTables, baseline: str) -> str:
     sections.append(
         (
             f"The numbers behind it (per method; *_rel = / {baseline}; *_low, *_high: bootstrap interval, "
-            f"for quality_rel an exact bound where fewer than 6 samples differ from {baseline}'s)",
+            f"for quality_rel an exact bound where fewer than {MIN_CHANGED} samples differ from {baseline}'s)",
             _not_run_note(report.stages),
             report.methods[shown] if shown else None,
         )

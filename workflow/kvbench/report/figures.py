@@ -15,6 +15,7 @@ from matplotlib.collections import LineCollection
 from matplotlib.lines import Line2D
 
 from kvbench.plots import save
+from kvbench.report.bootstrap import MIN_CHANGED
 from kvbench.report.cells import ALL
 from kvbench.report.claims import PREDICTS_RHO
 
@@ -198,7 +199,8 @@ def tradeoff_figure(
     _method_legend(fig, colors, table.method if len(table) else [])
     fig.suptitle(
         "Trade-offs per method (bars: bootstrap intervals, an exact bound for a quality that differs from the "
-        "baseline's on < 6 samples; quality and bytes per sample, timings per prompt, paired with the baseline)"
+        f"baseline's on < {MIN_CHANGED} samples; quality and bytes per sample, timings per prompt, paired with the "
+        "baseline)"
     )
     save(fig, png, svg)
 

@@ -103,11 +103,7 @@ def _relative(r: Resample, score: np.ndarray, base: np.ndarray, is_baseline: boo
     if is_baseline:
         return rel
     both = np.isfinite(score) & np.isfinite(base)
-    differ = both & (score != base)
-    if r.clusters is None:
-        units, changed_units = int(both.sum()), int(differ.sum())
-    else:
-        units, changed_units = len(np.unique(r.clusters[both])), len(np.unique(r.clusters[differ]))
+    (units, _), (changed_units, _) = r.count(both), r.count(both & (score != base))
     base_mean = float(base[both].mean()) if both.any() else math.nan
 
     def exact(level: float) -> tuple[float, float]:

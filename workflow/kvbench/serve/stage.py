@@ -458,7 +458,7 @@ class MidRoundKill:
     """Kills the stage's Valkey (SIGKILL) when the round's first request streams its first token
     (its chunks loaded, the request decoding, the round's other requests queued or in flight) and
     starts it again, empty, on the same port when the next request has ended: that request meets
-    a store that is gone (its lookup refused, its stores failing), the ones after it an empty one.
+    a store that is gone (its lookup refused, its stores failing), the ones after it the restarted one.
     A kill or restart that fails is recorded (`fault_error`), never raised: the round goes on."""
 
     def __init__(self, store: RestartableValkey, run_id: str) -> None:
