@@ -76,6 +76,7 @@ def test_the_device_rules_are_the_ones_expected():
         "serve_server",
         "quality_reference",
         "quality_methods",
+        "quality_served",
     }
 
 

@@ -156,7 +156,15 @@ def test_a_plain_local_run_counts_one_gpu_per_device_job(tmp_path):
     result = snakemake(tmp_path, None, "-n", "--configfile", str(REPO / "config" / "gpu.yaml"))
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = re.findall(r"^rule (\w+):\n(?:.*\n)*?\s+resources: (.*)$", result.stdout, flags=re.M)
-    device = {"corpus_realistic", "kv_capture", "system_job", "serve_server", "quality_reference", "quality_methods"}
+    device = {
+        "corpus_realistic",
+        "kv_capture",
+        "system_job",
+        "serve_server",
+        "quality_reference",
+        "quality_methods",
+        "quality_served",
+    }
     taken = {rule: re.search(r"gpu=(\d+)", res).group(1) if "gpu=" in res else None for rule, res in jobs}
     assert {taken[r] for r in device & set(taken)} == {"1"} and device <= set(taken)
     assert {taken[r] for r in set(taken) - device} <= {None, "0"}

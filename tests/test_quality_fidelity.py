@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvbench.fidelity import compare, load_references, reference_from_logits, save_references
+from kvbench.fidelity import compare, kl_top_lists, load_references, reference_from_logits, save_references
 
 
 def test_kl_and_agreement_on_known_distributions():
@@ -70,3 +70,26 @@ def test_references_round_trip(tmp_path, top_k):
     assert back.tokens == [1, 2, 3] and back.prompt_hash == refs["kvbench_qa/0"].prompt_hash
     torch.testing.assert_close(back.logprobs, refs["kvbench_qa/0"].logprobs)
     assert (back.indices is None) == (top_k is None)
+
+
+def _lists(probs: dict[int, float]) -> dict[int, float]:
+    return {t: math.log(p) for t, p in probs.items()}
+
+
+def test_kl_from_two_servers_top_lists_is_exact_when_they_hold_every_token():
+    p, q = {0: 0.5, 1: 0.3, 2: 0.2}, {0: 0.2, 1: 0.3, 2: 0.5}
+    exact = sum(p[t] * math.log(p[t] / q[t]) for t in p)
+    assert kl_top_lists(_lists(p), _lists(q)) == pytest.approx(exact, rel=1e-12)
+    assert kl_top_lists(_lists(p), _lists(p)) == 0.0
+
+
+def test_kl_from_top_lists_bounds_the_exact_kl_from_below_when_lists_differ():
+    vocab_p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    vocab_q = torch.tensor([0.1, 0.3, 0.2, 0.05, 0.3, 0.05])
+    exact = float((vocab_p * (vocab_p / vocab_q).log()).sum())
+    ref = _lists({0: 0.4, 1: 0.25, 2: 0.15})  # top 3 of each: they share tokens 1 and 2 only
+    method = _lists({4: 0.3, 1: 0.3, 2: 0.2})
+    # the shared tokens and the rest as one outcome, by hand
+    by_hand = 0.25 * math.log(0.25 / 0.3) + 0.15 * math.log(0.15 / 0.2) + 0.6 * math.log(0.6 / 0.5)
+    assert kl_top_lists(ref, method) == pytest.approx(by_hand, rel=1e-12)
+    assert 0 < kl_top_lists(ref, method) < exact

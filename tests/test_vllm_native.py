@@ -10,7 +10,7 @@ import typing
 import pytest
 import yaml
 
-from kvbench.serve.backends import BACKENDS, SERVER_OF, server_settings, servers, unsupported, valkey_transfer
+from kvbench.serve.backends import BACKENDS, NATIVE, SERVER_OF, server_settings, servers, unsupported, valkey_transfer
 from kvbench.tinyrun import REPO
 from kvbench.vllm_native import NATIVE_KV
 from kvbench.vllm_server import vllm_command
@@ -99,3 +99,23 @@ def test_the_gpu_servers_with_our_connector_prefill_whole_and_parse(vllm_parser,
         assert args.kv_transfer_config.kv_connector == "ValkeyConnector"
     plain = vllm_command("m", 1, server_settings(config["vllm"], "main", serve["block_size"]), 0)
     assert "--no-enable-chunked-prefill" not in plain  # only where the connector needs it
+
+
+@pytest.mark.parametrize("config_name", CONFIGS)
+def test_vllms_parser_accepts_every_quality_served_server_command(vllm_parser, config_name):
+    from kvbench.quality.served import server_settings as served_settings
+
+    config = yaml.safe_load((REPO / "config" / config_name).read_text())
+    served = config["quality"]["served"]
+    for label in [None, *served["servers"]]:
+        settings = served_settings(config["vllm"], served["dtype"], label, served["top_k"])
+        args = vllm_parser(vllm_command("resources/models/m", 8123, settings, config["seed"])[3:])
+        assert args.kv_cache_dtype == (NATIVE[label].dtype if label else "auto")
+        assert args.max_logprobs == served["top_k"] and args.enable_prefix_caching is False
+        assert args.dtype == served["dtype"]
+
+
+def test_the_schema_knows_every_native_cache_as_a_quality_served_server():
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    served = schema["properties"]["quality"]["properties"]["served"]["properties"]
+    assert served["servers"]["items"]["enum"] == [n.label for n in NATIVE_KV]

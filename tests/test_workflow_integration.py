@@ -600,6 +600,45 @@ def test_quality_rows_for_every_method_and_built_sample(run):
     assert (workdir / "results/quality/smol/reference.safetensors").stat().st_size > 0
 
 
+def test_native_kv_servers_are_scored_through_lm_eval_with_fidelity_to_the_16_bit_server(run):
+    """The reference server's rows compare it with itself through the same requests (KL 0, top-1
+    agreement 1: the forced prefill agrees with its own greedy decode), its continuation cut as the
+    harness cuts answers is the answer lm-eval got from the chat endpoint (so the fidelity requests
+    saw the prompt the server rendered), and the fp8 server has a row per sample with its own KL."""
+    from kvbench.quality.adapter import cut_at_stop
+    from kvbench.serve.backends import unsupported
+
+    workdir, config = run
+    built = read(workdir, "results/quality/smol/scores.parquet").query("method == 'full'")
+    served = read(workdir, "results/quality/smol/served.parquet")
+    tasks = {t["task"]: t for t in json.loads((workdir / "results/quality/smol/tasks/tasks.json").read_text())}
+    ref = served[served.kv_cache_dtype == "auto"]
+    assert set(zip(ref.task, ref.sample_id)) == set(zip(built.task, built.sample_id))
+    assert ref.error.isna().all() and ref.fidelity_error.isna().all() and ref.score.between(0, 1).all()
+    assert (
+        ref.fidelity_positions.sum() > 0 and (ref.kl_mean.fillna(0) == 0).all() and (ref.kl_first.dropna() == 0).all()
+    )
+    assert (ref.top1_agreement.dropna() == 1).all()
+    for row in ref.itertuples():
+        assert cut_at_stop(row.reference_continuation, tasks[row.task]["until"]).strip() == row.prediction.strip()
+    fp8 = served[served.server == "vllm-fp8"]
+    if unsupported("vllm-fp8", "cpu"):  # a CPU without AVX-512: the reason, one row per task
+        assert fp8.error.str.startswith("unsupported").all()
+        return
+    assert fp8.error.isna().all() and fp8.fidelity_error.isna().all() and fp8.score.between(0, 1).all()
+    assert list(fp8.sample_id) == list(ref.sample_id)
+    assert list(fp8.fidelity_positions.fillna(-1)) == list(ref.fidelity_positions.fillna(-1))
+    assert (
+        (fp8.kl_mean.dropna() >= 0).all()
+        and fp8.kl_first.notna().all()
+        and fp8.top1_agreement.dropna().between(0, 1).all()
+    )
+    assert (fp8.reference_continuation == ref.reference_continuation.values).all()
+    assert set(served.served_dtype) == {"bfloat16" if served.dtype_note.isna().all() else "float32"}
+    log = (workdir / "logs/quality/smol/served.log").read_text()
+    assert "vllm-fp8: up in" in log
+
+
 def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(run, tmp_path):
     """kivi2 ran in job 1 after the reference (compared with the references that job wrote and read
     back); run alone in a new process (the CLI) against the same file it gets the same outputs,

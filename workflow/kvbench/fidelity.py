@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -62,6 +64,22 @@ def position_fidelity(reference: Reference, i: int, logits: torch.Tensor) -> tup
     """KL and top-1 agreement at position `i` from the method's distribution there [V]."""
     kl, top1 = kl_top1(reference, slice(i, i + 1), logits[None])
     return float(kl[0]), bool(top1[0])
+
+
+def kl_top_lists(reference: Mapping[int, float], method: Mapping[int, float]) -> float:
+    """KL(reference || method) at one position from two servers' returned log-probabilities (each
+    a top-k list, token -> log-probability): over the tokens both lists hold, plus everything else
+    as one outcome. A coarser partition than the vocabulary, so a lower bound of the exact KL
+    (data-processing inequality), exact when the two lists hold every token with mass; 0 for the
+    same list."""
+    shared = [t for t in reference if t in method]
+    p = [math.exp(reference[t]) for t in shared]
+    q = [math.exp(method[t]) for t in shared]
+    p_rest, q_rest = max(1.0 - sum(p), 0.0), max(1.0 - sum(q), 1e-12)
+    kl = sum(a * (math.log(a) - math.log(b)) for a, b in zip(p, q) if a > 0)
+    if p_rest > 0:
+        kl += p_rest * (math.log(p_rest) - math.log(q_rest))
+    return max(kl, 0.0)
 
 
 def summarize(kl: list[float], top1: list[bool]) -> dict[str, float | int | None]:

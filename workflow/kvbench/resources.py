@@ -335,6 +335,11 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
                     copies=2,
                 )
             )
+        served = quality.get("served") or {}
+        if served.get("servers"):  # the 16-bit server and each native one: answers, forced positions
+            n, inflight = len(served["servers"]) + 1, int(served.get("concurrency") or 1)
+            work.append(Work("quality_served", model, 1, "vllm", config["vllm"]["max_model_len"],
+                             2 * n * prefill, 2 * n * decode / inflight))  # fmt: skip
     return work
 
 

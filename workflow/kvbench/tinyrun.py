@@ -40,7 +40,7 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
     """The whole DAG in minutes: the real model (a local folder), 6 realistic documents of 160
     tokens, an imported folder (a note and a LongBench line), every method on 2 short prompts,
     the serve stage on one vLLM server and one Valkey, the quality
-    tasks with four methods in two jobs."""
+    tasks with four methods in two jobs and on vLLM's fp8 KV cache next to a 16-bit server."""
     imported = workdir / "my-docs"
     imported.mkdir(exist_ok=True)
     (imported / "note.txt").write_text("A short imported note about a patient with asthma.")
@@ -99,6 +99,7 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
             "summarization": {"samples": 1, "context_tokens": [192]},
             "retrieval": {"samples": 1, "context_tokens": [256], "paragraph_tokens": 64},
         },
+        served={"servers": ["vllm-fp8"], "dtype": "bfloat16", "top_k": 20, "concurrency": 1},
     )
     # A scenario these tiny runs can meet (the default ones need quality at 1K tokens).
     config["report"]["scenarios"]["small-cache"] = {

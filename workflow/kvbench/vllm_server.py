@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from kvbench.gpu_env import require_gpu_environment
 from kvbench.job_secrets import VLLM_API_KEY_ENV, bearer, job_secret
@@ -107,14 +107,23 @@ class VLLMClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        return self._post("/v1/chat/completions", body, lambda resp: _assemble(_events(resp)))
+
+    def complete(self, **params: Any) -> dict[str, Any]:
+        """One completion, not streamed (`prompt` may be token ids; vLLM's `prompt_logprobs` and
+        `return_tokens_as_token_ids` pass through): `idle_timeout_s` bounds the whole request."""
+        body = {"model": SERVED_NAME, **params, "stream": False}
+        return self._post("/v1/completions", body, lambda resp: json.loads(resp.read()))
+
+    def _post(self, path: str, body: dict[str, Any], read: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
         req = urllib.request.Request(
-            f"{self.base_url}/v1/chat/completions",
+            f"{self.base_url}{path}",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", **bearer(self.api_key)},
         )
         try:
             with urllib.request.urlopen(req, timeout=self.idle_timeout_s) as resp:
-                return _assemble(_events(resp))
+                return read(resp)
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
             raise RuntimeError(f"vLLM answered HTTP {err.code}: {detail}") from err

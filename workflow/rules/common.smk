@@ -136,6 +136,8 @@ def all_targets():
             model=config["quality"]["models"],
             output=["summary.parquet", "scores.png", "fidelity.png", "score_vs_ratio.png"],
         ),
+        *(expand("results/quality/{model}/served.parquet", model=config["quality"]["models"])
+          if config["quality"]["served"]["servers"] else []),
         "results/report/claims.parquet",
     ]
 

@@ -156,3 +156,38 @@ rule quality_summary:
         CONDA_ENV
     script:
         "../scripts/quality_summary.py"
+
+
+# vLLM's own quantized KV caches on the same tasks, through lm-eval's API models against each
+# server, with fidelity to the 16-bit server (kvbench.quality.served; docs/quality.md).
+rule quality_served:
+    input:
+        tasks="results/quality/{model}/tasks",
+        model=lambda wc: model_dir(wc.model),
+    output:
+        report(
+            "results/quality/{model}/served.parquet",
+            caption="../report/quality_served.rst",
+            category="Quality",
+            subcategory="{model}",
+        ),
+    params:
+        quality={key: QUALITY[key] for key in ("served", "max_gen_cap", "lm_eval_tasks", "lm_eval_limit")},
+        vllm=VLLM_RUN,
+        seed=config["seed"],
+        code=library_code("quality_served.py"),
+    wildcard_constraints:
+        model="|".join(map(re.escape, QUALITY["models"])),
+    threads: MACHINE_THREADS
+    resources:
+        gpu=GPUS["vllm"],
+    log:
+        main="logs/quality/{model}/served.log",
+        # each vLLM server's own log
+        **{server: f"logs/quality/{{model}}/served-{server}.log" for server in ["reference", *QUALITY["served"]["servers"]]},
+    benchmark:
+        "benchmarks/quality/{model}/served.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/quality_served.py"

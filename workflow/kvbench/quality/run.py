@@ -28,15 +28,13 @@ def max_prompt_tokens(cfg: Mapping[str, Any], model: Any) -> int:
 
 
 def task_table(tasks_dir: str | Path, lm_eval_tasks: list[str]) -> dict[str, dict[str, Any]]:
-    """Every task this run evaluates: name -> category, metric, chat, LongBench dataset."""
-    table = {
-        t["task"]: {k: t[k] for k in ("category", "metric", "chat", "longbench")}
-        for t in read_manifest(tasks_dir)
-        if t["samples"]
-    }
+    """Every task this run evaluates: name -> category, metric, chat, LongBench dataset, stop
+    strings, LongBench's maximum generation length."""
+    keys = ("category", "metric", "chat", "longbench", "until", "max_gen_tokens")
+    table = {t["task"]: {k: t[k] for k in keys} for t in read_manifest(tasks_dir) if t["samples"]}
     for name in lm_eval_tasks:  # lm-eval's official LongBench tasks (they read the hub)
         spec = longbench_spec(dataset_of(name))
-        table[name] = {"category": spec.category, "metric": spec.metric, "chat": spec.chat, "longbench": spec.longbench}
+        table[name] = {k: getattr(spec, k) for k in keys}
     return table
 
 
@@ -47,6 +45,18 @@ def sample_ids(task: str, size: int, limit: int | None, seed: int) -> list[int]:
     if not limit or limit >= size:
         return list(range(size))
     return sorted(random.Random(f"{seed}:{task}").sample(range(size), limit))
+
+
+def drawn_samples(official: list[str], manager: Any, limit: int | None, seed: int) -> dict[str, list[int]] | None:
+    """The samples of lm-eval's own tasks a run evaluates (`sample_ids` of each, from its size;
+    lm-eval loads each dataset from its cache), or None for all (kvbench's tasks are sized when
+    built)."""
+    from lm_eval.tasks import get_task_dict
+
+    if not (limit and official):
+        return None
+    sizes = {name: len(task.eval_docs) for name, task in get_task_dict(official, manager).items()}
+    return {name: sample_ids(name, sizes[name], limit, seed) for name in official}
 
 
 def evaluate(
@@ -64,7 +74,7 @@ def evaluate(
     """Rows for every sample of every task, method and protocol (an error where it failed), and the
     model object (its `new_references` hold the reference method's continuations, if it ran)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
     official = list(cfg.get("lm_eval_tasks") or [])
     tasks = task_table(tasks_dir, official)
@@ -88,11 +98,7 @@ def evaluate(
     )
     manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
     start = time.monotonic()
-    limit = cfg.get("lm_eval_limit")  # lm-eval's own tasks only: kvbench's are sized when built
-    drawn_ids = None
-    if limit and official:  # their sizes, to draw from (lm-eval loads each dataset from its cache)
-        sizes = {name: len(task.eval_docs) for name, task in get_task_dict(official, manager).items()}
-        drawn_ids = {name: sample_ids(name, sizes[name], limit, seed) for name in official}
+    drawn_ids = drawn_samples(official, manager, cfg.get("lm_eval_limit"), seed)
     results = simple_evaluate(
         model=lm,
         tasks=list(tasks),

@@ -1,0 +1,319 @@
+"""The quality tasks on the engine: vLLM's own quantized KV caches (kvbench.vllm_native) scored
+through lm-eval's OpenAI-compatible API models against the server, with fidelity to the 16-bit
+server from the log-probabilities the servers return. Engine numbers, labelled as such next to
+the harness's methods (`engine: vllm`).
+
+Per server (the 16-bit reference first, then each `quality.served.servers` label), one at a
+time: lm-eval's `local-chat-completions` for the tasks LongBench gives the chat template (the
+server applies it) and `local-completions` for its plain ones, greedy, up to the harness's
+generation length (min(LongBench's, `max_gen_cap`)); the server generates that many tokens and
+the answer is cut at the task's stop strings after leading newlines as the harness cuts it, then
+scored by the task's own `process_results`. Fidelity: the reference server's greedy continuation
+(same length) is teacher-forced through every server in one request (`prompt_logprobs`: each
+position's top-k given the prompt and the continuation before it), KL(reference || server) over
+the two top-k lists (kvbench.fidelity.kl_top_lists, a lower bound) and top-1 agreement, pooled
+as the harness pools them (position 0 apart as `kl_first`).
+
+What differs from the harness: no middle truncation (a prompt over the server's context fails
+and its row says so), vLLM's kernels and the served dtype instead of float32 torch, the chat
+template rendered by the server, forced positions computed in one prefill (each reads the
+quantized cache as a decode step would).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from kvbench.fidelity import kl_top_lists, summarize
+from kvbench.prompts import chat_ids
+from kvbench.quality.adapter import cut_at_stop
+from kvbench.quality.run import drawn_samples, task_table
+from kvbench.quality.taskfiles import metric_key
+from kvbench.serve.backends import NATIVE, served_dtype, unsupported
+from kvbench.vllm_server import SERVED_NAME, VLLMClient, vllm_server
+
+ENGINE = "vllm"
+COLUMNS = (
+    "server", "engine", "kv_cache_dtype", "nearest", "difference", "served_dtype", "dtype_note", "reference_server",
+    "top_k", "task", "category", "metric", "longbench", "max_new_tokens", "sample_id", "lm_eval_doc_id",
+    "prediction", "score", "metric_score", "error", "prompt_tokens", "kl_first", "kl_mean", "kl_max",
+    "top1_agreement", "fidelity_positions", "reference_continuation", "fidelity_error",
+)  # fmt: skip
+
+
+def reference_label(dtype: str) -> str:
+    return f"{ENGINE}-{dtype}"
+
+
+def server_settings(vllm: Mapping[str, Any], dtype: str, label: str | None, top_k: int) -> dict[str, Any]:
+    """A server for these requests: nothing cached across requests (every prompt computed in its
+    own request, through the KV cache under test), `top_k` log-probabilities allowed."""
+    args = list(vllm.get("extra_args", [])) + ["--no-enable-prefix-caching", "--max-logprobs", str(top_k)]
+    if label is not None:
+        args += ["--kv-cache-dtype", NATIVE[label].dtype]
+    return {**vllm, "dtype": dtype, "extra_args": args}
+
+
+@contextmanager
+def _api_key(key: str) -> Iterator[None]:
+    """lm-eval's API models read the key from OPENAI_API_KEY (a model argument would be logged)."""
+    old = os.environ.get("OPENAI_API_KEY")
+    os.environ["OPENAI_API_KEY"] = key
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OPENAI_API_KEY", None)
+        else:
+            os.environ["OPENAI_API_KEY"] = old
+
+
+def lm_eval_answers(
+    client: VLLMClient,
+    task: str,
+    info: Mapping[str, Any],
+    max_new: int,
+    manager: Any,
+    samples: list[int] | None,
+    seed: int,
+    concurrency: int = 1,
+) -> list[dict[str, Any]]:
+    """One task through lm-eval against the server: per sample its doc and answer."""
+    from lm_eval import simple_evaluate
+
+    chat = bool(info["chat"])
+    endpoint = "chat/completions" if chat else "completions"
+    model_args = {
+        "model": SERVED_NAME,
+        "base_url": f"{client.base_url}/v1/{endpoint}",
+        "tokenizer_backend": None,
+        "num_concurrent": concurrency,
+        "max_retries": 1,
+        "timeout": int(client.idle_timeout_s),
+        "seed": seed,
+    }
+    with _api_key(client.api_key or ""):
+        results = simple_evaluate(
+            model="local-chat-completions" if chat else "local-completions",
+            model_args=model_args,
+            tasks=[task],
+            task_manager=manager,
+            apply_chat_template=chat,
+            # greedy (the task files' temperature 1 means greedy only with do_sample off, which the
+            # API models drop), no stop strings: the harness's first-line cut is applied after
+            gen_kwargs={"until": [], "max_gen_toks": max_new, "temperature": 0},
+            samples={task: samples} if samples is not None else None,
+            log_samples=True,
+            bootstrap_iters=0,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    return [
+        {
+            "doc": s["doc"],
+            "doc_id": int(s["doc_id"]),
+            "answer": cut_at_stop(s["resps"][0][0] or "", list(info["until"])),
+        }
+        for s in results["samples"][task]
+    ]
+
+
+def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """The prompt the server computes: the chat template's rendering (as vLLM's chat endpoint
+    applies it) or the plain text."""
+    return chat_ids(tokenizer, text) if chat else list(tokenizer(text).input_ids)
+
+
+def continuation(client: VLLMClient, ids: list[int], n: int, seed: int) -> list[int]:
+    """The server's greedy continuation of `ids`, up to `n` tokens (fewer at end of sequence)."""
+    reply = client.complete(
+        prompt=ids, max_tokens=n, temperature=0, seed=seed, logprobs=1, return_tokens_as_token_ids=True
+    )
+    return [int(t.removeprefix("token_id:")) for t in reply["choices"][0]["logprobs"]["tokens"]]
+
+
+def forced(client: VLLMClient, ids: list[int], tokens: list[int], top_k: int, seed: int) -> list[dict[int, float]]:
+    """Each position's top-k log-probabilities with `tokens` teacher-forced after `ids`: position i
+    predicts tokens[i] from the prompt and tokens[:i]."""
+    reply = client.complete(prompt=ids + tokens, max_tokens=1, temperature=0, seed=seed, prompt_logprobs=top_k)
+    lists = reply["choices"][0]["prompt_logprobs"][len(ids) : len(ids) + len(tokens)]
+    return [{int(t): float(v["logprob"]) for t, v in (entry or {}).items()} for entry in lists]
+
+
+def fidelity(reference: list[dict[int, float]], method: list[dict[int, float]], tokens: list[int]) -> dict[str, Any]:
+    kl = [kl_top_lists(r, m) for r, m in zip(reference, method)]
+    top1 = [max(m, key=m.get) == t for m, t in zip(method, tokens)]
+    return summarize(kl, top1)
+
+
+@dataclass
+class _Pass:
+    """What every server's requests share: the tasks, the settings, and the reference server's
+    continuations and top-k lists by (task, lm-eval doc id) once it has run."""
+
+    tokenizer: Any
+    manager: Any
+    tasks: dict[str, dict[str, Any]]
+    task_objects: dict[str, Any]
+    drawn: dict[str, list[int]]
+    max_gen_cap: int | None
+    top_k: int
+    concurrency: int
+    seed: int
+    continuations: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    reference_lists: dict[tuple[str, int], list[dict[int, float]]] = field(default_factory=dict)
+
+    def max_new(self, task: str) -> int:
+        longbench = int(self.tasks[task]["max_gen_tokens"])
+        return min(longbench, self.max_gen_cap) if self.max_gen_cap else longbench
+
+    def task_rows(self, client: VLLMClient, base: dict[str, Any], task: str, reference: bool) -> list[dict[str, Any]]:
+        info = self.tasks[task]
+        head = {**base, **_task_columns(task, info), "max_new_tokens": self.max_new(task)}
+        try:
+            answers = lm_eval_answers(
+                client, task, info, self.max_new(task), self.manager, self.drawn.get(task), self.seed, self.concurrency
+            )
+        except Exception as err:  # noqa: BLE001 (the task's row says why; the other tasks go on)
+            _note(f"{base['server']} {task}: {type(err).__name__}: {err}")
+            return [{**head, "error": f"{type(err).__name__}: {err}"}]
+        with ThreadPoolExecutor(self.concurrency) as pool:  # the server batches what is in flight
+            return list(pool.map(lambda a: self.sample_row(client, head, a, reference), answers))
+
+    def sample_row(self, client: VLLMClient, head: dict[str, Any], answer: dict[str, Any], reference: bool) -> dict:
+        task, doc = head["task"], answer["doc"]
+        info, task_object, key = self.tasks[task], self.task_objects[task], (task, answer["doc_id"])
+        row = {
+            **head,
+            "sample_id": str(doc.get("_id", answer["doc_id"])),
+            "lm_eval_doc_id": answer["doc_id"],
+            "prediction": answer["answer"],
+            "error": None,
+            "fidelity_error": None,
+        }
+        try:
+            metrics = task_object.process_results(doc, [answer["answer"]])
+            row["score"], row["metric_score"] = float(metrics["score"]), float(metrics[metric_key(info["metric"])])
+        except Exception as err:  # noqa: BLE001 (this sample's row says why)
+            row["error"] = f"{type(err).__name__}: {err}"
+        try:
+            ids = prompt_ids(self.tokenizer, task_object.doc_to_text(doc), bool(info["chat"]))
+            row["prompt_tokens"] = len(ids)
+            if reference:
+                self.continuations[key] = continuation(client, ids, self.max_new(task), self.seed)
+            tokens = self.continuations.get(key)
+            if tokens is not None:
+                row["reference_continuation"] = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if tokens and (reference or key in self.reference_lists):
+                lists = forced(client, ids, tokens, self.top_k, self.seed)
+                if reference:
+                    self.reference_lists[key] = lists
+                row |= fidelity(self.reference_lists[key], lists, tokens)
+        except Exception as err:  # noqa: BLE001 (the score stands; this sample has no fidelity)
+            row["fidelity_error"] = f"{type(err).__name__}: {err}"
+        return row
+
+
+def run(
+    model_dir: str,
+    tokenizer: Any,
+    quality: Mapping[str, Any],
+    vllm: Mapping[str, Any],
+    tasks_dir: str,
+    seed: int,
+    logs: Mapping[str, str],
+) -> list[dict[str, Any]]:
+    """Rows for every sample of every task on every server (the reference's included); a server
+    this machine cannot run gets one row per task with its reason, a failed task or request its
+    error. `logs`: each server's log by label ("reference" for the 16-bit one)."""
+    from lm_eval.tasks import TaskManager
+
+    served = quality["served"]
+    official = list(quality.get("lm_eval_tasks") or [])
+    tasks = task_table(tasks_dir, official)
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
+    shared = _Pass(
+        tokenizer,
+        manager,
+        tasks,
+        manager.load(list(tasks))["tasks"],
+        drawn_samples(official, manager, quality.get("lm_eval_limit"), seed) or {},
+        quality.get("max_gen_cap"),
+        int(served["top_k"]),
+        int(served["concurrency"]),
+        seed,
+    )
+    dtype, dtype_note = served_dtype(served["dtype"], vllm["device"])
+    reference = reference_label(dtype)
+    rows: list[dict[str, Any]] = []
+    for label in [None, *served["servers"]]:
+        name = label or reference
+        base = {
+            "server": name,
+            "engine": ENGINE,
+            "kv_cache_dtype": NATIVE[label].dtype if label else "auto",
+            "nearest": NATIVE[label].nearest if label else None,
+            "difference": NATIVE[label].difference if label else None,
+            "served_dtype": dtype,
+            "dtype_note": dtype_note,
+            "reference_server": reference,
+            "top_k": shared.top_k,
+        }
+        reason = unsupported(label, vllm["device"]) if label else None
+        if reason is not None:
+            _note(f"{name}: {reason}")
+            rows += [{**base, **_task_columns(t, tasks[t]), "error": reason} for t in tasks]
+            continue
+        started = time.monotonic()
+        settings = server_settings(vllm, dtype, label, shared.top_k)
+        with vllm_server(model_dir, settings, seed, logs[label or "reference"]) as client:
+            _note(f"{name}: up in {time.monotonic() - started:.0f} s")
+            for task in tasks:
+                rows += shared.task_rows(client, base, task, reference=label is None)
+        _note(f"{name}: done in {time.monotonic() - started:.0f} s")
+    return rows
+
+
+def _task_columns(task: str, info: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: info[k] for k in ("category", "metric", "longbench")} | {"task": task}
+
+
+def _note(text: str) -> None:
+    print(f"[quality-served] {text}", file=sys.stderr, flush=True)
+
+
+def run_job(
+    model_dir: str,
+    quality: Mapping[str, Any],
+    vllm: Mapping[str, Any],
+    tasks_dir: str,
+    seed: int,
+    logs: Mapping[str, str],
+    table_path: str,
+    provenance: Mapping[str, Any],
+) -> None:
+    """The rule's job: every server's rows in one table, and per server what they hold (counts and
+    means only: the report's intervals compare)."""
+    import pandas as pd
+
+    from kvbench.models import load_tokenizer
+    from kvbench.provenance import write_table
+
+    rows = run(model_dir, load_tokenizer(model_dir), quality, vllm, tasks_dir, seed, logs)
+    table = pd.DataFrame(rows, columns=list(COLUMNS))
+    for server, rows in table.groupby("server", sort=False):
+        scored = rows["score"].notna()
+        _note(
+            f"{server}: {int(scored.sum())} samples scored, {int(rows['error'].notna().sum())} rows with an error, "
+            f"mean score {rows['score'].mean():.3f}, "
+            f"KL {rows['kl_mean'].mean():.4f} over {int(rows['fidelity_positions'].fillna(0).sum())} forced positions"
+        )
+    write_table(table, table_path, provenance)
