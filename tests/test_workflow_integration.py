@@ -80,6 +80,7 @@ def cluster_jobs(config) -> list[str]:
         *["serve_server"] * len(serve_servers(config["serve"]["backends"])),
         *["quality_reference"] * n_quality,
         *["quality_methods"] * (n_quality * (len(quality_jobs(config)) - 1)),
+        *["quality_served"] * (n_quality if quality["served"]["servers"] else 0),
     ]
 
 
@@ -302,6 +303,7 @@ def test_changing_the_seed_reruns_exactly_the_jobs_it_affects(run):
         "quality_tasks[model=smol]",
         *(quality(m, config) for m in config["quality"]["methods"]),
         "quality_summary[model=smol]",
+        "quality_served[model=smol]",
         "report_tables",
         "all",
     }
@@ -418,6 +420,7 @@ def test_changing_library_code_reruns_the_rules_that_import_it(run, tmp_path):
     downstream = {
         *(quality(m, config) for m in config["quality"]["methods"]),
         "quality_summary[model=smol]",
+        "quality_served[model=smol]",  # it imports the module too; its new task files are the first reason
         "system_summary",
         "report_tables",
         "all",
@@ -601,10 +604,10 @@ def test_quality_rows_for_every_method_and_built_sample(run):
 
 
 def test_native_kv_servers_are_scored_through_lm_eval_with_fidelity_to_the_16_bit_server(run):
-    """The reference server's rows compare it with itself through the same requests (KL 0, top-1
-    agreement 1: the forced prefill agrees with its own greedy decode), its continuation cut as the
-    harness cuts answers is the answer lm-eval got from the chat endpoint (so the fidelity requests
-    saw the prompt the server rendered), and the fp8 server has a row per sample with its own KL."""
+    """The reference server's forced prefill agrees with its own greedy decode (top-1 agreement 1),
+    its continuation cut as the harness cuts answers is the answer lm-eval got from the chat
+    endpoint (so the fidelity requests saw the prompt the server rendered), and the fp8 cache moves
+    the distributions the same requests return (KL > 0 at the first answer position somewhere)."""
     from kvbench.quality.adapter import cut_at_stop
     from kvbench.serve.backends import unsupported
 
@@ -615,10 +618,7 @@ def test_native_kv_servers_are_scored_through_lm_eval_with_fidelity_to_the_16_bi
     ref = served[served.kv_cache_dtype == "auto"]
     assert set(zip(ref.task, ref.sample_id)) == set(zip(built.task, built.sample_id))
     assert ref.error.isna().all() and ref.fidelity_error.isna().all() and ref.score.between(0, 1).all()
-    assert (
-        ref.fidelity_positions.sum() > 0 and (ref.kl_mean.fillna(0) == 0).all() and (ref.kl_first.dropna() == 0).all()
-    )
-    assert (ref.top1_agreement.dropna() == 1).all()
+    assert ref.fidelity_positions.sum() > 0 and (ref.top1_agreement.dropna() == 1).all()
     for row in ref.itertuples():
         assert cut_at_stop(row.reference_continuation, tasks[row.task]["until"]).strip() == row.prediction.strip()
     fp8 = served[served.server == "vllm-fp8"]
@@ -628,12 +628,8 @@ def test_native_kv_servers_are_scored_through_lm_eval_with_fidelity_to_the_16_bi
     assert fp8.error.isna().all() and fp8.fidelity_error.isna().all() and fp8.score.between(0, 1).all()
     assert list(fp8.sample_id) == list(ref.sample_id)
     assert list(fp8.fidelity_positions.fillna(-1)) == list(ref.fidelity_positions.fillna(-1))
-    assert (
-        (fp8.kl_mean.dropna() >= 0).all()
-        and fp8.kl_first.notna().all()
-        and fp8.top1_agreement.dropna().between(0, 1).all()
-    )
-    assert (fp8.reference_continuation == ref.reference_continuation.values).all()
+    assert (fp8.kl_first > 0).any() and fp8.top1_agreement.dropna().between(0, 1).all()
+    assert fp8.fidelity_note.isna().all()  # fp8 reads its cache in the prefill (TurboQuant's rows say it does not)
     assert set(served.served_dtype) == {"bfloat16" if served.dtype_note.isna().all() else "float32"}
     log = (workdir / "logs/quality/smol/served.log").read_text()
     assert "vllm-fp8: up in" in log

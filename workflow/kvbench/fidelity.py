@@ -75,7 +75,7 @@ def kl_top_lists(reference: Mapping[int, float], method: Mapping[int, float]) ->
     shared = [t for t in reference if t in method]
     p = [math.exp(reference[t]) for t in shared]
     q = [math.exp(method[t]) for t in shared]
-    p_rest, q_rest = max(1.0 - sum(p), 0.0), max(1.0 - sum(q), 1e-12)
+    p_rest, q_rest = max(1.0 - sum(p), 0.0), max(1.0 - sum(q), 1e-7)  # kl_top1's clamp
     kl = sum(a * (math.log(a) - math.log(b)) for a, b in zip(p, q) if a > 0)
     if p_rest > 0:
         kl += p_rest * (math.log(p_rest) - math.log(q_rest))

@@ -100,6 +100,12 @@ def visible(text: str, until: list[str]) -> str:
     return text.lstrip("\n") if "\n" in until else text
 
 
+def reaches_stop(tokenizer: Any, tokens: list[int], until: list[str]) -> bool:
+    """Whether an answer of `tokens` has reached one of the task's stop strings (the harness ends
+    its generation there)."""
+    return any(u in visible(tokenizer.decode(tokens, skip_special_tokens=True), until) for u in until)
+
+
 def cut_at_stop(text: str, until: list[str]) -> str:
     """The answer up to the first stop string."""
     text = visible(text, until)
@@ -260,7 +266,7 @@ class KvbenchLM(LM):
         }
 
         def stop(tokens: list[int]) -> bool:
-            return any(u in visible(self.tokenizer.decode(tokens, skip_special_tokens=True), until) for u in until)
+            return reaches_stop(self.tokenizer, tokens, until)
 
         return Prompt(key, ids, split, self.prompt_info[key]["max_new_tokens"], stop if until else None, note)
 

@@ -9,21 +9,27 @@ server applies it) and `local-completions` for its plain ones, greedy, up to the
 generation length (min(LongBench's, `max_gen_cap`)); the server generates that many tokens and
 the answer is cut at the task's stop strings after leading newlines as the harness cuts it, then
 scored by the task's own `process_results`. Fidelity: the reference server's greedy continuation
-(same length) is teacher-forced through every server in one request (`prompt_logprobs`: each
-position's top-k given the prompt and the continuation before it), KL(reference || server) over
-the two top-k lists (kvbench.fidelity.kl_top_lists, a lower bound) and top-1 agreement, pooled
-as the harness pools them (position 0 apart as `kl_first`).
+(up to where the harness's reference would stop: the token that reaches a stop string) is
+teacher-forced through every server in one request (`prompt_logprobs`: each position's top-k given
+the prompt and the continuation before it), KL(reference || server) over the tokens both top-k
+lists hold plus the rest (kvbench.fidelity.kl_top_lists, a lower bound, coarser than the harness's
+KL over the reference's top-k) and top-1 agreement, pooled as the harness pools them (position 0
+apart as `kl_first`).
 
-What differs from the harness: no middle truncation (a prompt over the server's context fails
-and its row says so), vLLM's kernels and the served dtype instead of float32 torch, the chat
-template rendered by the server, forced positions computed in one prefill (each reads the
-quantized cache as a decode step would).
+What differs from the harness: no middle truncation (a sample whose prompt and answer exceed the
+server's context gets its row with the reason), vLLM's kernels and the served dtype instead of
+float32 torch, the chat template rendered by the server, and the forced positions computed in one
+prefill: vLLM's CPU, FlashAttention and Triton backends read the quantized cache there as a decode
+step would, its TurboQuant backend attends to the raw K/V in a request's first prefill chunk (its
+rows say so in `fidelity_note`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -32,18 +38,23 @@ from typing import Any, Iterator, Mapping
 
 from kvbench.fidelity import kl_top_lists, summarize
 from kvbench.prompts import chat_ids
-from kvbench.quality.adapter import cut_at_stop
+from kvbench.quality.adapter import cut_at_stop, reaches_stop
 from kvbench.quality.run import drawn_samples, task_table
 from kvbench.quality.taskfiles import metric_key
 from kvbench.serve.backends import NATIVE, served_dtype, unsupported
 from kvbench.vllm_server import SERVED_NAME, VLLMClient, vllm_server
 
 ENGINE = "vllm"
+API_LOGGER = "lm_eval.models.api_models"  # where lm-eval's API models log
+PREFILL_BYPASS = (
+    "vLLM's TurboQuant attention computes a request's first prefill chunk from the raw K/V: the "
+    "forced positions do not read the compressed cache (its decode steps do); KL here is not the cache's"
+)
 COLUMNS = (
     "server", "engine", "kv_cache_dtype", "nearest", "difference", "served_dtype", "dtype_note", "reference_server",
     "top_k", "task", "category", "metric", "longbench", "max_new_tokens", "sample_id", "lm_eval_doc_id",
     "prediction", "score", "metric_score", "error", "prompt_tokens", "kl_first", "kl_mean", "kl_max",
-    "top1_agreement", "fidelity_positions", "reference_continuation", "fidelity_error",
+    "top1_agreement", "fidelity_positions", "reference_continuation", "fidelity_error", "fidelity_note",
 )  # fmt: skip
 
 
@@ -53,21 +64,45 @@ def reference_label(dtype: str) -> str:
 
 def server_settings(vllm: Mapping[str, Any], dtype: str, label: str | None, top_k: int) -> dict[str, Any]:
     """A server for these requests: nothing cached across requests (every prompt computed in its
-    own request, through the KV cache under test), `top_k` log-probabilities allowed."""
-    args = list(vllm.get("extra_args", [])) + ["--no-enable-prefix-caching", "--max-logprobs", str(top_k)]
+    own request, through the KV cache under test), `top_k` log-probabilities allowed, vLLM's
+    sampling defaults."""
+    # vLLM's own sampling defaults, not the model's generation_config (a repetition penalty there
+    # would reach these requests and not the harness's greedy decode)
+    args = list(vllm.get("extra_args", [])) + [
+        "--no-enable-prefix-caching", "--max-logprobs", str(top_k), "--generation-config", "vllm",
+    ]  # fmt: skip
     if label is not None:
         args += ["--kv-cache-dtype", NATIVE[label].dtype]
     return {**vllm, "dtype": dtype, "extra_args": args}
 
 
+class _Redact(logging.Filter):
+    """Drops `secret` from a record's text: lm-eval's async client logs a failed request's
+    exception, whose repr holds the request's headers (the API key among them)."""
+
+    def __init__(self, secret: str) -> None:
+        super().__init__()
+        self.secret = secret
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if self.secret and self.secret in text:
+            record.msg, record.args = text.replace(self.secret, "<redacted>"), None
+        return True
+
+
 @contextmanager
 def _api_key(key: str) -> Iterator[None]:
-    """lm-eval's API models read the key from OPENAI_API_KEY (a model argument would be logged)."""
+    """lm-eval's API models read the key from OPENAI_API_KEY (a model argument would be logged);
+    their logger's records lose it while it is set."""
     old = os.environ.get("OPENAI_API_KEY")
     os.environ["OPENAI_API_KEY"] = key
+    redact, logger = _Redact(key), logging.getLogger(API_LOGGER)
+    logger.addFilter(redact)
     try:
         yield
     finally:
+        logger.removeFilter(redact)
         if old is None:
             os.environ.pop("OPENAI_API_KEY", None)
         else:
@@ -168,6 +203,9 @@ class _Pass:
     top_k: int
     concurrency: int
     seed: int
+    max_model_len: int
+    prompts: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one fast tokenizer, many threads
     continuations: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     reference_lists: dict[tuple[str, int], list[dict[int, float]]] = field(default_factory=dict)
 
@@ -175,44 +213,61 @@ class _Pass:
         longbench = int(self.tasks[task]["max_gen_tokens"])
         return min(longbench, self.max_gen_cap) if self.max_gen_cap else longbench
 
+    def prompt(self, task: str, doc_id: int, doc: Mapping[str, Any]) -> list[int]:
+        with self.lock:
+            if (task, doc_id) not in self.prompts:
+                text = self.task_objects[task].doc_to_text(doc)
+                self.prompts[task, doc_id] = prompt_ids(self.tokenizer, text, bool(self.tasks[task]["chat"]))
+            return self.prompts[task, doc_id]
+
     def task_rows(self, client: VLLMClient, base: dict[str, Any], task: str, reference: bool) -> list[dict[str, Any]]:
-        info = self.tasks[task]
-        head = {**base, **_task_columns(task, info), "max_new_tokens": self.max_new(task)}
+        """The task's rows on this server: a sample whose prompt and answer do not fit the server's
+        context gets its row with the reason (this route has no middle truncation), the others go
+        through lm-eval; a task lm-eval fails on gets one row with the error."""
+        info, max_new = self.tasks[task], self.max_new(task)
+        head = {**base, **_task_columns(task, info), "max_new_tokens": max_new}
+        docs = self.task_objects[task].eval_docs
+        fits, rows = [], []
+        for i in self.drawn.get(task) or range(len(docs)):
+            n = len(self.prompt(task, i, docs[i]))
+            if n + max_new <= self.max_model_len:
+                fits.append(i)
+                continue
+            why = f"prompt of {n} tokens + {max_new} new exceeds the server's max_model_len {self.max_model_len}"
+            rows.append({**head, **_sample_columns(docs[i], i), "prompt_tokens": n, "error": why})
+        if not fits:
+            return rows
         try:
-            answers = lm_eval_answers(
-                client, task, info, self.max_new(task), self.manager, self.drawn.get(task), self.seed, self.concurrency
-            )
+            answers = lm_eval_answers(client, task, info, max_new, self.manager, fits, self.seed, self.concurrency)
         except Exception as err:  # noqa: BLE001 (the task's row says why; the other tasks go on)
             _note(f"{base['server']} {task}: {type(err).__name__}: {err}")
-            return [{**head, "error": f"{type(err).__name__}: {err}"}]
+            return rows + [{**head, "error": f"{type(err).__name__}: {err}"}]
         with ThreadPoolExecutor(self.concurrency) as pool:  # the server batches what is in flight
-            return list(pool.map(lambda a: self.sample_row(client, head, a, reference), answers))
+            return rows + list(pool.map(lambda a: self.sample_row(client, head, a, reference), answers))
 
     def sample_row(self, client: VLLMClient, head: dict[str, Any], answer: dict[str, Any], reference: bool) -> dict:
         task, doc = head["task"], answer["doc"]
-        info, task_object, key = self.tasks[task], self.task_objects[task], (task, answer["doc_id"])
-        row = {
-            **head,
-            "sample_id": str(doc.get("_id", answer["doc_id"])),
-            "lm_eval_doc_id": answer["doc_id"],
-            "prediction": answer["answer"],
-            "error": None,
-            "fidelity_error": None,
-        }
+        info, key = self.tasks[task], (task, answer["doc_id"])
+        row = {**head, **_sample_columns(doc, answer["doc_id"]), "prediction": answer["answer"], "error": None}
         try:
-            metrics = task_object.process_results(doc, [answer["answer"]])
+            metrics = self.task_objects[task].process_results(doc, [answer["answer"]])
             row["score"], row["metric_score"] = float(metrics["score"]), float(metrics[metric_key(info["metric"])])
         except Exception as err:  # noqa: BLE001 (this sample's row says why)
             row["error"] = f"{type(err).__name__}: {err}"
         try:
-            ids = prompt_ids(self.tokenizer, task_object.doc_to_text(doc), bool(info["chat"]))
+            ids = self.prompt(task, answer["doc_id"], doc)
             row["prompt_tokens"] = len(ids)
             if reference:
-                self.continuations[key] = continuation(client, ids, self.max_new(task), self.seed)
-            tokens = self.continuations.get(key)
-            if tokens is not None:
+                self.continuations[key] = self.until_stop(
+                    task, continuation(client, ids, self.max_new(task), self.seed)
+                )
+            if key not in self.continuations or not (reference or key in self.reference_lists):
+                row["fidelity_error"] = "no reference continuation (the reference server failed on this sample)"
+                return row
+            tokens = self.continuations[key]
+            with self.lock:
                 row["reference_continuation"] = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if tokens and (reference or key in self.reference_lists):
+            if tokens:
                 lists = forced(client, ids, tokens, self.top_k, self.seed)
                 if reference:
                     self.reference_lists[key] = lists
@@ -220,6 +275,14 @@ class _Pass:
         except Exception as err:  # noqa: BLE001 (the score stands; this sample has no fidelity)
             row["fidelity_error"] = f"{type(err).__name__}: {err}"
         return row
+
+    def until_stop(self, task: str, tokens: list[int]) -> list[int]:
+        """The continuation up to the token that reaches a stop string, where the harness's
+        reference ends (the harness's stop check)."""
+        until = list(self.tasks[task]["until"])
+        with self.lock:
+            end = next((n for n in range(1, len(tokens) + 1) if reaches_stop(self.tokenizer, tokens[:n], until)), None)
+        return tokens[:end] if end else tokens
 
 
 def run(
@@ -250,6 +313,7 @@ def run(
         int(served["top_k"]),
         int(served["concurrency"]),
         seed,
+        int(vllm["max_model_len"]),
     )
     dtype, dtype_note = served_dtype(served["dtype"], vllm["device"])
     reference = reference_label(dtype)
@@ -266,6 +330,7 @@ def run(
             "dtype_note": dtype_note,
             "reference_server": reference,
             "top_k": shared.top_k,
+            "fidelity_note": PREFILL_BYPASS if label and NATIVE[label].dtype.startswith("turboquant") else None,
         }
         reason = unsupported(label, vllm["device"]) if label else None
         if reason is not None:
@@ -274,12 +339,27 @@ def run(
             continue
         started = time.monotonic()
         settings = server_settings(vllm, dtype, label, shared.top_k)
-        with vllm_server(model_dir, settings, seed, logs[label or "reference"]) as client:
-            _note(f"{name}: up in {time.monotonic() - started:.0f} s")
-            for task in tasks:
-                rows += shared.task_rows(client, base, task, reference=label is None)
+        mine: list[dict[str, Any]] = []
+        try:
+            with vllm_server(model_dir, settings, seed, logs[label or "reference"]) as client:
+                _note(f"{name}: up in {time.monotonic() - started:.0f} s")
+                for task in tasks:
+                    mine += shared.task_rows(client, base, task, reference=label is None)
+        except Exception as err:  # noqa: BLE001 (a server that failed: its tasks' rows say why; the next one runs)
+            _note(f"{name}: {type(err).__name__}: {err}")
+            done = {row["task"] for row in mine}
+            mine += [
+                {**base, **_task_columns(t, tasks[t]), "error": f"{type(err).__name__}: {err}"}
+                for t in tasks
+                if t not in done
+            ]
+        rows += mine
         _note(f"{name}: done in {time.monotonic() - started:.0f} s")
     return rows
+
+
+def _sample_columns(doc: Mapping[str, Any], doc_id: int) -> dict[str, Any]:
+    return {"sample_id": str(doc.get("_id", doc_id)), "lm_eval_doc_id": doc_id}
 
 
 def _task_columns(task: str, info: Mapping[str, Any]) -> dict[str, Any]:
