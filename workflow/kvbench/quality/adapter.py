@@ -100,6 +100,12 @@ def visible(text: str, until: list[str]) -> str:
     return text.lstrip("\n") if "\n" in until else text
 
 
+def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """The prompt's token ids: the chat template's rendering (as vLLM's chat endpoint applies it),
+    or the plain text for LongBench's few-shot and code tasks."""
+    return chat_ids(tokenizer, text) if chat else list(tokenizer(text).input_ids)
+
+
 def reaches_stop(tokenizer: Any, tokens: list[int], until: list[str]) -> bool:
     """Whether an answer of `tokens` has reached one of the task's stop strings (the harness ends
     its generation there)."""
@@ -238,7 +244,7 @@ class KvbenchLM(LM):
             text = self.tokenizer.decode(raw[:half], skip_special_tokens=True) + self.tokenizer.decode(
                 raw[-half:], skip_special_tokens=True
             )
-        ids = chat_ids(self.tokenizer, text) if self.chat(task) else list(self.tokenizer(text).input_ids)
+        ids = prompt_ids(self.tokenizer, text, self.chat(task))
         return ids, text, len(raw), truncated
 
     def chat(self, task: str) -> bool:

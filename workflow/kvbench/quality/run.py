@@ -47,16 +47,25 @@ def sample_ids(task: str, size: int, limit: int | None, seed: int) -> list[int]:
     return sorted(random.Random(f"{seed}:{task}").sample(range(size), limit))
 
 
-def drawn_samples(official: list[str], manager: Any, limit: int | None, seed: int) -> dict[str, list[int]] | None:
-    """The samples of lm-eval's own tasks a run evaluates (`sample_ids` of each, from its size;
-    lm-eval loads each dataset from its cache), or None for all (kvbench's tasks are sized when
-    built)."""
-    from lm_eval.tasks import get_task_dict
+def open_tasks(tasks_dir: str | Path, cfg: Mapping[str, Any], seed: int) -> tuple[dict[str, dict[str, Any]], Any, dict]:
+    """What a run evaluates: its task table (`task_table`), lm-eval's TaskManager over the task
+    folder (and lm-eval's own tasks where configured), and the samples of lm-eval's own tasks
+    (`sample_ids` of each, from its size; lm-eval loads each dataset from its cache) by name,
+    empty for all (kvbench's tasks are sized when built)."""
+    from lm_eval.tasks import TaskManager, get_task_dict
 
-    if not (limit and official):
-        return None
-    sizes = {name: len(task.eval_docs) for name, task in get_task_dict(official, manager).items()}
-    return {name: sample_ids(name, sizes[name], limit, seed) for name in official}
+    official = list(cfg.get("lm_eval_tasks") or [])
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
+    limit, drawn = cfg.get("lm_eval_limit"), {}
+    if limit and official:
+        sizes = {name: len(task.eval_docs) for name, task in get_task_dict(official, manager).items()}
+        drawn = {name: sample_ids(name, sizes[name], limit, seed) for name in official}
+    return task_table(tasks_dir, official), manager, drawn
+
+
+def seeds(seed: int) -> dict[str, int]:
+    """simple_evaluate's seed arguments, all `seed`."""
+    return {f"{kind}_seed": seed for kind in ("random", "numpy_random", "torch_random", "fewshot_random")}
 
 
 def evaluate(
@@ -74,10 +83,8 @@ def evaluate(
     """Rows for every sample of every task, method and protocol (an error where it failed), and the
     model object (its `new_references` hold the reference method's continuations, if it ran)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    official = list(cfg.get("lm_eval_tasks") or [])
-    tasks = task_table(tasks_dir, official)
+    tasks, manager, drawn_ids = open_tasks(tasks_dir, cfg, seed)
     if not tasks:
         raise ValueError(f"{tasks_dir}: no task has samples (see logs/quality/<model>/tasks.log) and no lm_eval_tasks")
     lm = KvbenchLM(
@@ -96,20 +103,15 @@ def evaluate(
         prompts_per_batch=int(cfg.get("prompts_per_batch") or 8),
         max_rows=int(cfg.get("max_rows") or 64),
     )
-    manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
     start = time.monotonic()
-    drawn_ids = drawn_samples(official, manager, cfg.get("lm_eval_limit"), seed)
     results = simple_evaluate(
         model=lm,
         tasks=list(tasks),
         task_manager=manager,
         log_samples=True,
         bootstrap_iters=0,
-        samples=drawn_ids,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
+        samples=drawn_ids or None,
+        **seeds(seed),
     )
     print(f"[quality] lm-eval finished in {time.monotonic() - start:.0f} s")
     task_objects = manager.load(list(results["samples"]))["tasks"]
@@ -120,7 +122,7 @@ def evaluate(
             doc = sample["doc"]
             # lm-eval logs a drawn sample under its index in the dataset, but numbers the requests the
             # model sees (and so the adapter's keys, where a record has no `_id`) among the drawn ones.
-            drawn = (drawn_ids or {}).get(task)
+            drawn = drawn_ids.get(task)
             key = prompt_key(task, doc, drawn.index(sample["doc_id"]) if drawn else sample["doc_id"])
             for method, spec in methods.items():
                 for protocol in protocols:

@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from kvbench.fidelity import kl_top_lists, summarize
-from kvbench.prompts import chat_ids
-from kvbench.quality.adapter import cut_at_stop, reaches_stop
-from kvbench.quality.run import drawn_samples, task_table
+from kvbench.quality.adapter import cut_at_stop, prompt_ids, reaches_stop
+from kvbench.quality.run import open_tasks, seeds
 from kvbench.quality.taskfiles import metric_key
 from kvbench.serve.backends import NATIVE, served_dtype, unsupported
 from kvbench.vllm_server import SERVED_NAME, VLLMClient, vllm_server
@@ -146,10 +145,7 @@ def lm_eval_answers(
             samples={task: samples} if samples is not None else None,
             log_samples=True,
             bootstrap_iters=0,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
+            **seeds(seed),
         )
     return [
         {
@@ -159,12 +155,6 @@ def lm_eval_answers(
         }
         for s in results["samples"][task]
     ]
-
-
-def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
-    """The prompt the server computes: the chat template's rendering (as vLLM's chat endpoint
-    applies it) or the plain text."""
-    return chat_ids(tokenizer, text) if chat else list(tokenizer(text).input_ids)
 
 
 def continuation(client: VLLMClient, ids: list[int], n: int, seed: int) -> list[int]:
@@ -280,6 +270,8 @@ class _Pass:
         """The continuation up to the token that reaches a stop string, where the harness's
         reference ends (the harness's stop check)."""
         until = list(self.tasks[task]["until"])
+        if not until:  # the harness's reference runs to its length or end of sequence
+            return tokens
         with self.lock:
             end = next((n for n in range(1, len(tokens) + 1) if reaches_stop(self.tokenizer, tokens[:n], until)), None)
         return tokens[:end] if end else tokens
@@ -297,18 +289,14 @@ def run(
     """Rows for every sample of every task on every server (the reference's included); a server
     this machine cannot run gets one row per task with its reason, a failed task or request its
     error. `logs`: each server's log by label ("reference" for the 16-bit one)."""
-    from lm_eval.tasks import TaskManager
-
     served = quality["served"]
-    official = list(quality.get("lm_eval_tasks") or [])
-    tasks = task_table(tasks_dir, official)
-    manager = TaskManager(include_path=str(tasks_dir), include_defaults=bool(official))
+    tasks, manager, drawn = open_tasks(tasks_dir, quality, seed)
     shared = _Pass(
         tokenizer,
         manager,
         tasks,
         manager.load(list(tasks))["tasks"],
-        drawn_samples(official, manager, quality.get("lm_eval_limit"), seed) or {},
+        drawn,
         quality.get("max_gen_cap"),
         int(served["top_k"]),
         int(served["concurrency"]),
@@ -335,7 +323,7 @@ def run(
         reason = unsupported(label, vllm["device"]) if label else None
         if reason is not None:
             _note(f"{name}: {reason}")
-            rows += [{**base, **_task_columns(t, tasks[t]), "error": reason} for t in tasks]
+            rows += _task_errors(base, tasks, reason)
             continue
         started = time.monotonic()
         settings = server_settings(vllm, dtype, label, shared.top_k)
@@ -348,14 +336,17 @@ def run(
         except Exception as err:  # noqa: BLE001 (a server that failed: its tasks' rows say why; the next one runs)
             _note(f"{name}: {type(err).__name__}: {err}")
             done = {row["task"] for row in mine}
-            mine += [
-                {**base, **_task_columns(t, tasks[t]), "error": f"{type(err).__name__}: {err}"}
-                for t in tasks
-                if t not in done
-            ]
+            mine += _task_errors(
+                base, {t: info for t, info in tasks.items() if t not in done}, f"{type(err).__name__}: {err}"
+            )
         rows += mine
         _note(f"{name}: done in {time.monotonic() - started:.0f} s")
     return rows
+
+
+def _task_errors(base: dict[str, Any], tasks: Mapping[str, Mapping[str, Any]], why: str) -> list[dict[str, Any]]:
+    """One row per task that has no sample rows on this server, saying why."""
+    return [{**base, **_task_columns(t, info), "error": why} for t, info in tasks.items()]
 
 
 def _sample_columns(doc: Mapping[str, Any], doc_id: int) -> dict[str, Any]:
@@ -389,11 +380,10 @@ def run_job(
 
     rows = run(model_dir, load_tokenizer(model_dir), quality, vllm, tasks_dir, seed, logs)
     table = pd.DataFrame(rows, columns=list(COLUMNS))
-    for server, rows in table.groupby("server", sort=False):
-        scored = rows["score"].notna()
+    for server, part in table.groupby("server", sort=False):
         _note(
-            f"{server}: {int(scored.sum())} samples scored, {int(rows['error'].notna().sum())} rows with an error, "
-            f"mean score {rows['score'].mean():.3f}, "
-            f"KL {rows['kl_mean'].mean():.4f} over {int(rows['fidelity_positions'].fillna(0).sum())} forced positions"
+            f"{server}: {int(part['score'].notna().sum())} samples scored, {int(part['error'].notna().sum())} rows "
+            f"with an error, mean score {part['score'].mean():.3f}, KL {part['kl_mean'].mean():.4f} over "
+            f"{int(part['fidelity_positions'].fillna(0).sum())} forced positions"
         )
     write_table(table, table_path, provenance)
