@@ -2,7 +2,7 @@
 the method registry's quantizers on K and V as lossy formats (one implementation of each).
 
 A chunk is one block of every layer, [layers, kv_heads, block_size, 2 * head_size] in the
-cache's own layout (vLLM's packed CPU layout or the CUDA backends' token rows, see layout.py).
+cache's own layout (vLLM's packed CPU layouts or the CUDA backends' token rows, see layout.py).
 Lossless formats compress those bytes as they are, so a load restores them exactly. Lossy
 formats unpack K and V to token rows of head_size first, because the
 methods define their statistics on those rows (KIVI: keys per channel over groups of G tokens,
@@ -127,6 +127,14 @@ def load_blocks(data: bytes, classes: Mapping[str, type]) -> dict[str, list[Any]
     return out
 
 
+def token_rows(spec: ChunkSpec, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a chunk as dense float32 token rows [layers, kv_heads, block_size, head_size]:
+    the same memory layout from either cache layout, so a lossy format computes on identical
+    tensors (a matmul over a transposed or strided view may round differently on some CPUs)."""
+    keys, values = layout.SPLIT[spec.layout](chunk.float())
+    return keys.contiguous(), values.contiguous()
+
+
 class KiviWire:
     """KIVI's quantizer (methods/kivi.py QuantizedBlock) on whole chunks, all layers in one block:
     keys per channel over groups of `group_size` tokens, values per token over groups of channels.
@@ -141,7 +149,7 @@ class KiviWire:
         self.name, self.spec, self.bits, self.group = name, spec, bits, group
 
     def encode(self, chunk: torch.Tensor) -> bytes:
-        keys, values = layout.SPLIT[self.spec.layout](chunk.float())
+        keys, values = token_rows(self.spec, chunk)
         return save_blocks(
             {
                 "k": [QuantizedBlock(keys, self.bits, self.group, True)],
@@ -169,7 +177,7 @@ class TurboWire:
         self.layers = build_cache(dict(method), shape, seed).layers
 
     def encode(self, chunk: torch.Tensor) -> bytes:
-        keys, values = layout.SPLIT[self.spec.layout](chunk.float())
+        keys, values = token_rows(self.spec, chunk)
         return save_blocks(
             {
                 "k": [TurboBlock(keys[i], layer.key_mse, layer.sketch) for i, layer in enumerate(self.layers)],
