@@ -197,11 +197,12 @@ def test_chunks_computed_over_a_failed_load_are_not_stored(store, tmp_path):
 def test_lossy_formats_on_a_cpu_attention_isa_they_cannot_unpack_are_recorded_failed_stores(
     store, tmp_path, monkeypatch
 ):
-    """bf16 on a CPU with AMX: vLLM packs the cache for the `amx` ISA, which the lossy wire formats
-    do not unpack. The server must run on (no exception at registration), lossless stores go
-    through, each lossy store is a recorded failure with the reason, and nothing lossy is stored."""
+    """An attention ISA whose packing the lossy wire formats do not unpack (Arm's `neon`; they
+    unpack `vec`, `vec16` and `amx`). The server must run on (no exception at registration),
+    lossless stores go through, each lossy store is a recorded failure with the reason, and
+    nothing lossy is stored."""
     url, client = store
-    monkeypatch.setattr(ValkeyConnector, "_attention_isa", lambda self, spec: "amx")
+    monkeypatch.setattr(ValkeyConnector, "_attention_isa", lambda self, head_size: "neon")
     config = fake_vllm_config(url, tmp_path / "events")
     config.kv_transfer_config.kv_connector_extra_config["codecs"] = {"none": None, "kivi2": METHODS_KIVI2}
     worker = ValkeyConnector(config, KVConnectorRole.WORKER, None)
@@ -216,4 +217,4 @@ def test_lossy_formats_on_a_cpu_attention_isa_they_cannot_unpack_are_recorded_fa
     assert client.exists(lossless[0]) == 1 and client.exists(lossy[0]) == 0
     stores = read_events(tmp_path / "events").query("event == 'store'").set_index("codec")
     assert pd.isna(stores.loc["none"].error) and "unsupported" in stores.loc["kivi2"].error
-    assert "'amx'" in stores.loc["kivi2"].error
+    assert "'neon'" in stores.loc["kivi2"].error

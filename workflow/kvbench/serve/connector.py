@@ -45,7 +45,7 @@ from kvbench.job_secrets import VALKEY_PASSWORD_ENV
 from kvbench.serve.async_store import AsyncStore, StoreJob
 from kvbench.serve.events import EventLog
 from kvbench.serve.keys import chunk_keys, namespace, pending_key
-from kvbench.serve.layout import CPU_PACKED, TOKEN_ROW_ISAS, layout_of
+from kvbench.serve.layout import CPU_ISA_LAYOUTS, CPU_PACKED, layout_of
 from kvbench.serve.names import is_lossless
 from kvbench.serve.staging import copy_out
 from kvbench.serve.transfer import STORE_ERRORS, load_chunks, lookup
@@ -243,16 +243,20 @@ class ValkeyConnector(KVConnectorBase_V1):
                 f"got {tuple(first.shape)} on {first.device}"
             )
         layout = layout_of(first.device)
-        spec = ChunkSpec(len(self._layers), first.shape[1], self.block_size, first.shape[3] // 2, first.dtype, layout)
-        lossy = [name for name in self.codecs if not is_lossless(name)]
-        if lossy and layout == CPU_PACKED and (isa := self._attention_isa(spec)) not in TOKEN_ROW_ISAS:
-            # e.g. `amx` (bf16 on CPUs with AMX) packs K and V otherwise: these formats' stores are
-            # recorded as failed with the reason (their loads then find nothing), the server runs on
-            self._unsupported = {
-                name: f"store: unsupported: the lossy wire formats unpack K and V for the CPU attention "
-                f"ISAs {', '.join(TOKEN_ROW_ISAS)}; this server uses {isa!r}"
-                for name in lossy
-            }
+        heads, head_size = first.shape[1], first.shape[3] // 2
+        if layout == CPU_PACKED:  # the CPU backend packs each attention ISA's blocks its own way
+            isa = self._attention_isa(head_size)
+            layout = CPU_ISA_LAYOUTS.get(isa, layout)
+            lossy = [name for name in self.codecs if not is_lossless(name)]
+            if lossy and isa not in CPU_ISA_LAYOUTS:
+                # e.g. Arm's `neon`: these formats' stores are recorded as failed with the reason
+                # (their loads then find nothing), the server runs on
+                self._unsupported = {
+                    name: f"store: unsupported: the lossy wire formats unpack K and V for the CPU attention "
+                    f"ISAs {', '.join(CPU_ISA_LAYOUTS)}; this server uses {isa!r}"
+                    for name in lossy
+                }
+        spec = ChunkSpec(len(self._layers), heads, self.block_size, head_size, first.dtype, layout)
         self._wires = {
             name: wire_format(name, spec, method, self.seed)
             for name, method in self.codecs.items()
@@ -263,13 +267,11 @@ class ValkeyConnector(KVConnectorBase_V1):
             self._client, spec, self.pending_key, self.events.write, self.queue_bytes, self.store_threads
         )
 
-    def _attention_isa(self, spec: ChunkSpec) -> str:
+    def _attention_isa(self, head_size: int) -> str:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         config = self._vllm_config
-        return _get_attn_isa(
-            config.model_config.dtype, self.block_size, spec.head_size, config.cache_config.cache_dtype
-        )
+        return _get_attn_isa(config.model_config.dtype, self.block_size, head_size, config.cache_config.cache_dtype)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

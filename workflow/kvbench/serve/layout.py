@@ -7,6 +7,10 @@ Every attention backend of vLLM 0.32+ gives a layer's cache the logical shape
   caches): one block of one head viewed as [2 * block_size, head_size] holds K channel-major
   (head_size rows of block_size tokens, i.e. K transposed) in its first half, V as token rows in
   its second. tests/test_serve_wire.py checks this against the kernel itself.
+- `cpu-amx` (the CPU backend's `amx` ISA: bf16 caches on CPUs with AMX tiles): VNNI-style tiles.
+  One block of one head holds K as [block_size / 16, head_size / 2, 16 tokens, 2 channels] in its
+  first half and V as [head_size / 16, block_size / 2, 16 channels, 2 tokens] in its second.
+  tests/test_serve_wire.py checks this against the kernel too.
 - `token-rows` (the CUDA backends: FlashAttention, FlashInfer, Triton, FlexAttention): K is the
   first head_size channels of each token row, V the last (`kv_cache.transpose(1, 2).split(
   head_size, -1)` in their forward), whatever physical stride order the tensor has.
@@ -22,9 +26,10 @@ from typing import Callable
 import torch
 
 CPU_PACKED = "cpu-packed"
+CPU_AMX = "cpu-amx"
 TOKEN_ROWS = "token-rows"
-# ISAs of the CPU backend whose packing `split`/`join` follow (checked against the kernel in the tests).
-TOKEN_ROW_ISAS = ("vec", "vec16")
+# The CPU backend's attention ISAs whose packing SPLIT/JOIN follow (checked against the kernel in the tests).
+CPU_ISA_LAYOUTS = {"vec": CPU_PACKED, "vec16": CPU_PACKED, "amx": CPU_AMX}
 
 
 def layout_of(device: torch.device | str) -> str:
@@ -48,6 +53,32 @@ def join(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return packed.reshape(*lead, heads, block, 2 * head)
 
 
+def split_amx(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a `cpu-amx` chunk [..., kv_heads, block_size, 2 * head_size] as
+    [..., kv_heads, block_size, head_size] token rows (copies)."""
+    *lead, heads, block, double = chunk.shape
+    head = double // 2
+    halves = chunk.reshape(*lead, heads, 2, block * head)
+    # K: [tokens/16, channels/2, 16 tokens, 2 channels] -> [tokens/16, 16, channels/2, 2]
+    keys = halves[..., 0, :].reshape(*lead, heads, block // 16, head // 2, 16, 2).transpose(-3, -2)
+    # V: [channels/16, tokens/2, 16 channels, 2 tokens] -> [tokens/2, 2, channels/16, 16]
+    values = halves[..., 1, :].reshape(*lead, heads, head // 16, block // 2, 16, 2)
+    n = values.dim()
+    values = values.permute(*range(n - 4), n - 3, n - 1, n - 4, n - 2)
+    return keys.reshape(*lead, heads, block, head), values.reshape(*lead, heads, block, head)
+
+
+def join_amx(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Inverse of `split_amx`: token rows back to the AMX kernel's tiles."""
+    *lead, heads, block, head = keys.shape
+    k = keys.reshape(*lead, heads, block // 16, 16, head // 2, 2).transpose(-3, -2)
+    v = values.reshape(*lead, heads, block // 2, 2, head // 16, 16)
+    n = v.dim()
+    v = v.permute(*range(n - 4), n - 2, n - 4, n - 1, n - 3)
+    packed = torch.stack([k.reshape(*lead, heads, block * head), v.reshape(*lead, heads, block * head)], dim=-2)
+    return packed.reshape(*lead, heads, block, 2 * head)
+
+
 def split_rows(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a `token-rows` chunk: the two halves of the last axis."""
     head = chunk.shape[-1] // 2
@@ -60,6 +91,11 @@ def join_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 SPLIT: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     CPU_PACKED: split,
+    CPU_AMX: split_amx,
     TOKEN_ROWS: split_rows,
 }
-JOIN: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {CPU_PACKED: join, TOKEN_ROWS: join_rows}
+JOIN: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    CPU_PACKED: join,
+    CPU_AMX: join_amx,
+    TOKEN_ROWS: join_rows,
+}
