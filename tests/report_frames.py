@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
 from kvbench.report.build import build
 from kvbench.report.contracts import Tables
+from kvbench.vllm_native import NATIVE_KV
 
 METHODS = {
     "full": {"kind": "full", "storage": "fp16"},
@@ -250,3 +251,40 @@ def fidelity(top1: Mapping[str, Mapping[str, float]], samples: int = 3, model: s
             for s in range(samples)
         ]
     )
+
+
+def served(
+    scores: Mapping[str, Sequence[float]],
+    kl: Mapping[str, Sequence[float]] | None = None,
+    model: str = "m",
+    category: str = "qa",
+    reference: str = "vllm-bfloat16",
+) -> pd.DataFrame:
+    """quality_served's rows under the report's names: scores[server] -> one score per sample (the
+    reference server's label among them); kl[server] -> KL per sample (the reference's: 0; top-1
+    agreement 1 - KL, first-token KL half of it)."""
+    dtypes = {kv.label: kv.dtype for kv in NATIVE_KV}
+    rows = []
+    for server, values in scores.items():
+        kls = (kl or {}).get(server, [0.0] * len(values))
+        for s, (score, k) in enumerate(zip(values, kls)):
+            rows.append(
+                {
+                    "model": model,
+                    "server": server,
+                    "kv_cache_dtype": dtypes.get(server, "auto"),
+                    "served_dtype": "bfloat16",
+                    "reference_server": reference,
+                    "task": f"{category}_task",
+                    "category": category,
+                    "sample": s,
+                    "score": score,
+                    "error": None if score == score else "failed",
+                    "kl_mean": k,
+                    "kl_first": k / 2,
+                    "top1_agreement": 1 - k,
+                    "positions": 16,
+                    "fidelity_note": None,
+                }
+            )
+    return pd.DataFrame(rows)

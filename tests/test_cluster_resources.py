@@ -198,3 +198,13 @@ def test_a_serve_job_asks_host_memory_for_the_valkey_it_starts_and_its_store_que
         own - freed == math.ceil(resources.host_bytes(shape) / 2**20) + serve["store"]["queue_mb"] + transient + lmcache
     )
     assert profile_resources(elsewhere)["system_job"] == profile_resources(GPU_CONFIG)["system_job"]
+
+
+def test_a_job_that_starts_servers_one_after_another_pays_each_startup():
+    one = Work("quality_served", "llama", 1, "vllm", 32768, 1e5, 1e3)
+    six = Work("quality_served", "llama", 1, "vllm", 32768, 1e5, 1e3, starts=6)
+    startup = resources.GPU_COST["vllm_startup_s"] + LLAMA.weight_bytes / resources.GPU_COST["load_bytes_per_s"]
+    startup += resources.GPU_COST["vllm_compile_s"]
+    assert resources.job_seconds(six, LLAMA) - resources.job_seconds(one, LLAMA) == pytest.approx(5 * startup)
+    served = [w for w in resources.workloads(GPU_CONFIG) if w.rule == "quality_served"]
+    assert served and {w.starts for w in served} == {1 + len(GPU_CONFIG["quality"]["served"]["servers"])}

@@ -219,7 +219,7 @@ def test_cost_table_sums_job_seconds_per_rule_and_stage(tmp_path):
 
 
 def test_every_report_table_takes_the_provenance_columns(tmp_path):
-    from report_frames import corpus_stats, kv_summary
+    from report_frames import corpus_stats, kv_summary, served
 
     from kvbench.provenance import PROVENANCE_COLUMNS, write_table
     from kvbench.report.build import TABLES, table_provenance
@@ -230,6 +230,7 @@ def test_every_report_table_takes_the_provenance_columns(tmp_path):
             "corpus_stats": corpus_stats(),
             "kv_summary": kv_summary(30, 1.2),
             "quality_scores": quality({m: {"qa": 0.5} for m in ("full", "kivi4")}, samples=6),
+            "quality_served": served({"vllm-bfloat16": [0.5] * 6, "vllm-fp8": [0.4] * 6}),
         },
         scenarios={"s": {"limits": {"ttft_s": {"max": 2, "relative": True}}, "prefer": {"max": "ratio"}}},
     )

@@ -596,7 +596,7 @@ def test_quality_rows_for_every_method_and_built_sample(run):
     jobs = read(workdir, "results/quality/smol/jobs.parquet")
     # methods_per_job 2: the reference and kivi2 in one process (kivi2 compared with the references
     # the job wrote and read back), the SnapKVs in a second job that reads the same file
-    assert list(jobs.job_methods) == [",".join(m) for m in quality_jobs(config)] == ["full,kivi2", "snapkv,snapkv50"]
+    assert list(jobs.job_methods) == [",".join(m) for m in quality_jobs(config)] == ["full,kivi2", "snapkv,fp8"]
     assert (jobs.methods == 2).all() and jobs.outside_forward_share.between(0, 1).all()
     for figure in ("scores", "fidelity", "score_vs_ratio"):
         assert (workdir / f"results/quality/smol/{figure}.png").read_bytes()[:4] == b"\x89PNG"
@@ -633,6 +633,14 @@ def test_native_kv_servers_are_scored_through_lm_eval_with_fidelity_to_the_16_bi
     assert set(served.served_dtype) == {"bfloat16" if served.dtype_note.isna().all() else "float32"}
     log = (workdir / "logs/quality/smol/served.log").read_text()
     assert "vllm-fp8: up in" in log
+    # the report pairs them: against the 16-bit server on every sample, and against the harness's fp8
+    engine = read(workdir, "results/report/engine.parquet").query("server == 'vllm-fp8'")
+    own = engine[engine.against == ref.server.iloc[0]].set_index("quantity")
+    assert {"score", "kl_mean", "kl_first", "top1_agreement"} <= set(own.index) and own.verdict.notna().all()
+    assert own.loc["score", "n"] == len(fp8) and own.loc["kl_first", "value"] == pytest.approx(fp8.kl_first.mean())
+    cross = engine[engine.against == "fp8"].set_index("quantity")
+    assert set(cross.index) == {"score_change", "kl_mean", "kl_first", "top1_agreement"}
+    assert set(cross.protocol) == {"context-only"} and (cross.n == own.loc["score", "n"]).all()
 
 
 def test_a_method_scores_the_same_next_to_the_reference_as_in_a_job_of_its_own(run, tmp_path):
@@ -778,6 +786,7 @@ def test_html_report_embeds_every_figure_and_table(run):
         "pipeline_cost.html",
         "differences.html",
         "power.html",
+        "engine.html",
         "frontier.png",
         "frontier.svg",
         "correlation.png",

@@ -12,9 +12,10 @@ hours of a config: the formula behind workflow/profiles/slurm/config.yaml (docs/
     host memory = 2 W + 8 GiB (a safetensors copy while weights move to the GPU; the process)
                   [serve jobs: + the Valkey the job starts (its maxmemory, or the run's bound) + the
                    connector's store queue + LMCache's CPU buffer]
-    runtime     = 2 x (startup + prefill tokens x s/token + decode steps x s/step + codec bytes / B/s),
+    runtime     = 2 x (starts x startup + prefill tokens x s/token + decode steps x s/step + codec bytes / B/s),
                   at least 30 minutes; startup = a fixed part + W / load B/s (+ compile for a vLLM
-                  server without enforce_eager)
+                  server without enforce_eager); starts: the servers a job starts one after another
+                  (quality_served: the 16-bit server and each native KV cache's)
 
 The per-token costs are STATED, not measured (no GPU run exists yet): an 8B model in bf16 on an
 A100/H100-class GPU, scaled by parameter count (GPU_COST below); replace them with a GPU run's
@@ -193,6 +194,7 @@ class Work:
     decode_steps: float
     copies: int = 1
     codec_bytes: float = 0.0
+    starts: int = 1  # servers (or processes) the job starts one after another, each paying startup
 
 
 def gpu_bytes(work: Work, shape: Shape, vllm_len: int) -> float:
@@ -214,7 +216,7 @@ def job_seconds(work: Work, shape: Shape, eager: bool = False) -> float:
     startup = c[f"{kind}_startup_s"] + shape.weight_bytes / c["load_bytes_per_s"]
     startup += c["vllm_compile_s"] if kind == "vllm" and not eager else 0.0
     return (
-        startup
+        work.starts * startup
         + shape.scale
         * (work.prefill_tokens * c[f"{kind}_prefill_s_per_token"] + work.decode_steps * c[f"{kind}_decode_s_per_step"])
         + work.codec_bytes / c["codec_bytes_per_s"]
@@ -339,7 +341,7 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
         if served.get("servers"):  # the 16-bit server and each native one: answers, forced positions
             n, inflight = len(served["servers"]) + 1, int(served.get("concurrency") or 1)
             work.append(Work("quality_served", model, 1, "vllm", config["vllm"]["max_model_len"],
-                             2 * n * prefill, 2 * n * decode / inflight))  # fmt: skip
+                             2 * n * prefill, 2 * n * decode / inflight, starts=n))  # fmt: skip
     return work
 
 

@@ -25,10 +25,13 @@ class NativeKV:
     value_bits: int
     nearest: str  # the study's method kind it corresponds to
     difference: str  # what differs from that method
+    harness: str | None = None  # the config method the report cross-checks it against (same samples)
 
 
 NATIVE_KV: tuple[NativeKV, ...] = (
-    NativeKV("fp8", "vllm-fp8", 8, 8, "fp8", "vLLM's FP8 E4M3 cache with per-tensor scales; the harness's fp8 casts"),
+    NativeKV(
+        "fp8", "vllm-fp8", 8, 8, "fp8", "vLLM's FP8 E4M3 cache with per-tensor scales; the harness's fp8 casts", "fp8"
+    ),
     NativeKV(
         "turboquant_4bit_nc",
         "vllm-turboquant-4bit",
@@ -37,6 +40,7 @@ NATIVE_KV: tuple[NativeKV, ...] = (
         "turboquant",
         "Hadamard rotation, Lloyd-Max 4-bit keys, uniform 4-bit values, norm correction, no QJL residual: "
         "nearest to turboquant4-mse",
+        "turboquant4-mse",
     ),
     NativeKV(
         "turboquant_3bit_nc",
@@ -45,6 +49,7 @@ NATIVE_KV: tuple[NativeKV, ...] = (
         3,
         "turboquant",
         "as turboquant_4bit_nc at 3 bits; boundary layers stay at the model's dtype",
+        "turboquant3-mse",
     ),
     NativeKV(
         "int8_per_token_head",

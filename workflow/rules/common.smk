@@ -150,8 +150,9 @@ CONDA_ENV = "../../envs/gpu.yaml" if config["vllm"]["device"] == "cuda" else "..
 def report_inputs(wildcards):
     """Every stage table this workflow makes (a per-model table once per model that has one); a stage
     that makes none is reported as not run."""
+    off = set() if config["quality"]["served"]["servers"] else {"quality_served"}  # its rule is not run
     found = {name: [p for p in c.expand(config["models"]) if any(r.is_producer(p) for r in workflow.rules)]
-             for name, c in CONTRACTS.items()}
+             for name, c in CONTRACTS.items() if name not in off}
     return {name: paths for name, paths in found.items() if paths}
 
 

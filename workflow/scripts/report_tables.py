@@ -43,6 +43,7 @@ with job_log(snakemake.log[0], snakemake.config):
     write_text(out.correlations_html, rb.correlations_page(report))
     write_text(out.differences_html, rb.differences_page(report))
     write_text(out.power_html, rb.power_page(report))
+    write_text(out.engine_html, rb.engine_page(report))
     write_text(out.costs_html, rb.costs_page(costs))
     correlation_figure(report.correlations, out.correlation_png, out.correlation_svg)
     tradeoff_figure(report.methods, cfg["baseline"], out.tradeoff_png, out.tradeoff_svg, snakemake.params.methods)

@@ -14,6 +14,7 @@ from kvbench.report.claims import CONFIRMED, CONTRADICTED, INCONCLUSIVE, NOT_MEA
 from kvbench.report.contracts import CONTEXT_ONLY, CONTRACTS, STAGES, Tables
 from kvbench.report.correlations import correlation_table
 from kvbench.report.differences import quality_differences, system_ratios
+from kvbench.report.engine import engine_table
 from kvbench.report.joined import MEASURED, corpus_table, method_table
 from kvbench.report.power import DEFAULT_EFFECTS, POWER, power_table
 from kvbench.report.recommend import recommendations, scenarios_from_config
@@ -33,6 +34,7 @@ class ReportTables:
     differences: pd.DataFrame
     system_ratios: pd.DataFrame
     power: pd.DataFrame
+    engine: pd.DataFrame
 
 
 TABLES = (
@@ -45,6 +47,7 @@ TABLES = (
     "differences",
     "system_ratios",
     "power",
+    "engine",
 )
 
 
@@ -182,6 +185,7 @@ def build(tables: Tables, cfg: Mapping[str, Any], methods: Mapping[str, dict], s
         differences=quality_differences(paired, baseline, n_boot, seed, level, effects, power),
         system_ratios=system_ratios(units, system_source, in_process, baseline, n_boot, seed, level, effects, power),
         power=power_tables(paired, units, baseline, effects, level, power),
+        engine=engine_table(tables, paired, baseline, n_boot, seed, level),
     )
 
 
@@ -378,6 +382,25 @@ def differences_page(report: ReportTables) -> str:
             ),
             ("Every cell (protocol x category x bucket, and pooled)", "", diff if len(diff) else None),
         ],
+    )
+
+
+def engine_page(report: ReportTables) -> str:
+    engine = report.engine
+    note = (
+        "Engine numbers: vLLM serving its own quantized KV cache (--kv-cache-dtype) on the quality tasks, "
+        "scored through lm-eval against the server (stage quality_served). Against the engine reference: "
+        "the paired score difference from vLLM's 16-bit cache on the same samples, and the fidelity to it "
+        "(KL over both top-k lists, a lower bound; its own values 0 and 1). Against a harness method: the "
+        "harness's method nearest to the cache (the harness's numbers), each side against its own "
+        "reference, paired by sample; `note` says what else differs. Expanded percentile bootstrap intervals "
+        "over samples, per comparison (not adjusted); `verdict`: higher or lower where the interval excludes 0, "
+        "else inconclusive, or no interval (fewer than 5 samples, or fewer than "
+        f"{MIN_CHANGED} that differ); `failed`: the server's rows without a score."
+    )
+    return html_page(
+        "Engine quality: vLLM's own KV caches, next to the harness's methods",
+        [("Per server and comparison", note, engine if len(engine) else None)],
     )
 
 

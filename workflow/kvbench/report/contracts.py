@@ -134,6 +134,19 @@ CONTRACTS: dict[str, Contract] = {
         # protocol: absent before issue 18 (one protocol, query-aware); kl_first: the first answer token.
         optional={"bucket": "bucket", "positions": "fidelity_positions", **_same("protocol", "task", "kl_first")},
     ),
+    # Issue 21 (engine quality): per model, one row per server x task x sample (task rows for a
+    # task or server that failed), vLLM's own KV caches and its 16-bit reference server.
+    "quality_served": Contract(
+        "quality",
+        "results/quality/{model}/served.parquet",
+        {
+            **_same("server", "kv_cache_dtype", "served_dtype", "reference_server", "task", "category", "score"),
+            **_same("error", "kl_mean", "kl_first", "top1_agreement"),
+            "sample": "sample_id",
+            "positions": "fidelity_positions",
+        },
+        optional=_same("fidelity_note"),
+    ),
     # Issue 11 (serve): per backend x codec x corpus. Bytes and ratio exist only for backends that
     # store through a codec (valkey), TTFT and hits only for rows that ran (not "unsupported").
     "serve_offload": Contract(
