@@ -13,9 +13,11 @@ from test_servers import wait_gone
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvbench.job_secrets import VALKEY_PASSWORD_ENV
+from kvbench.methods.kivi import QuantizedBlock
 from kvbench.serve.connector import Transfer, ValkeyConnector, ValkeyMetadata
 from kvbench.serve.events import read_events
 from kvbench.serve.keys import chunk_keys
+from kvbench.serve.layout import join_amx, split_amx
 from kvbench.serve.transfer import gather, store_chunks
 from kvbench.serve.valkey_server import valkey_server
 from kvbench.serve.wire import ChunkSpec, wire_format
@@ -40,8 +42,9 @@ def fake_vllm_config(url, events):
         scheduler_config=SimpleNamespace(enable_chunked_prefill=False),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
         cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
-        model_config=SimpleNamespace(dtype=torch.float32),
+        model_config=SimpleNamespace(dtype=torch.float32, get_head_size=lambda: SPEC.head_size),
         device_config=SimpleNamespace(device_type="cpu"),
+        compilation_config=SimpleNamespace(static_forward_context={}),  # vLLM's layers by name
     )
 
 
@@ -218,3 +221,55 @@ def test_lossy_formats_on_a_cpu_attention_isa_they_cannot_unpack_are_recorded_fa
     stores = read_events(tmp_path / "events").query("event == 'store'").set_index("codec")
     assert pd.isna(stores.loc["none"].error) and "unsupported" in stores.loc["kivi2"].error
     assert "'neon'" in stores.loc["kivi2"].error
+
+
+def amx_config(url, tmp_path, head=32):
+    """A bf16 server whose layers vLLM's builder set to the `amx` ISA (CPUs with AMX tiles)."""
+    config = fake_vllm_config(url, tmp_path / "events")
+    config.kv_transfer_config.kv_connector_extra_config["codecs"] = {"none": None, "kivi2": METHODS_KIVI2}
+    config.model_config = SimpleNamespace(dtype=torch.bfloat16, get_head_size=lambda: head)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(SPEC.layers)]
+    config.compilation_config.static_forward_context = {name: SimpleNamespace(isa="amx") for name in names}
+    return config, names
+
+
+def test_an_amx_packed_cache_has_its_own_keys_and_lossy_loads_unpack_its_tiles(store, tmp_path, monkeypatch):
+    """vLLM's `amx` ISA (forced: this CPU may have no AMX tiles): the keys name the `cpu-amx`
+    packing, not a `vec` server's, and a kivi2 chunk stored from a cache packed as the AMX kernel
+    packs it loads back as KIVI's reconstruction of the true token rows, repacked."""
+    url, client = store
+    vec = connector(url, tmp_path)  # float32, head 16: vLLM's `vec16`
+    monkeypatch.setattr(ValkeyConnector, "_attention_isa", lambda self, head_size: "amx")
+    config, names = amx_config(url, tmp_path)
+    worker = ValkeyConnector(config, KVConnectorRole.WORKER, None)
+    assert ":cpu-amx:" in worker.spaces["none"] and ":cpu-packed:" in vec.spaces["none"]
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(SPEC.layers, 2, 2, SPEC.kv_heads, BS, 32, generator=gen).to(torch.bfloat16)  # K/V, blocks
+    cache = [join_amx(rows[i, 0], rows[i, 1]) for i in range(SPEC.layers)]  # [blocks, heads, BS, 64] each
+    worker.register_kv_caches(dict(zip(names, cache)))
+    assert worker.spec.layout == "cpu-amx"
+    keys = chunk_keys(worker.spaces["kivi2"], PROMPT, BS, 1)
+    worker.bind_connector_metadata(ValkeyMetadata(stores=[Transfer("tag-a", "kivi2", keys, [0])]))
+    worker.wait_for_save()
+    assert worker._stores.flush(30) and client.exists(keys[0]) == 1
+    worker.bind_connector_metadata(ValkeyMetadata(loads=[Transfer("tag-b", "kivi2", keys, [1])]))
+    worker.start_load_kv(None)
+    worker.shutdown()
+    true_keys, true_values = rows[:, 0, 0].float(), rows[:, 1, 0].float()  # block 0 of every layer
+    expected_k = QuantizedBlock(true_keys, 2, 32, True).dequantize().to(torch.bfloat16)
+    expected_v = QuantizedBlock(true_values, 2, 32, False).dequantize().to(torch.bfloat16)
+    loaded = [split_amx(layer[1]) for layer in cache]
+    assert torch.equal(torch.stack([k for k, _ in loaded]), expected_k)
+    assert torch.equal(torch.stack([v for _, v in loaded]), expected_v)
+
+
+def test_a_cache_vllm_packed_for_another_isa_than_the_keys_name_is_refused(store, tmp_path, monkeypatch):
+    url, _ = store
+    monkeypatch.setattr(ValkeyConnector, "_attention_isa", lambda self, head_size: "vec")
+    config, names = amx_config(url, tmp_path)  # vLLM's builder set `amx` on the layers
+    worker = ValkeyConnector(config, KVConnectorRole.WORKER, None)
+    cache = [torch.zeros(4, SPEC.kv_heads, BS, 64, dtype=torch.bfloat16) for _ in names]
+    with pytest.raises(
+        ValueError, match="vLLM packs this CPU cache for attention ISA 'amx', the connector's keys name 'vec'"
+    ):
+        worker.register_kv_caches(dict(zip(names, cache)))

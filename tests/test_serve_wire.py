@@ -50,6 +50,31 @@ AMX = pytest.param(
 )
 
 
+def amx_block(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One head's block as vLLM's AMX kernel writes it, element by element from its index formulas
+    (csrc/cpu/cpu_attn_amx.hpp, AttentionImpl<ISA::AMX>::reshape_and_cache): K token t, channel c at
+    32-bit word (t // 16) * 16 * (head / 2) + (c // 2) * 16 + t % 16, half c % 2 of it; V at element
+    (c // 16) * (block * 16) + (t // 2) * 32 + (c % 16) * 2 + t % 2 of the block's second half."""
+    block, head = keys.shape
+    flat = torch.zeros(2 * block * head)
+    for t in range(block):
+        for c in range(head):
+            flat[2 * ((t // 16) * 16 * (head // 2) + (c // 2) * 16 + t % 16) + c % 2] = keys[t, c]
+            flat[block * head + (c // 16) * (block * 16) + (t // 2) * 32 + (c % 16) * 2 + t % 2] = values[t, c]
+    return flat.reshape(block, 2 * head)
+
+
+@pytest.mark.parametrize("block,head", [(32, 32), (64, 96), (32, 128), (128, 64)])
+def test_the_amx_layout_follows_the_kernels_index_formulas_on_every_cpu(block, head):
+    # the kernel itself runs only on CPUs with AMX (the test below); these formulas run anywhere
+    keys = torch.arange(block * head, dtype=torch.float32).reshape(block, head)
+    values = -1 - keys
+    packed = amx_block(keys, values)
+    k, v = layout.split_amx(packed[None])
+    assert torch.equal(k[0], keys) and torch.equal(v[0], values)
+    assert torch.equal(layout.join_amx(keys[None], values[None])[0], packed)
+
+
 @pytest.mark.parametrize(
     "dtype,isa",
     [(torch.float32, "vec"), (torch.float16, "vec"), (torch.bfloat16, "vec"), (torch.float32, "vec16"), AMX],
@@ -103,8 +128,8 @@ def test_turboquant_wire_is_the_methods_blocks_with_their_error(bits):
     # exactly the blocks of the method's own cache for this seed (its quantizers and sketches)
     layers = build_cache(spec, ModelShape(LAYERS, HEADS, HEADS, HEAD), 5).layers
     for i, layer in enumerate(layers):
-        expect_k = TurboBlock(keys[i], layer.key_mse, layer.sketch).decode(layer.key_mse, layer.sketch)
-        expect_v = TurboBlock(values[i], layer.value_mse, None).decode(layer.value_mse, None)
+        expect_k = TurboBlock(keys[i].contiguous(), layer.key_mse, layer.sketch).decode(layer.key_mse, layer.sketch)
+        expect_v = TurboBlock(values[i].contiguous(), layer.value_mse, None).decode(layer.value_mse, None)
         assert torch.equal(k[i], expect_k) and torch.equal(v[i], expect_v)
     # values: relative MSE near the Lloyd-Max distortion of N(0,1) at b bits
     rel = ((v - values) ** 2).sum(-1) / (values**2).sum(-1)

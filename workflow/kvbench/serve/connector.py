@@ -45,12 +45,11 @@ from kvbench.job_secrets import VALKEY_PASSWORD_ENV
 from kvbench.serve.async_store import AsyncStore, StoreJob
 from kvbench.serve.events import EventLog
 from kvbench.serve.keys import chunk_keys, namespace, pending_key
-from kvbench.serve.layout import CPU_ISA_LAYOUTS, CPU_PACKED, layout_of
-from kvbench.serve.names import is_lossless
+from kvbench.serve.layout import CPU_ISA_LAYOUTS, SPLIT, layout_of
 from kvbench.serve.staging import copy_out
 from kvbench.serve.transfer import STORE_ERRORS, load_chunks, lookup
 from kvbench.serve.valkey_server import connect
-from kvbench.serve.wire import ChunkSpec, WireFormat, wire_format
+from kvbench.serve.wire import ChunkSpec, WireFormat, unpacks, wire_format
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,7 +110,11 @@ class ValkeyConnector(KVConnectorBase_V1):
         self.dtype = (
             str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
         )
-        layout = layout_of("cpu" if vllm_config.device_config.device_type == "cpu" else "cuda")
+        # The CPU backend packs each attention ISA's blocks its own way: keys name the packing, so a
+        # chunk never loads into a cache packed for another ISA (the worker checks vLLM's own choice)
+        on_cpu = vllm_config.device_config.device_type == "cpu"
+        self.isa = self._attention_isa(vllm_config.model_config.get_head_size()) if on_cpu else None
+        layout = layout_of("cpu" if on_cpu else "cuda", self.isa)
         self.spaces = {
             name: namespace(extra["run"], extra["model"], self.dtype, self.block_size, name, layout)
             for name in self.codecs
@@ -242,21 +245,25 @@ class ValkeyConnector(KVConnectorBase_V1):
                 f"ValkeyConnector reads vLLM's cache layout [blocks, kv_heads, block_size, 2*head_size]; "
                 f"got {tuple(first.shape)} on {first.device}"
             )
-        layout = layout_of(first.device)
         heads, head_size = first.shape[1], first.shape[3] // 2
-        if layout == CPU_PACKED:  # the CPU backend packs each attention ISA's blocks its own way
-            isa = self._attention_isa(head_size)
-            layout = CPU_ISA_LAYOUTS.get(isa, layout)
-            lossy = [name for name in self.codecs if not is_lossless(name)]
-            if lossy and isa not in CPU_ISA_LAYOUTS:
-                # e.g. Arm's `neon`: these formats' stores are recorded as failed with the reason
-                # (their loads then find nothing), the server runs on
-                self._unsupported = {
-                    name: f"store: unsupported: the lossy wire formats unpack K and V for the CPU attention "
-                    f"ISAs {', '.join(CPU_ISA_LAYOUTS)}; this server uses {isa!r}"
-                    for name in lossy
-                }
-        spec = ChunkSpec(len(self._layers), heads, self.block_size, head_size, first.dtype, layout)
+        isa = self._layers_isa(names) if first.device.type == "cpu" else None
+        if isa != self.isa:
+            raise ValueError(
+                f"ValkeyConnector: vLLM packs this CPU cache for attention ISA {isa!r}, the connector's keys "
+                f"name {self.isa!r} (kvbench.serve.connector's choice no longer follows this vLLM's)"
+            )
+        spec = ChunkSpec(
+            len(self._layers), heads, self.block_size, head_size, first.dtype, layout_of(first.device, isa)
+        )
+        if spec.layout not in SPLIT:
+            # e.g. Arm's `neon`: the formats that unpack K and V have their stores recorded as failed
+            # with the reason (their loads then find nothing), the server runs on
+            self._unsupported = {
+                name: f"store: unsupported: KIVI and TurboQuant wire formats unpack K and V for the CPU "
+                f"attention ISAs {', '.join(CPU_ISA_LAYOUTS)}; this server uses {isa!r}"
+                for name, method in self.codecs.items()
+                if unpacks(name, method)
+            }
         self._wires = {
             name: wire_format(name, spec, method, self.seed)
             for name, method in self.codecs.items()
@@ -268,10 +275,20 @@ class ValkeyConnector(KVConnectorBase_V1):
         )
 
     def _attention_isa(self, head_size: int) -> str:
+        """The ISA vLLM's CPU attention builder picks for this config (its own function)."""
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         config = self._vllm_config
         return _get_attn_isa(config.model_config.dtype, self.block_size, head_size, config.cache_config.cache_dtype)
+
+    def _layers_isa(self, names: list[str]) -> str | None:
+        """The ISA vLLM's builder set on these attention layers (`layer.isa`, before it registers
+        their caches), or the connector's own choice where this vLLM sets none."""
+        context = getattr(self._vllm_config.compilation_config, "static_forward_context", {})
+        found = {getattr(context.get(name), "isa", None) for name in names} - {None}
+        if len(found) > 1:
+            raise ValueError(f"ValkeyConnector: vLLM packs the layers' caches for different ISAs {sorted(found)}")
+        return found.pop() if found else self.isa
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -7,10 +7,13 @@ Every attention backend of vLLM 0.32+ gives a layer's cache the logical shape
   caches): one block of one head viewed as [2 * block_size, head_size] holds K channel-major
   (head_size rows of block_size tokens, i.e. K transposed) in its first half, V as token rows in
   its second. tests/test_serve_wire.py checks this against the kernel itself.
-- `cpu-amx` (the CPU backend's `amx` ISA: bf16 caches on CPUs with AMX tiles): VNNI-style tiles.
+- `cpu-amx` (the CPU backend's `amx` ISA: bf16 caches with block_size % 32 == 0 on CPUs with AMX
+  tiles, head_size % 32 == 0; vLLM also picks it for fp8 caches, which only lossless and raw
+  formats carry): VNNI-style tiles.
   One block of one head holds K as [block_size / 16, head_size / 2, 16 tokens, 2 channels] in its
   first half and V as [head_size / 16, block_size / 2, 16 channels, 2 tokens] in its second.
-  tests/test_serve_wire.py checks this against the kernel too.
+  tests/test_serve_wire.py checks this against the kernel on CPUs with AMX, and against the
+  kernel's index formulas everywhere.
 - `token-rows` (the CUDA backends: FlashAttention, FlashInfer, Triton, FlexAttention): K is the
   first head_size channels of each token row, V the last (`kv_cache.transpose(1, 2).split(
   head_size, -1)` in their forward), whatever physical stride order the tensor has.
@@ -32,8 +35,13 @@ TOKEN_ROWS = "token-rows"
 CPU_ISA_LAYOUTS = {"vec": CPU_PACKED, "vec16": CPU_PACKED, "amx": CPU_AMX}
 
 
-def layout_of(device: torch.device | str) -> str:
-    return CPU_PACKED if torch.device(device).type == "cpu" else TOKEN_ROWS
+def layout_of(device: torch.device | str, isa: str | None = None) -> str:
+    """The layout of a cache on `device`; on the CPU, of the attention ISA vLLM packs it for: one
+    SPLIT/JOIN follows, else `cpu-<isa>` (no wire format unpacks it; its chunks share no key with
+    another layout's)."""
+    if torch.device(device).type != "cpu":
+        return TOKEN_ROWS
+    return CPU_PACKED if isa is None else CPU_ISA_LAYOUTS.get(isa, f"cpu-{isa}")
 
 
 def split(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

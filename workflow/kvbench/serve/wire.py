@@ -208,6 +208,12 @@ class Fp8Wire:
         return codes.to(self.spec.dtype).reshape(self.spec.shape)
 
 
+def unpacks(name: str, method: Mapping[str, Any] | None) -> bool:
+    """Whether the format computes on K and V as token rows (KIVI, TurboQuant): it needs a layout
+    layout.SPLIT knows; lossless and fp8 formats work on the cache's bytes or elements as they are."""
+    return not is_lossless(name) and (method or {}).get("kind") in ("kivi", "turboquant")
+
+
 def wire_format(name: str, spec: ChunkSpec, method: Mapping[str, Any] | None = None, seed: int = 0) -> WireFormat:
     """The wire format `name`: a kv-stage codec, or a method config entry {kind: kivi|turboquant|fp8, ...}."""
     if is_lossless(name):
