@@ -44,3 +44,13 @@ def test_the_api_key_never_reaches_lm_evals_log_records(caplog):
         logger.error("retry %s", "Bearer s3cret-key")
     assert "s3cret-key" not in caplog.text and caplog.text.count("<redacted>") == 2
     assert not logger.filters  # removed again
+
+
+def test_the_harness_decodes_answers_as_vllms_detokenizer_does(tokenizer):
+    """vLLM's detokenizer never applies clean_up_tokenization_spaces; the harness's decode does not
+    either for a BPE tokenizer (transformers 5 ignores the flag there, Llama 3.1's `true` included),
+    so the served and harness answers are the same text for the same tokens."""
+    ids = tokenizer("Hello , world ! It is n't so .", add_special_tokens=False).input_ids
+    kept = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert kept == "Hello , world ! It is n't so ."
+    assert tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=True) == kept
