@@ -262,7 +262,7 @@ def served(
 ) -> pd.DataFrame:
     """quality_served's rows under the report's names: scores[server] -> one score per sample (the
     reference server's label among them); kl[server] -> KL per sample (the reference's: 0; top-1
-    agreement 1 - KL, first-token KL half of it)."""
+    agreement 1 - KL, first-token KL half of it, decode-time KL twice it)."""
     dtypes = {kv.label: kv.dtype for kv in NATIVE_KV}
     rows = []
     for server, values in scores.items():
@@ -284,6 +284,8 @@ def served(
                     "kl_first": k / 2,
                     "top1_agreement": 1 - k,
                     "positions": 16,
+                    "decode_kl_mean": 2 * k,
+                    "decode_positions": 8,
                     "fidelity_note": None,
                 }
             )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from kvbench.quality import served
 
 
@@ -54,3 +56,35 @@ def test_the_harness_decodes_answers_as_vllms_detokenizer_does(tokenizer):
     kept = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert kept == "Hello , world ! It is n't so ."
     assert tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=True) == kept
+
+
+def test_continuation_reads_each_decode_steps_top_k_as_vllm_returns_it():
+    steps = {
+        "tokens": ["token_id:7", "token_id:3"],
+        "top_logprobs": [{"token_id:7": -0.1, "token_id:2": -2.5}, {"token_id:3": -0.2}],
+    }
+    client = RecordingClient({"choices": [{"logprobs": steps}]})
+    tokens, lists = served.continuation(client, [1, 2], 2, top_k=5, seed=0)
+    assert client.body["logprobs"] == 5 and client.body["return_tokens_as_token_ids"]
+    assert tokens == [7, 3] and lists == [{7: -0.1, 2: -2.5}, {3: -0.2}]
+
+
+def test_decode_fidelity_compares_the_steps_taken_from_the_same_context():
+    import math
+
+    ref = [{1: math.log(0.9), 2: math.log(0.1)}] * 4
+    other = [{1: math.log(0.6), 2: math.log(0.4)}] * 4
+    # identical tokens: every decode step (position 0, the prefill's, apart)
+    same = served.decode_fidelity([1, 1, 1, 1], ref, [1, 1, 1, 1], other)
+    assert same["decode_positions"] == 3 and same["first_divergence"] is None
+    assert same["decode_kl_mean"] == pytest.approx(0.9 * math.log(0.9 / 0.6) + 0.1 * math.log(0.1 / 0.4))
+    # the server's token differs at position 2: positions 1 and 2 share the reference's context, 3 does not
+    parted = served.decode_fidelity([1, 1, 1, 1], ref, [1, 1, 2, 1], [ref[0], ref[0], other[0], other[0]])
+    assert parted["first_divergence"] == 2 and parted["decode_positions"] == 2
+    assert parted["decode_kl_mean"] == pytest.approx(same["decode_kl_mean"] / 2)
+    # at position 0 already: nothing at decode time
+    assert served.decode_fidelity([1, 1], ref, [2, 1], other) == {
+        "decode_kl_mean": None,
+        "decode_positions": 0,
+        "first_divergence": 0,
+    }

@@ -58,6 +58,7 @@ def test_fidelity_is_against_the_reference_values_and_weighted_by_positions():
     top1 = _row(table, "vllm-fp8", REF, "top1_agreement")
     assert top1.against_value == 1 and top1.verdict == "lower"
     assert _row(table, "vllm-fp8", REF, "kl_first").value == pytest.approx(np.mean(kl) / 2)
+    assert _row(table, "vllm-fp8", REF, "decode_kl_mean").value == pytest.approx(2 * np.mean(kl))
 
 
 def test_the_engine_is_checked_against_its_harness_method_each_against_its_own_reference():
@@ -85,6 +86,7 @@ def test_the_engine_is_checked_against_its_harness_method_each_against_its_own_r
     kl_row = _row(table, "vllm-turboquant-4bit", "turboquant4-mse", "kl_mean")
     assert kl_row.value == pytest.approx(kl[:8].mean()) and kl_row.against_value == pytest.approx(0.1)
     assert kl_row.verdict == "higher" and "float32" in kl_row.note
+    assert "decode_kl_mean" not in set(table[table.against == "turboquant4-mse"].quantity)  # the engine's alone
     assert _row(table, "vllm-turboquant-4bit", REF, "score").against_kind == "engine reference"
 
 

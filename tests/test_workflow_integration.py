@@ -630,6 +630,10 @@ def test_native_kv_servers_are_scored_through_lm_eval_with_fidelity_to_the_16_bi
     assert list(fp8.fidelity_positions.fillna(-1)) == list(ref.fidelity_positions.fillna(-1))
     assert (fp8.kl_first > 0).any() and fp8.top1_agreement.dropna().between(0, 1).all()
     assert fp8.fidelity_note.isna().all()  # fp8 reads its cache in the prefill (TurboQuant's rows say it does not)
+    # decode-time fidelity: the reference against itself is 0; fp8 compares every step it shared
+    assert (ref.decode_kl_mean.dropna() == 0).all() and ref.first_divergence.isna().all()
+    same = fp8[fp8.first_divergence.isna()]
+    assert (same.decode_positions == same.fidelity_positions).all() and (fp8.decode_kl_mean.dropna() >= 0).all()
     assert set(served.served_dtype) == {"bfloat16" if served.dtype_note.isna().all() else "float32"}
     log = (workdir / "logs/quality/smol/served.log").read_text()
     assert "vllm-fp8: up in" in log

@@ -14,7 +14,10 @@ teacher-forced through every server in one request (`prompt_logprobs`: each posi
 the prompt and the continuation before it), KL(reference || server) over the tokens both top-k
 lists hold plus the rest (kvbench.fidelity.kl_top_lists, a lower bound, coarser than the harness's
 KL over the reference's top-k) and top-1 agreement, pooled as the harness pools them (position 0
-apart as `kl_first`).
+apart as `kl_first`). Decode-time fidelity too: each server generates the same number of tokens
+greedily with its top-k per step, and KL is taken at the steps both servers took from the same
+context (up to the first divergence): `decode_kl_mean`, read from the cache as decode steps read
+it, where a backend's prefill does not (TurboQuant).
 
 What differs from the harness: no middle truncation (a sample whose prompt and answer exceed the
 server's context gets its row with the reason), vLLM's kernels and the served dtype instead of
@@ -47,13 +50,15 @@ ENGINE = "vllm"
 API_LOGGER = "lm_eval.models.api_models"  # where lm-eval's API models log
 PREFILL_BYPASS = (
     "vLLM's TurboQuant attention computes a request's first prefill chunk from the raw K/V: the "
-    "forced positions do not read the compressed cache (its decode steps do); KL here is not the cache's"
+    "forced positions (kl_mean, kl_first, top1_agreement) do not read the compressed cache; its decode "
+    "steps do (decode_kl_mean, before the first divergence)"
 )
 COLUMNS = (
     "server", "engine", "kv_cache_dtype", "nearest", "difference", "served_dtype", "dtype_note", "reference_server",
     "top_k", "task", "category", "metric", "longbench", "max_new_tokens", "sample_id", "lm_eval_doc_id",
     "prediction", "score", "metric_score", "error", "prompt_tokens", "kl_first", "kl_mean", "kl_max",
-    "top1_agreement", "fidelity_positions", "reference_continuation", "fidelity_error", "fidelity_note",
+    "top1_agreement", "fidelity_positions", "decode_kl_mean", "decode_positions", "first_divergence",
+    "reference_continuation", "fidelity_error", "fidelity_note",
 )  # fmt: skip
 
 
@@ -157,12 +162,38 @@ def lm_eval_answers(
     ]
 
 
-def continuation(client: VLLMClient, ids: list[int], n: int, seed: int) -> list[int]:
-    """The server's greedy continuation of `ids`, up to `n` tokens (fewer at end of sequence)."""
+def continuation(
+    client: VLLMClient, ids: list[int], n: int, top_k: int, seed: int
+) -> tuple[list[int], list[dict[int, float]]]:
+    """The server's greedy continuation of `ids`, up to `n` tokens (fewer at end of sequence), and
+    each decode step's top-k log-probabilities as the server computed them while generating."""
     reply = client.complete(
-        prompt=ids, max_tokens=n, temperature=0, seed=seed, logprobs=1, return_tokens_as_token_ids=True
+        prompt=ids, max_tokens=n, temperature=0, seed=seed, logprobs=top_k, return_tokens_as_token_ids=True
     )
-    return [int(t.removeprefix("token_id:")) for t in reply["choices"][0]["logprobs"]["tokens"]]
+    steps = reply["choices"][0]["logprobs"]
+    lists = [{_token_id(t): float(v) for t, v in (entry or {}).items()} for entry in steps["top_logprobs"]]
+    return [_token_id(t) for t in steps["tokens"]], lists
+
+
+def _token_id(text: str) -> int:
+    return int(text.removeprefix("token_id:"))
+
+
+def decode_fidelity(
+    reference: list[int], reference_lists: list[dict[int, float]], tokens: list[int], lists: list[dict[int, float]]
+) -> dict[str, Any]:
+    """KL(reference || server) at the decode steps both servers took from the same context: up to
+    and including the first position where their greedy tokens differ (position 0, the prefill's,
+    left out as `kl_mean` leaves it out). `first_divergence`: that position, None where the server
+    produced the reference's tokens."""
+    agreed = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), None)
+    last = min(len(reference), len(tokens)) - 1 if agreed is None else agreed
+    kl = [kl_top_lists(reference_lists[i], lists[i]) for i in range(1, last + 1)]
+    return {
+        "decode_kl_mean": sum(kl) / len(kl) if kl else None,
+        "decode_positions": len(kl),
+        "first_divergence": agreed,
+    }
 
 
 def forced(client: VLLMClient, ids: list[int], tokens: list[int], top_k: int, seed: int) -> list[dict[int, float]]:
@@ -198,6 +229,7 @@ class _Pass:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one fast tokenizer, many threads
     continuations: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     reference_lists: dict[tuple[str, int], list[dict[int, float]]] = field(default_factory=dict)
+    decode_lists: dict[tuple[str, int], list[dict[int, float]]] = field(default_factory=dict)  # the reference's
 
     def max_new(self, task: str) -> int:
         longbench = int(self.tasks[task]["max_gen_tokens"])
@@ -248,13 +280,20 @@ class _Pass:
             ids = self.prompt(task, answer["doc_id"], doc)
             row["prompt_tokens"] = len(ids)
             if reference:
-                self.continuations[key] = self.until_stop(
-                    task, continuation(client, ids, self.max_new(task), self.seed)
-                )
+                tokens, lists = continuation(client, ids, self.max_new(task), self.top_k, self.seed)
+                self.continuations[key] = self.until_stop(task, tokens)
+                self.decode_lists[key] = lists[: len(self.continuations[key])]
             if key not in self.continuations or not (reference or key in self.reference_lists):
                 row["fidelity_error"] = "no reference continuation (the reference server failed on this sample)"
                 return row
             tokens = self.continuations[key]
+            if tokens:  # the same steps generated by this server, with its own cache throughout
+                mine, lists = (
+                    (tokens, self.decode_lists[key])
+                    if reference
+                    else continuation(client, ids, len(tokens), self.top_k, self.seed)
+                )
+                row |= decode_fidelity(tokens, self.decode_lists[key], mine, lists)
             with self.lock:
                 row["reference_continuation"] = self.tokenizer.decode(tokens, skip_special_tokens=True)
             if tokens:

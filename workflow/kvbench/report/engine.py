@@ -3,8 +3,8 @@ caches (stage quality_served), with intervals, labelled as the engine's.
 
 Per model x server, over the samples it scored:
 - against the engine's 16-bit server (`against` = the reference server): the task score's paired
-  difference, and KL, first-token KL and top-1 agreement against that server's distributions
-  (the reference's own values: 0, 0 and 1);
+  difference, and KL, first-token KL, top-1 agreement and decode-time KL against that server's
+  distributions (the reference's own values: 0, 0, 1 and 0);
 - against the harness's method the cache is nearest to (kvbench.vllm_native.NativeKV.harness, where
   the run has it): each side against its own reference (engine vs its 16-bit server, harness vs
   the report's baseline), paired by sample: the score change's difference (a difference of
@@ -53,8 +53,14 @@ ENGINE_COLUMNS = [
     "bootstrap",
     "bootstrap_seed",
 ]
-FIDELITY = {"kl_mean": 0.0, "kl_first": 0.0, "top1_agreement": 1.0}  # quantity -> the reference's own value
-WEIGHTED = {"kl_mean", "top1_agreement"}  # pooled over teacher-forced positions, as the harness pools them
+# quantity -> (the reference's own value, the positions it is pooled over, as the harness pools them);
+# decode_kl_mean is the engine's alone (the steps generated before the first divergence)
+FIDELITY = {
+    "kl_mean": (0.0, "positions"),
+    "kl_first": (0.0, None),
+    "top1_agreement": (1.0, "positions"),
+    "decode_kl_mean": (0.0, "decode_positions"),
+}
 HARNESS_OF = {kv.label: kv.harness for kv in NATIVE_KV if kv.harness}
 SIDES = ("e", "h")  # engine, harness
 # The harness's protocol the engine is compared with, the nearest first: the engine quantizes K/V as
@@ -77,9 +83,9 @@ def verdict(iv: Interval) -> str:
 
 def _side(frame: pd.DataFrame, prefix: str) -> pd.DataFrame:
     """One side's per-sample columns, indexed by (task, sample)."""
-    columns = {"score": "score", "ref_score": "ref_score", "positions": "positions", **{q: q for q in FIDELITY}}
+    columns = ["score", "ref_score", "positions", "decode_positions", *FIDELITY]
     out = frame.drop_duplicates(["task", "sample"]).set_index(["task", "sample"])
-    return out.reindex(columns=list(columns)).astype(float).add_prefix(f"{prefix}_")
+    return out.reindex(columns=columns).astype(float).add_prefix(f"{prefix}_")
 
 
 def _engine_rows(served: pd.DataFrame) -> pd.DataFrame:
@@ -160,7 +166,8 @@ Pair = tuple[np.ndarray, np.ndarray, Callable[[str], np.ndarray | None]]
 
 
 def _weights(units: pd.DataFrame, side: str, quantity: str) -> np.ndarray | None:
-    return units[f"{side}_positions"].fillna(1.0).clip(lower=1.0).to_numpy() if quantity in WEIGHTED else None
+    pooled = FIDELITY[quantity][1]
+    return None if pooled is None else units[f"{side}_{pooled}"].fillna(1.0).clip(lower=1.0).to_numpy()
 
 
 def _against_reference(units: pd.DataFrame) -> dict[str, Pair]:
@@ -169,7 +176,7 @@ def _against_reference(units: pd.DataFrame) -> dict[str, Pair]:
     score = units.e_score.to_numpy(float)
     if np.isfinite(score).any():
         out["score"] = (score, units.e_ref_score.to_numpy(float), lambda side: None)
-    for quantity, own in FIDELITY.items():
+    for quantity, (own, _) in FIDELITY.items():
         values = units[f"e_{quantity}"].to_numpy(float)
         if np.isfinite(values).any():
             reference = np.where(np.isfinite(values), own, np.nan)
