@@ -4,7 +4,12 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# A --configfile is a whole config (config/gpu.yaml, config/gpu-smoke.yaml): the default is not
+# merged under it, so none of the CPU default's sections leak into a cluster run. An overlay names
+# the default first: --configfile config/config.yaml config/evidence.yaml
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 report: "workflow/report/workflow.rst"

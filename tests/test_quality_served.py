@@ -33,7 +33,7 @@ def test_forced_returns_the_positions_of_the_continuation_only():
 
 def test_the_reference_continuation_ends_where_the_harness_stops(tokenizer):
     ids = tokenizer("Paris is the answer.\nMore text follows here", add_special_tokens=False).input_ids
-    shared = served._Pass(tokenizer, None, {"t": {"until": ["\n"]}}, {}, {}, None, 5, 1, 0, 4096)
+    shared = served._Pass(tokenizer, None, {"t": {"until": ["\n"]}}, {}, {}, None, None, 5, 1, 0, 4096)
     cut = shared.until_stop("t", ids)
     assert "\n" in tokenizer.decode(cut) and "\n" not in tokenizer.decode(cut[:-1])
     assert shared.until_stop("t", ids[:3]) == ids[:3]  # no stop string reached: all of it
@@ -74,17 +74,28 @@ def test_decode_fidelity_compares_the_steps_taken_from_the_same_context():
 
     ref = [{1: math.log(0.9), 2: math.log(0.1)}] * 4
     other = [{1: math.log(0.6), 2: math.log(0.4)}] * 4
-    # identical tokens: every decode step (position 0, the prefill's, apart)
-    same = served.decode_fidelity([1, 1, 1, 1], ref, [1, 1, 1, 1], other)
+    one_step = 0.9 * math.log(0.9 / 0.6) + 0.1 * math.log(0.1 / 0.4)
+    # identical tokens: every decode step (position 0, the prefill's, apart); the server's prefill
+    # saw what the reference saw, its decode steps did not
+    same = served.decode_fidelity([1, 1, 1, 1], ref, [1, 1, 1, 1], other, ref)
     assert same["decode_positions"] == 3 and same["first_divergence"] is None
-    assert same["decode_kl_mean"] == pytest.approx(0.9 * math.log(0.9 / 0.6) + 0.1 * math.log(0.1 / 0.4))
+    assert same["decode_kl_mean"] == pytest.approx(one_step) == pytest.approx(same["prefill_decode_kl"])
     # the server's token differs at position 2: positions 1 and 2 share the reference's context, 3 does not
-    parted = served.decode_fidelity([1, 1, 1, 1], ref, [1, 1, 2, 1], [ref[0], ref[0], other[0], other[0]])
+    steps = [ref[0], ref[0], other[0], other[0]]
+    parted = served.decode_fidelity([1, 1, 1, 1], ref, [1, 1, 2, 1], steps, other)
     assert parted["first_divergence"] == 2 and parted["decode_positions"] == 2
-    assert parted["decode_kl_mean"] == pytest.approx(same["decode_kl_mean"] / 2)
+    assert parted["decode_kl_mean"] == pytest.approx(one_step / 2)
+    assert parted["prefill_decode_kl"] == pytest.approx((kl(other[0], ref[0]) + 0) / 2)
     # at position 0 already: nothing at decode time
-    assert served.decode_fidelity([1, 1], ref, [2, 1], other) == {
+    assert served.decode_fidelity([1, 1], ref, [2, 1], other, other) == {
         "decode_kl_mean": None,
         "decode_positions": 0,
         "first_divergence": 0,
+        "prefill_decode_kl": None,
     }
+
+
+def kl(p: dict, q: dict) -> float:
+    import math
+
+    return sum(math.exp(lp) * (lp - q[t]) for t, lp in p.items())

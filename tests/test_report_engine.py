@@ -16,9 +16,12 @@ REF = "vllm-bfloat16"
 NOISE = [0.05, -0.03, 0.02, -0.04, 0.01, 0.03, -0.02, -0.01, 0.04, -0.05]
 
 
+HARNESS = {"compute_dtype": "bfloat16", "reference_top_k": 1024, "fidelity_positions": 16}
+
+
 def _table(frames, n_boot=400):
     built = tables(**frames)
-    return engine_table(built, paired_quality(built, "full"), "full", n_boot, seed=3, level=0.95)
+    return engine_table(built, paired_quality(built, "full"), "full", n_boot, seed=3, level=0.95, harness=HARNESS)
 
 
 def _row(table, server, against, quantity):
@@ -46,7 +49,7 @@ def test_equal_scores_get_no_interval_and_a_null_mean_difference_is_inconclusive
     assert swapped.verdict == "inconclusive at n = 10: the interval holds 0"
 
 
-def test_fidelity_is_against_the_reference_values_and_weighted_by_positions():
+def test_fidelity_is_paired_with_the_reference_servers_own_noise_and_weighted_by_positions():
     kl = [0.1 + 0.01 * i for i in range(10)]
     frame = served({REF: [0.5] * 10, "vllm-fp8": [0.5] * 10}, kl={"vllm-fp8": kl})
     frame.loc[(frame.server == "vllm-fp8") & (frame["sample"] == 0), "positions"] = 160  # 10x the others
@@ -55,6 +58,11 @@ def test_fidelity_is_against_the_reference_values_and_weighted_by_positions():
     weights = np.array([10] + [1] * 9)
     assert row.value == pytest.approx(np.average(kl, weights=weights)) and row.against_value == 0
     assert row.verdict == "higher" and row.ci_low > 0
+    # a server no further from the 16-bit server than that server's second run is from its first
+    noisy = served({REF: [0.5] * 10, "vllm-fp8": [0.5] * 10}, kl={"vllm-fp8": kl, REF: kl[::-1]})
+    same = _row(_table({"quality_served": noisy}), "vllm-fp8", REF, "kl_mean")
+    assert same.against_value == pytest.approx(np.mean(kl)) and same.ci_low < 0 < same.ci_high
+    assert same.verdict.startswith("inconclusive")
     top1 = _row(table, "vllm-fp8", REF, "top1_agreement")
     assert top1.against_value == 1 and top1.verdict == "lower"
     assert _row(table, "vllm-fp8", REF, "kl_first").value == pytest.approx(np.mean(kl) / 2)
@@ -85,9 +93,28 @@ def test_the_engine_is_checked_against_its_harness_method_each_against_its_own_r
     assert change.against_kind == "harness method" and change.verdict == "lower"
     kl_row = _row(table, "vllm-turboquant-4bit", "turboquant4-mse", "kl_mean")
     assert kl_row.value == pytest.approx(kl[:8].mean()) and kl_row.against_value == pytest.approx(0.1)
-    assert kl_row.verdict == "higher" and "float32" in kl_row.note
-    assert "decode_kl_mean" not in set(table[table.against == "turboquant4-mse"].quantity)  # the engine's alone
+    assert kl_row.verdict == "higher" and "computed in bfloat16" in kl_row.note and "top-1024" in kl_row.note
+    assert "decode_kl_mean" not in set(table[table.against == "turboquant4-mse"].quantity)  # the prefill reads it
     assert _row(table, "vllm-turboquant-4bit", REF, "score").against_kind == "engine reference"
+
+
+def test_a_cache_the_prefill_skips_is_checked_at_its_decode_steps_against_query_aware():
+    """vLLM's TurboQuant attends to the raw K/V in a request's first prefill chunk (`fidelity_note`):
+    its forced positions say nothing of the cache; its decode steps do, as the harness's
+    query-aware protocol reads its cache after a full-precision prefill."""
+    noise = np.array(NOISE[:8])
+    aware = quality({"full": {"qa": 0.5}, "turboquant4-mse": {"qa": 0.5}}, samples=8, spread=0.0)
+    harness = pd.concat([aware.assign(protocol="query-aware"), aware.assign(protocol="context-only")])
+    fid = fidelity({"full": {"qa": 1.0}, "turboquant4-mse": {"qa": 0.9}}, samples=8).assign(protocol="query-aware")
+    frame = served({REF: [0.5] * 8, "vllm-turboquant-4bit": [0.5] * 8}, kl={"vllm-turboquant-4bit": 0.2 + noise})
+    frame["fidelity_note"] = np.where(frame.server == REF, None, "prefill skips the compressed cache")
+    table = _table({"quality_served": frame, "quality_scores": harness, "quality_fidelity": fid})
+    cross = table[table.against == "turboquant4-mse"].set_index("quantity")
+    assert set(cross.index) == {"score_change", "decode_kl_mean"} and set(cross.protocol) == {"query-aware"}
+    decode = cross.loc["decode_kl_mean"]  # the engine's decode-time KL (2x its forced) vs the harness's KL
+    assert decode.value == pytest.approx(2 * (0.2 + noise).mean()) and decode.against_value == pytest.approx(0.1)
+    assert "prefill skips the compressed cache" in decode.note
+    assert "prefill skips" in _row(table, "vllm-turboquant-4bit", REF, "kl_mean").note
 
 
 def test_failed_rows_are_counted_and_a_server_without_harness_method_has_only_its_reference_rows():

@@ -461,6 +461,12 @@ def test_serve_rows_for_every_backend_round_and_request(run):
     )
     lmcache = requests[requests.backend == "lmcache"]
     assert len(lmcache) == 2 and lmcache.error.str.startswith("unsupported: LMCache").all()
+    # the cluster profile's runtime counts the main server's requests from the stage's own plan
+    from kvbench.resources import _serve_work
+
+    (main,) = [w for w in _serve_work(config) if w.codec_bytes]
+    asked = main.prefill_tokens / serve["doc_tokens"] - serve["prewarm"]["prompts"]
+    assert asked == (served.server == "main").sum()
 
 
 def test_client_ttft_matches_the_servers_histogram_within_5_percent(run):
@@ -631,7 +637,9 @@ def test_native_kv_servers_are_scored_through_lm_eval_with_fidelity_to_the_16_bi
     assert (fp8.kl_first > 0).any() and fp8.top1_agreement.dropna().between(0, 1).all()
     assert fp8.fidelity_note.isna().all()  # fp8 reads its cache in the prefill (TurboQuant's rows say it does not)
     # decode-time fidelity: the reference against itself is 0; fp8 compares every step it shared
-    assert (ref.decode_kl_mean.dropna() == 0).all() and ref.first_divergence.isna().all()
+    assert (ref.decode_kl_mean.dropna() < 1e-3).all() and ref.first_divergence.isna().all()  # its run-to-run noise
+    # its forced and decode views of one context agree: each step's log-probabilities are its token's
+    assert ref.prefill_decode_kl.notna().any() and (ref.prefill_decode_kl.dropna() < 0.02).all()
     same = fp8[fp8.first_divergence.isna()]
     assert (same.decode_positions == same.fidelity_positions).all() and (fp8.decode_kl_mean.dropna() >= 0).all()
     assert set(served.served_dtype) == {"bfloat16" if served.dtype_note.isna().all() else "float32"}

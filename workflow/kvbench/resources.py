@@ -254,7 +254,6 @@ def _quality_work(config: Mapping[str, Any], model: str, shape: Shape) -> tuple[
 def workloads(config: Mapping[str, Any]) -> list[Work]:
     """One entry per (rule, model) of the GPU rules, with the job count the dry run plans."""
     from kvbench.batches import batches, paired_batches
-    from kvbench.serve.backends import servers
 
     corpus, kv, system, serve, quality = (config[k] for k in ("corpus", "kv", "system", "serve", "quality"))
     realistic = corpus["realistic"]
@@ -304,18 +303,7 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
                 copies=2,
             )
         )
-    requests = serve["docs_per_corpus"] * len(serve["corpora"]) * (1 + serve["repeat_count"])
-    work.append(
-        Work(
-            "serve_server",
-            serve["model"],
-            len(servers(serve["backends"], serve.get("weights", ["real"]))),
-            "vllm",
-            config["vllm"]["max_model_len"],
-            requests * serve["doc_tokens"],
-            requests * serve["max_tokens"] / max(1, serve["max_inflight"]),
-        )
-    )
+    work += _serve_work(config)
     jobs = batches(quality["methods"], quality["reference"], quality["methods_per_job"])
     for model in quality["models"]:
         longest, prefill, decode = _quality_work(config, model, model_shape(config, model))
@@ -338,10 +326,43 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
                 )
             )
         served = quality.get("served") or {}
-        if served.get("servers"):  # the 16-bit server and each native one: answers, forced positions
+        if served.get("servers"):  # the 16-bit server and each native one: answers, forced positions and
+            # decode steps per sample (three prefills, two decodes; the 16-bit server's forced and decode twice)
             n, inflight = len(served["servers"]) + 1, int(served.get("concurrency") or 1)
             work.append(Work("quality_served", model, 1, "vllm", config["vllm"]["max_model_len"],
-                             2 * n * prefill, 2 * n * decode / inflight, starts=n))  # fmt: skip
+                             (3 * n + 2) * prefill, (2 * n + 1) * decode / inflight, starts=n))  # fmt: skip
+    return work
+
+
+def _serve_work(config: Mapping[str, Any]) -> list[Work]:
+    """One serve job per server. The main server's rounds are the stage's own plan
+    (kvbench.serve.stage.main_cells: warm-ups, the concurrency sweep's query rounds per cell, the
+    pre-warm and the fault round), every request a prefill of the document (an upper bound: hits
+    load), each Valkey round's chunks through a codec (a warm-up stores every codec, a query request
+    loads or stores one); the other servers run a warm-up and a query round per corpus."""
+    from kvbench.config import with_schema_defaults
+    from kvbench.serve.backends import server_backends, servers
+    from kvbench.serve.stage import ServeSettings, fault_repeats, main_cells
+
+    s = ServeSettings.of(with_schema_defaults({"serve": config["serve"]})["serve"])
+    vllm_len, tokens, steps = config["vllm"]["max_model_len"], s.doc_tokens, s.max_tokens
+    doc_bytes = model_shape(config, s.model).kv_bytes_per_token * s.doc_tokens
+    docs = {corpus: {f"doc{i}": "" for i in range(s.docs_per_corpus)} for corpus in s.corpora}
+    asides = int(s.prewarm["prompts"])  # the pre-warm every server gets
+    work = []
+    for server in servers(list(s.backends), list(s.weights)):
+        if server != "main":
+            requests = asides + len(s.corpora) * s.docs_per_corpus * (1 + s.repeat_count)
+            work.append(Work("serve_server", s.model, 1, "vllm", vllm_len, requests * tokens, requests * steps))
+            continue
+        cells = main_cells(server, server_backends(server, list(s.backends)), s, docs, int(config["seed"]))
+        fault = s.docs_per_corpus * (2 + fault_repeats(s.docs_per_corpus)) if s.fault_round else 0
+        requests = asides + fault + sum(len(c.planned) for c in cells)
+        decode = (asides + fault) * steps / s.max_inflight + sum(len(c.planned) * steps / c.concurrency for c in cells)
+        coded = fault + sum(len(c.planned) * max(1, len(c.store)) for c in cells if c.backend == "valkey")
+        work.append(
+            Work("serve_server", s.model, 1, "vllm", vllm_len, requests * tokens, decode, codec_bytes=coded * doc_bytes)
+        )
     return work
 
 
@@ -395,12 +416,19 @@ def profile_resources(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
 
 def cost_table(config: Mapping[str, Any]) -> list[dict[str, Any]]:
     """GPU hours per rule and model (jobs x stated cost, one GPU a job): ESTIMATES."""
-    rows = []
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
     for work in workloads(config):
         shape = model_shape(config, work.model)
         hours = work.jobs * job_seconds(work, shape, config["vllm"]["enforce_eager"]) / 3600
-        rows.append({"rule": work.rule, "model": work.model, "jobs": work.jobs, "gpu_hours": round(hours, 2)})
-    return rows
+        row = rows.setdefault(
+            (work.rule, work.model), {"rule": work.rule, "model": work.model, "jobs": 0, "hours": 0.0}
+        )
+        row["jobs"] += work.jobs
+        row["hours"] += hours
+    return [
+        {"rule": r["rule"], "model": r["model"], "jobs": r["jobs"], "gpu_hours": round(r["hours"], 2)}
+        for r in rows.values()
+    ]
 
 
 if __name__ == "__main__":

@@ -172,7 +172,7 @@ rule quality_served:
             subcategory="{model}",
         ),
     params:
-        quality={key: QUALITY[key] for key in ("served", "max_gen_cap", "lm_eval_tasks", "lm_eval_limit")},
+        quality={key: QUALITY[key] for key in ("served", "max_gen_cap", "fidelity_positions", "lm_eval_tasks", "lm_eval_limit")},
         vllm=VLLM_RUN,
         seed=config["seed"],
         code=library_code("quality_served.py"),

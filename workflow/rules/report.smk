@@ -32,6 +32,7 @@ rule report_tables:
     params:
         cfg=config["report"],
         methods=config["methods"],
+        harness={key: config["quality"][key] for key in ("compute_dtype", "reference_top_k", "fidelity_positions")},
         seed=config["seed"],
         benchmarks=benchmark_patterns,
         code=library_code("report_tables.py"),

@@ -24,7 +24,7 @@ def write_text(path, text):
 with job_log(snakemake.log[0], snakemake.config):
     cfg, out = snakemake.params.cfg, snakemake.output
     tables = load_tables({name: snakemake.input.get(name) for name in CONTRACTS})
-    report = rb.build(tables, cfg, snakemake.params.methods, snakemake.params.seed)
+    report = rb.build(tables, cfg, snakemake.params.methods, snakemake.params.seed, snakemake.params.harness)
     costs = pipeline_cost(read_benchmarks(os.getcwd(), snakemake.params.benchmarks))
     print(report.stages.to_string(index=False))
     print(report.claims[["claim_id", "model", "protocol", "verdict", "ours"]].to_string(index=False))

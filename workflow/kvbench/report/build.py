@@ -147,8 +147,15 @@ def power_tables(
     return pd.concat(frames, ignore_index=True).reindex(columns=columns) if frames else pd.DataFrame(columns=columns)
 
 
-def build(tables: Tables, cfg: Mapping[str, Any], methods: Mapping[str, dict], seed: int) -> ReportTables:
-    """`cfg` is the config's `report` section, `methods` its method specs."""
+def build(
+    tables: Tables,
+    cfg: Mapping[str, Any],
+    methods: Mapping[str, dict],
+    seed: int,
+    harness: Mapping[str, Any] | None = None,
+) -> ReportTables:
+    """`cfg` is the config's `report` section, `methods` its method specs, `harness` the quality
+    stage's settings the engine table's notes name (compute_dtype, reference_top_k, fidelity_positions)."""
     baseline, n_boot, level = cfg["baseline"], int(cfg["bootstrap"]), float(cfg["level"])
     effects, power = effects_of(cfg), power_of(cfg)
     paired = paired_quality(tables, baseline)
@@ -185,7 +192,7 @@ def build(tables: Tables, cfg: Mapping[str, Any], methods: Mapping[str, dict], s
         differences=quality_differences(paired, baseline, n_boot, seed, level, effects, power),
         system_ratios=system_ratios(units, system_source, in_process, baseline, n_boot, seed, level, effects, power),
         power=power_tables(paired, units, baseline, effects, level, power),
-        engine=engine_table(tables, paired, baseline, n_boot, seed, level),
+        engine=engine_table(tables, paired, baseline, n_boot, seed, level, harness),
     )
 
 

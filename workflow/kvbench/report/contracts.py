@@ -145,7 +145,7 @@ CONTRACTS: dict[str, Contract] = {
             "sample": "sample_id",
             "positions": "fidelity_positions",
         },
-        optional=_same("fidelity_note", "decode_kl_mean", "decode_positions"),
+        optional=_same("fidelity_note", "decode_kl_mean", "decode_positions", "top_k", "difference"),
     ),
     # Issue 11 (serve): per backend x codec x corpus. Bytes and ratio exist only for backends that
     # store through a codec (valkey), TTFT and hits only for rows that ran (not "unsupported").

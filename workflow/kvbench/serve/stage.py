@@ -418,28 +418,32 @@ def _query_cells(backends: list[str], s: ServeSettings, swept: bool, level_index
     return cells
 
 
-def _main_rounds(
-    r: Rounds,
-    backends: list[str],
-    s: ServeSettings,
-    docs: dict[str, dict[str, str]],
-    seed: int,
-    store: RestartableValkey | ValkeyAddress | None,
-) -> None:
+@dataclass(frozen=True)
+class Cell:
+    """One round of the main server: what it asks, how many at once, what the connector does."""
+
+    backend: str
+    codec: str
+    corpus: str
+    planned: list[Planned]
+    load: str | None
+    store: tuple[str, ...]
+    concurrency: int
+
+
+def main_cells(
+    server: str, backends: list[str], s: ServeSettings, docs: dict[str, dict[str, str]], seed: int
+) -> list[Cell]:
+    """The main server's rounds in order (the fault round after them): warm-ups, then query rounds
+    per corpus, concurrency level and cell (kvbench.resources counts them for the cluster profile)."""
+    cells = []
     for corpus in s.corpora:
         if "prefix" in backends:
-            r.run("prefix", NO_CODEC, corpus, warmup_round(docs[corpus]), r.params("prefix", None, []), s.max_inflight)
+            cells.append(Cell("prefix", NO_CODEC, corpus, warmup_round(docs[corpus]), None, (), s.max_inflight))
         if "valkey" in backends:
-            r.run(
-                "valkey",
-                ALL_CODECS,
-                corpus,
-                warmup_round(docs[corpus]),
-                r.params("valkey", None, list(s.codecs)),
-                s.max_inflight,
-            )
+            cells.append(Cell("valkey", ALL_CODECS, corpus, warmup_round(docs[corpus]), None, s.codecs, s.max_inflight))
     for c, corpus in enumerate(s.corpora):
-        swept = corpus in s.load["corpora"] and r.server == "main"
+        swept = corpus in s.load["corpora"] and server == "main"
         levels = list(s.load["concurrency"]) if swept else [s.max_inflight]
         count = s.repeat_count
         if swept:
@@ -449,7 +453,21 @@ def _main_rounds(
             planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c + level_index)
             for backend, codec in _query_cells(backends, s, swept, level_index):
                 load = codec if backend == "valkey" else None
-                r.run(backend, codec, corpus, planned, r.params(backend, load, [load] if load else []), level)
+                cells.append(Cell(backend, codec, corpus, planned, load, (load,) if load else (), level))
+    return cells
+
+
+def _main_rounds(
+    r: Rounds,
+    backends: list[str],
+    s: ServeSettings,
+    docs: dict[str, dict[str, str]],
+    seed: int,
+    store: RestartableValkey | ValkeyAddress | None,
+) -> None:
+    for cell in main_cells(r.server, backends, s, docs, seed):
+        params = r.params(cell.backend, cell.load, list(cell.store))
+        r.run(cell.backend, cell.codec, cell.corpus, cell.planned, params, cell.concurrency)
     if s.fault_round and "valkey" in backends and r.server == "main":
         _fault_round(r, s, docs, store)
 
