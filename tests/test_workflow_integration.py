@@ -462,10 +462,9 @@ def test_serve_rows_for_every_backend_round_and_request(run):
     lmcache = requests[requests.backend == "lmcache"]
     assert len(lmcache) == 2 and lmcache.error.str.startswith("unsupported: LMCache").all()
     # the cluster profile's runtime counts the main server's requests from the stage's own plan
-    from kvbench.resources import _serve_work
+    from kvbench.resources import serve_requests
 
-    (main,) = [w for w in _serve_work(config) if w.codec_bytes]
-    asked = main.prefill_tokens / serve["doc_tokens"] - serve["prewarm"]["prompts"]
+    asked = serve_requests(config)["main"][0] - serve["prewarm"]["prompts"]
     assert asked == (served.server == "main").sum()
 
 

@@ -334,36 +334,53 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
     return work
 
 
-def _serve_work(config: Mapping[str, Any]) -> list[Work]:
-    """One serve job per server. The main server's rounds are the stage's own plan
-    (kvbench.serve.stage.main_cells: warm-ups, the concurrency sweep's query rounds per cell, the
-    pre-warm and the fault round), every request a prefill of the document (an upper bound: hits
-    load), each Valkey round's chunks through a codec (a warm-up stores every codec, a query request
-    loads or stores one); the other servers run a warm-up and a query round per corpus."""
+def serve_requests(config: Mapping[str, Any]) -> dict[str, tuple[int, float, int]]:
+    """Per serve server: (requests, decode steps, requests whose chunks pass a codec). The main
+    server's rounds are the stage's own plan (kvbench.serve.stage.main_cells: warm-ups, the
+    concurrency sweep's query rounds per cell), with the pre-warm and the fault round; a Valkey
+    warm-up stores every codec, a query request loads or stores one. The other servers run a
+    warm-up and a query round per corpus."""
     from kvbench.config import with_schema_defaults
     from kvbench.serve.backends import server_backends, servers
     from kvbench.serve.stage import ServeSettings, fault_repeats, main_cells
 
     s = ServeSettings.of(with_schema_defaults({"serve": config["serve"]})["serve"])
-    vllm_len, tokens, steps = config["vllm"]["max_model_len"], s.doc_tokens, s.max_tokens
-    doc_bytes = model_shape(config, s.model).kv_bytes_per_token * s.doc_tokens
     docs = {corpus: {f"doc{i}": "" for i in range(s.docs_per_corpus)} for corpus in s.corpora}
     asides = int(s.prewarm["prompts"])  # the pre-warm every server gets
-    work = []
+    out = {}
     for server in servers(list(s.backends), list(s.weights)):
         if server != "main":
             requests = asides + len(s.corpora) * s.docs_per_corpus * (1 + s.repeat_count)
-            work.append(Work("serve_server", s.model, 1, "vllm", vllm_len, requests * tokens, requests * steps))
+            out[server] = (requests, requests * s.max_tokens / s.max_inflight, 0)
             continue
         cells = main_cells(server, server_backends(server, list(s.backends)), s, docs, int(config["seed"]))
         fault = s.docs_per_corpus * (2 + fault_repeats(s.docs_per_corpus)) if s.fault_round else 0
         requests = asides + fault + sum(len(c.planned) for c in cells)
-        decode = (asides + fault) * steps / s.max_inflight + sum(len(c.planned) * steps / c.concurrency for c in cells)
+        steps = (asides + fault) * s.max_tokens / s.max_inflight
+        steps += sum(len(c.planned) * s.max_tokens / c.concurrency for c in cells)
         coded = fault + sum(len(c.planned) * max(1, len(c.store)) for c in cells if c.backend == "valkey")
-        work.append(
-            Work("serve_server", s.model, 1, "vllm", vllm_len, requests * tokens, decode, codec_bytes=coded * doc_bytes)
+        out[server] = (requests, steps, coded)
+    return out
+
+
+def _serve_work(config: Mapping[str, Any]) -> list[Work]:
+    """One serve job per server: every request a prefill of the document (an upper bound: hits
+    load), its chunks through a codec where it stores or loads (serve_requests)."""
+    serve, vllm_len = config["serve"], config["vllm"]["max_model_len"]
+    doc_bytes = model_shape(config, serve["model"]).kv_bytes_per_token * serve["doc_tokens"]
+    return [
+        Work(
+            "serve_server",
+            serve["model"],
+            1,
+            "vllm",
+            vllm_len,
+            n * serve["doc_tokens"],
+            steps,
+            codec_bytes=coded * doc_bytes,
         )
-    return work
+        for n, steps, coded in serve_requests(config).values()
+    ]
 
 
 LMCACHE_CPU_BUFFER_MB = (
