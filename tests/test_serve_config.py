@@ -105,3 +105,27 @@ def test_the_sweep_runs_every_codec_at_its_lowest_level_and_load_codecs_above():
     assert [c for b, c in higher if b == "valkey"] == [c for c in s.codecs if c in s.load["codecs"]]
     assert [b for b, _ in higher[:2]] == ["recompute", "prefix"]
     assert _query_cells(backends, s, False, 0)[2:] == [("valkey", s.codecs[0])]  # off the sweep: the headline
+
+
+def test_a_vllm_native_cache_runs_the_load_sweep_and_an_example_server_one_level():
+    from kvbench.serve.stage import ServeSettings, reference_cells
+
+    config = default_config()
+    check_config(config, SCHEMA)
+    s = ServeSettings.of(config["serve"])
+    prompts = {c: {f"{c}{i}": f"text {c} {i}" for i in range(s.docs_per_corpus)} for c in s.corpora}
+    native = reference_cells("vllm-fp8", "vllm-fp8", s, prompts, seed=3)
+    levels = [(c.corpus, c.concurrency) for c in native if c.planned[0].round == "query"]
+    swept = [
+        (corpus, level)
+        for corpus in s.corpora
+        for level in (s.load["concurrency"] if corpus in s.load["corpora"] else [s.max_inflight])
+    ]
+    assert levels == swept and [c.corpus for c in native if c.planned[0].round == "warmup"] == list(s.corpora)
+    for cell in native:
+        docs = {p.doc_id for p in cell.planned}
+        assert len(docs) == s.reference_docs_per_corpus  # the reference documents only
+        if cell.planned[0].round == "query":
+            assert sum(not p.miss for p in cell.planned) >= s.load["hits_per_cell"]
+    example = reference_cells("example", "example", s, prompts, seed=3)
+    assert {c.concurrency for c in example} == {s.max_inflight} and {c.codec for c in example} == {"safetensors"}

@@ -466,6 +466,10 @@ def test_serve_rows_for_every_backend_round_and_request(run):
 
     asked = serve_requests(config)["main"][0] - serve["prewarm"]["prompts"]
     assert asked == (served.server == "main").sum()
+    # time per output token after the first, from the stream (max_tokens of them: ignore_eos)
+    assert (served.output_tokens == serve["max_tokens"]).all() and (served.tpot_s > 0).all()
+    load = read(workdir, "results/serve/load.parquet")
+    assert (load.tpot_p50_s > 0).all() and (load.tpot_p90_s >= load.tpot_p50_s).all()
 
 
 def test_client_ttft_matches_the_servers_histogram_within_5_percent(run):

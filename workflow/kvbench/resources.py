@@ -335,31 +335,36 @@ def workloads(config: Mapping[str, Any]) -> list[Work]:
 
 
 def serve_requests(config: Mapping[str, Any]) -> dict[str, tuple[int, float, int]]:
-    """Per serve server: (requests, decode steps, requests whose chunks pass a codec). The main
-    server's rounds are the stage's own plan (kvbench.serve.stage.main_cells: warm-ups, the
-    concurrency sweep's query rounds per cell), with the pre-warm and the fault round; a Valkey
-    warm-up stores every codec, a query request loads or stores one. The other servers run a
-    warm-up and a query round per corpus."""
+    """Per serve server: (requests, decode steps, requests whose chunks pass a codec), from the
+    stage's own plan (kvbench.serve.stage.main_cells for the main and dummy-weights servers: warm-ups,
+    the concurrency sweep's query rounds per cell, and the fault round; reference_cells for example
+    and vLLM-native servers; LMCache's warm-up, query and salted rounds) with the pre-warm; a Valkey
+    warm-up stores every codec, a query request loads or stores one."""
     from kvbench.config import with_schema_defaults
-    from kvbench.serve.backends import server_backends, servers
-    from kvbench.serve.stage import ServeSettings, fault_repeats, main_cells
+    from kvbench.serve.backends import DUMMY_SERVER, server_backends, servers
+    from kvbench.serve.stage import ServeSettings, fault_repeats, main_cells, reference_cells
 
     s = ServeSettings.of(with_schema_defaults({"serve": config["serve"]})["serve"])
     docs = {corpus: {f"doc{i}": "" for i in range(s.docs_per_corpus)} for corpus in s.corpora}
-    asides = int(s.prewarm["prompts"])  # the pre-warm every server gets
+    asides, seed = int(s.prewarm["prompts"]), int(config["seed"])  # the pre-warm every server gets
     out = {}
     for server in servers(list(s.backends), list(s.weights)):
-        if server != "main":
-            requests = asides + len(s.corpora) * s.docs_per_corpus * (1 + s.repeat_count)
-            out[server] = (requests, requests * s.max_tokens / s.max_inflight, 0)
-            continue
-        cells = main_cells(server, server_backends(server, list(s.backends)), s, docs, int(config["seed"]))
-        fault = s.docs_per_corpus * (2 + fault_repeats(s.docs_per_corpus)) if s.fault_round else 0
-        requests = asides + fault + sum(len(c.planned) for c in cells)
-        steps = (asides + fault) * s.max_tokens / s.max_inflight
-        steps += sum(len(c.planned) * s.max_tokens / c.concurrency for c in cells)
+        backends = server_backends(server, list(s.backends))
+        if server == "lmcache":  # warm-up, query and salted rounds per corpus
+            cells = []
+            rounds = [(len(s.corpora) * s.docs_per_corpus * (2 + s.repeat_count), s.max_inflight)]
+        else:
+            main = server in ("main", DUMMY_SERVER)
+            cells = (
+                main_cells(server, backends, s, docs, seed)
+                if main
+                else reference_cells(server, backends[0], s, docs, seed)
+            )
+            rounds = [(len(c.planned), c.concurrency) for c in cells]
+        fault = s.docs_per_corpus * (2 + fault_repeats(s.docs_per_corpus)) if server == "main" and s.fault_round else 0
+        rounds += [(fault, s.max_inflight), (asides, s.max_inflight)]
         coded = fault + sum(len(c.planned) * max(1, len(c.store)) for c in cells if c.backend == "valkey")
-        out[server] = (requests, steps, coded)
+        out[server] = (sum(n for n, _ in rounds), sum(n * s.max_tokens / level for n, level in rounds), coded)
     return out
 
 

@@ -74,6 +74,10 @@ async def _one(
         row["prompt_tokens"] = usage.get("prompt_tokens")
         row["output_tokens"] = usage.get("completion_tokens")
         row["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        tokens = row["output_tokens"] or 0  # time per output token after the first (ignore_eos: max_tokens of them)
+        row["tpot_s"] = (
+            (row["e2e_s"] - row["ttft_s"]) / (tokens - 1) if row["ttft_s"] is not None and tokens > 1 else None
+        )
         if on_done is not None:
             on_done(index)  # still holding its slot: with one in flight, the next request waits for it
         return row

@@ -565,6 +565,25 @@ def _lmcache_rounds(r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]]
         )
 
 
+def reference_cells(
+    server: str, backend: str, s: ServeSettings, prompts: dict[str, dict[str, str]], seed: int
+) -> list[Cell]:
+    """An example or vLLM-native server's rounds: per corpus a warm-up of its reference documents,
+    then query rounds with enough repeats for `load.hits_per_cell` hits; a vLLM-native cache at
+    every `load.concurrency` level on the load corpora, as the main server's cells are."""
+    codec = "safetensors" if server == "example" else NO_CODEC
+    cells = []
+    for c, corpus in enumerate(s.corpora):
+        chosen = dict(list(prompts[corpus].items())[: s.reference_docs_per_corpus])
+        count = max(s.repeat_count, repeats_for_hits(len(chosen), s.hit_miss_ratio, int(s.load["hits_per_cell"])))
+        swept = server in bk.NATIVE and corpus in s.load["corpora"]
+        cells.append(Cell(backend, codec, corpus, warmup_round(chosen), None, (), s.max_inflight))
+        for level_index, level in enumerate(s.load["concurrency"] if swept else [s.max_inflight]):
+            planned = query_round(chosen, count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c + level_index)
+            cells.append(Cell(backend, codec, corpus, planned, None, (), level))
+    return cells
+
+
 def _reference_rounds(
     rounds: Rounds,
     server: str,
@@ -575,24 +594,12 @@ def _reference_rounds(
     workdir: Path,
 ) -> None:
     storage = workdir / "example-kv"
-    for c, corpus in enumerate(s.corpora):
-        chosen = dict(list(prompts[corpus].items())[: s.reference_docs_per_corpus])
-        count = max(s.repeat_count, repeats_for_hits(len(chosen), s.hit_miss_ratio, int(s.load["hits_per_cell"])))
-        for planned in (
-            warmup_round(chosen),
-            query_round(chosen, count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c),
-        ):
-            before = _dir_bytes(storage)
-            rounds.run(
-                backend,
-                "safetensors" if server == "example" else NO_CODEC,
-                corpus,
-                planned,
-                rounds.params(backend, None, []),
-                s.max_inflight,
-            )
-            if server == "example":
-                rounds.metrics[-1]["disk_bytes_written"] = _dir_bytes(storage) - before
+    for cell in reference_cells(server, backend, s, prompts, seed):
+        before = _dir_bytes(storage)
+        params = rounds.params(backend, None, [])
+        rounds.run(cell.backend, cell.codec, cell.corpus, cell.planned, params, cell.concurrency)
+        if server == "example":
+            rounds.metrics[-1]["disk_bytes_written"] = _dir_bytes(storage) - before
 
 
 def _dir_bytes(folder: Path) -> int:

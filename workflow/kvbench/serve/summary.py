@@ -327,7 +327,7 @@ def offload_table(
 def load_table(requests: pd.DataFrame, metrics: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     """The load sweep: per weights x backend x codec x corpus x concurrency of every query round,
     TTFT percentiles of the hits (p90 with its interval) and of every request, misses' median,
-    throughput (requests and output tokens per second of the round's wall time plus the time its
+    TPOT percentiles of every request, throughput (requests and output tokens per second of the round's wall time plus the time its
     background stores took to finish)."""
     query = requests[requests["round"] == "query"]
     rounds = metrics[metrics["round"] == "query"] if "round" in metrics else metrics
@@ -364,6 +364,8 @@ def load_table(requests: pd.DataFrame, metrics: pd.DataFrame, seed: int = 0) -> 
                 "ttft_all_p50_s": float(group.ttft_s.median()),
                 "ttft_all_p90_s": float(group.ttft_s.quantile(0.9)),
                 "ttft_miss_p50_s": float(group[group.miss.astype(bool)].ttft_s.median()),
+                "tpot_p50_s": _quantile(group, "tpot_s", 0.5),
+                "tpot_p90_s": _quantile(group, "tpot_s", 0.9),
                 "round_s": float(spent),
                 "throughput_rps": len(group) / spent if spent else np.nan,
                 "output_tok_s": group.output_tokens.sum() / spent if spent else np.nan,
@@ -371,6 +373,11 @@ def load_table(requests: pd.DataFrame, metrics: pd.DataFrame, seed: int = 0) -> 
             }
         )
     return pd.DataFrame(rows)
+
+
+def _quantile(group: pd.DataFrame, column: str, q: float) -> float:
+    """A column's quantile over the group (NaN where the table predates it or every value is null)."""
+    return float(group[column].astype(float).quantile(q)) if column in group else np.nan
 
 
 BENCHMARK_CELL = ("dummy", "synthetic")  # the blog's benchmark setting: dummy weights, "hi hi hi"
