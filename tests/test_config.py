@@ -360,3 +360,8 @@ def test_an_overlay_names_the_default_first_and_is_valid_over_it():
     merged = default_config()
     update_config(merged, yaml.safe_load((REPO / "config" / "evidence.yaml").read_text()))
     check_config(merged, SCHEMA)
+    both = ["--configfile", "config/config.yaml", "config/evidence.yaml"]  # as config/evidence.yaml says
+    dry = subprocess.run(
+        [SNAKEMAKE, "-n", "--quiet", "rules", *both], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert dry.returncode == 0, dry.stderr[-3000:]

@@ -345,7 +345,10 @@ def serve_requests(config: Mapping[str, Any]) -> dict[str, tuple[int, float, int
     from kvbench.serve.stage import ServeSettings, fault_repeats, main_cells, reference_cells
 
     s = ServeSettings.of(with_schema_defaults({"serve": config["serve"]})["serve"])
-    docs = {corpus: {f"doc{i}": "" for i in range(s.docs_per_corpus)} for corpus in s.corpora}
+    # as many documents as the stage hands each round: reference servers take their own count of them
+    n_docs = max(s.docs_per_corpus, s.reference_docs_per_corpus)
+    main_docs = {corpus: {f"doc{i}": "" for i in range(s.docs_per_corpus)} for corpus in s.corpora}
+    docs = {corpus: {f"doc{i}": "" for i in range(n_docs)} for corpus in s.corpora}
     asides, seed = int(s.prewarm["prompts"]), int(config["seed"])  # the pre-warm every server gets
     out = {}
     for server in servers(list(s.backends), list(s.weights)):
@@ -356,12 +359,13 @@ def serve_requests(config: Mapping[str, Any]) -> dict[str, tuple[int, float, int
         else:
             main = server in ("main", DUMMY_SERVER)
             cells = (
-                main_cells(server, backends, s, docs, seed)
+                main_cells(server, backends, s, main_docs, seed)
                 if main
                 else reference_cells(server, backends[0], s, docs, seed)
             )
             rounds = [(len(c.planned), c.concurrency) for c in cells]
-        fault = s.docs_per_corpus * (2 + fault_repeats(s.docs_per_corpus)) if server == "main" and s.fault_round else 0
+        faulted = server == "main" and s.fault_round and "valkey" in backends
+        fault = s.docs_per_corpus * (2 + fault_repeats(s.docs_per_corpus)) if faulted else 0
         rounds += [(fault, s.max_inflight), (asides, s.max_inflight)]
         coded = fault + sum(len(c.planned) * max(1, len(c.store)) for c in cells if c.backend == "valkey")
         out[server] = (sum(n for n, _ in rounds), sum(n * s.max_tokens / level for n, level in rounds), coded)

@@ -420,7 +420,7 @@ def _query_cells(backends: list[str], s: ServeSettings, swept: bool, level_index
 
 @dataclass(frozen=True)
 class Cell:
-    """One round of the main server: what it asks, how many at once, what the connector does."""
+    """One round of a server: what it asks, how many at once, what the connector does."""
 
     backend: str
     codec: str
