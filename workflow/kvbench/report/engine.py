@@ -76,6 +76,7 @@ NATIVE_VIEW = {
     True: ((QUERY_AWARE, CONTEXT_ONLY), {"decode_kl_mean": "kl_mean"}),
 }
 UNIT = ["task", "sample"]
+PER_SAMPLE = ("score", "positions", "decode_positions", *FIDELITY)  # each side's columns, and its reference's
 
 
 def verdict(iv: Interval) -> str:
@@ -95,16 +96,14 @@ def _engine_rows(served: pd.DataFrame) -> pd.DataFrame:
     keys = ["model", *UNIT]
     ref = rows[rows.server == rows.reference_server].drop_duplicates(keys).set_index(keys)
     where = pd.MultiIndex.from_frame(rows[keys])
-    for column in ("score", "positions", "decode_positions", *FIDELITY):
+    for column in PER_SAMPLE:
         rows[f"ref_{column}"] = ref[column].reindex(where).to_numpy(float)
     return rows
 
 
 def _side(frame: pd.DataFrame, prefix: str) -> pd.DataFrame:
     """One side's per-sample columns, indexed by (task, sample)."""
-    columns = [
-        *(c for column in ("score", "positions", "decode_positions", *FIDELITY) for c in (column, f"ref_{column}")),
-    ]
+    columns = [c for column in PER_SAMPLE for c in (column, f"ref_{column}")]
     out = frame.drop_duplicates(UNIT).set_index(UNIT)
     return out.reindex(columns=columns).astype(float).add_prefix(f"{prefix}_")
 
@@ -162,8 +161,7 @@ def engine_table(
         )
         if bypass:
             engine_note += f"; {first.fidelity_note}"
-        against_reference = {"score": "score", **{q: q for q in FIDELITY}}
-        for quantity, column in against_reference.items():
+        for quantity in ("score", *FIDELITY):
             pair = _pair(units, ("e", quantity), ("e", f"ref_{quantity}"))
             if pair is not None:
                 rows.append(

@@ -593,10 +593,9 @@ def _reference_rounds(
     seed: int,
     workdir: Path,
 ) -> None:
-    storage = workdir / "example-kv"
+    storage, params = workdir / "example-kv", rounds.params(backend, None, [])
     for cell in reference_cells(server, backend, s, prompts, seed):
         before = _dir_bytes(storage)
-        params = rounds.params(backend, None, [])
         rounds.run(cell.backend, cell.codec, cell.corpus, cell.planned, params, cell.concurrency)
         if server == "example":
             rounds.metrics[-1]["disk_bytes_written"] = _dir_bytes(storage) - before
