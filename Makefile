@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
 .PHONY: setup run report readme readme-check test test-unit lint ruff dry-run-gpu prefetch lock bench bench-prefill bench-core bench-peers \
-	bench-kill bench-refactor bench-report clean
+	bench-kill bench-refactor bench-report bench-gpu clean
 
 setup: $(STAMP)
 
@@ -125,6 +125,14 @@ bench-peers: setup $(PEER_VENV)/.installed
 	$(BIN)/python bench/side_by_side.py
 	$(BIN)/python bench/decode_side_by_side.py
 	$(BIN)/python bench/snapkv_agreement.py
+
+# On a GPU host, in the GPU environment (GPU_PYTHON: its interpreter; CI has no GPU): the methods'
+# and the connector's CUDA paths against their CPU paths (the `cuda` tests), then the harness's cost
+# per method at the 8B scale (results/bench/gpu_methods.parquet; docs/cluster.md).
+GPU_PYTHON ?= python
+bench-gpu:
+	PYTHONPATH=workflow $(GPU_PYTHON) -m pytest -m cuda tests/test_methods_device.py tests/test_serve_cuda_layout.py
+	PYTHONPATH=workflow $(GPU_PYTHON) bench/gpu_methods.py
 
 # Report stage cost (3 reruns), and the HTML report as a reader sees it: Debian's chromium,
 # headless, one screenshot per view.

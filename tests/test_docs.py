@@ -247,7 +247,8 @@ def test_every_block_of_a_benchmark_is_run_by_make_bench(blocks):
         for name, block in bench_script(REPO, script).BLOCKS.items():
             target = block.make.removeprefix("make ")
             assert f"bench/{script}.py" in runs(target), (name, block.make)
-            assert f"bench/{script}.py" in runs("bench"), name
+            if target != "bench-gpu":  # needs a GPU host: `make bench` runs on this machine
+                assert f"bench/{script}.py" in runs("bench"), name
 
 
 def test_relative_links_of_the_docs_resolve():

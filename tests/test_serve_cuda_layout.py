@@ -2,7 +2,8 @@
 logical [blocks, kv_heads, block_size, 2 * head_size] with K and V in the two halves of each
 token row, stored in another physical order (NHD: [blocks, block_size, kv_heads, 2 * head_size]
 permuted), as FlashAttention's forward reads it (`kv_cache.transpose(1, 2).split(head_size, -1)`).
-The device copies (pinned memory, events) are the only part not run here."""
+The device copies (pinned memory, events) run in the `cuda` tests at the end, on a GPU host only:
+the same caches on CUDA move the same bytes as on the CPU."""
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from kvbench.serve.wire import ChunkSpec, wire_format
 LAYERS, HEADS, BLOCK, HEAD, BLOCKS = 3, 3, 64, 64, 6
 
 
-def cuda_like_cache(seed, dtype=torch.bfloat16):
+def cuda_like_cache(seed, dtype=torch.bfloat16, device="cpu"):
     """Per layer: the physical NHD tensor and its logical view, and the K and V token rows
     [blocks, block_size, heads, head_size] written into it the way FlashAttention reads them."""
     gen = torch.Generator().manual_seed(seed)
@@ -26,7 +27,7 @@ def cuda_like_cache(seed, dtype=torch.bfloat16):
     values = torch.randn(LAYERS, BLOCKS, BLOCK, HEADS, HEAD, generator=gen).to(dtype)
     views = []
     for layer in range(LAYERS):
-        physical = torch.empty(BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=dtype)
+        physical = torch.empty(BLOCKS, BLOCK, HEADS, 2 * HEAD, dtype=dtype, device=device)
         view = physical.permute(0, 2, 1, 3)  # logical [blocks, heads, block_size, 2 * head_size]
         k_cache, v_cache = view.transpose(1, 2).split(HEAD, dim=-1)  # as the CUDA backends split it
         k_cache.copy_(keys[layer])
@@ -95,3 +96,67 @@ def test_chunks_round_trip_through_a_real_valkey_between_cuda_like_caches(tmp_pa
     assert loaded["loaded_chunks"] == 2 and loaded["error"] is None
     for src, dst in zip(source, target):
         assert torch.equal(dst[1], src[3]) and torch.equal(dst[4], src[0])
+
+
+@pytest.fixture
+def gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on a GPU host: pytest -m cuda)")
+    return "cuda"
+
+
+@pytest.mark.cuda
+def test_cuda_copy_out_lands_in_pinned_host_memory_and_survives_reuse_of_its_blocks(gpu):
+    """The device-to-host copy is asynchronous: the chunks are pinned, an event marks their end,
+    and blocks overwritten on the stream right after copy_out (vLLM reusing them) do not reach
+    the copy. The bytes equal the CPU path's."""
+    want = copy_out(cuda_like_cache(0)[0], [4, 1]).chunks
+    views = cuda_like_cache(0, device=gpu)[0]
+    copy = copy_out(views, [4, 1])
+    assert copy.event is not None and all(chunk.is_pinned() for chunk in copy.chunks)
+    for view in views:
+        view.zero_()  # queued after the copy on the same stream
+    copy.wait()
+    assert all(torch.equal(got, w) for got, w in zip(copy.chunks, want))
+
+
+@pytest.mark.cuda
+def test_cuda_copy_in_writes_what_the_cpu_copy_in_writes(gpu):
+    chunks = copy_out(cuda_like_cache(1)[0], [2, 3]).chunks
+    on_cpu, on_gpu = cuda_like_cache(0)[0], cuda_like_cache(0, device=gpu)[0]
+    copy_in(chunks, on_cpu, [5, 0])
+    copy_in(chunks, on_gpu, [5, 0])
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), c) for g, c in zip(on_gpu, on_cpu))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "name, method",
+    [
+        ("zstd-3+byteplane", None),
+        ("kivi2", {"kind": "kivi", "bits": 2, "group_size": 32}),
+        ("turboquant4", {"kind": "turboquant", "bits": 4}),
+        ("fp8", {"kind": "fp8"}),
+    ],
+)
+def test_cuda_caches_round_trip_through_a_real_valkey_as_the_cpu_ones_do(gpu, tmp_path, name, method):
+    """Our connector's worker path on CUDA caches: blocks stored from one GPU cache and loaded
+    into another through Valkey hold exactly what the same store and load give between CPU caches
+    (the wire formats encode on the host, so a lossy format's bytes do not depend on the device)."""
+    space = namespace("t", "m", "bfloat16", BLOCK, name, layout.TOKEN_ROWS)
+    keys = chunk_keys(space, list(range(2 * BLOCK + 1)), BLOCK, 2)
+    wire = wire_format(name, SPEC, method, seed=0) if method else wire_format(name, SPEC)
+    loaded = {}
+    with valkey_server(64, tmp_path / "valkey.log") as server:
+        client = server.client()
+        for device in ("cpu", gpu):
+            client.flushall()
+            source, target = cuda_like_cache(1, device=device)[0], cuda_like_cache(2, device=device)[0]
+            assert store_chunks(client, wire, SPEC, keys, gather(source, [3, 0]))["error"] is None
+            stats = load_chunks(client, wire, SPEC, keys, [1, 4], target)
+            assert stats["loaded_chunks"] == 2 and stats["error"] is None
+            loaded[device] = [t.cpu() for t in target]
+    assert all(torch.equal(g, c) for g, c in zip(loaded[gpu], loaded["cpu"]))
+    if method:  # lossy: a pass-through would make the comparison vacuous
+        assert not torch.equal(loaded["cpu"][0][1], cuda_like_cache(1)[0][0][3])

@@ -67,7 +67,8 @@ def package_versions() -> str:
 
 @lru_cache(maxsize=1)
 def git_commit() -> str:
-    """Commit of the kvbench checkout, '+dirty' when it has uncommitted changes."""
+    """Commit of the kvbench checkout, '+dirty' when it has uncommitted changes; in a copy of the
+    tree without git (a GPU host it was sent to), KVBENCH_GIT_COMMIT, else 'unknown'."""
     repo = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
@@ -79,7 +80,7 @@ def git_commit() -> str:
         commit = git("rev-parse", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (subprocess.SubprocessError, OSError):
-        return "unknown"
+        return os.environ.get("KVBENCH_GIT_COMMIT", "unknown")
     return commit + ("+dirty" if dirty else "")
 
 

@@ -32,6 +32,7 @@ BENCH_SCRIPTS = (
     "shared_prefill",
     "decode_overhead",
     "decode_side_by_side",
+    "gpu_methods",
     "kill_resume",
     "serve_transfer",
     "side_by_side",
