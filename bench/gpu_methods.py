@@ -19,6 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 import yaml
@@ -26,8 +27,10 @@ import yaml
 from kvbench.harness import generate, peak_memory_mb, reset_peak_memory
 from kvbench.provenance import provenance, write_table
 from kvbench.report.blocks import Block
+from kvbench.report.bootstrap import MIN_UNITS
 from kvbench.report.render import fmt
 from kvbench.resources import GPU_COST, KNOWN_SHAPES, Shape, Work, gpu_bytes
+from kvbench.serve.intervals import bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB = "meta-llama/Llama-3.1-8B-Instruct"
@@ -140,9 +143,19 @@ def main() -> None:
                 write_table(pd.DataFrame(rows), args.out, prov)
 
 
+def ratio_interval(ratios: pd.Series) -> str:
+    """95 % bootstrap interval of the median of the per-round ratios (seeded; none below MIN_UNITS
+    rounds): how steady the ratio is between rounds in one process on one GPU."""
+    if ratios.notna().sum() < MIN_UNITS:
+        return f"none (n < {MIN_UNITS})"
+    low, high = bootstrap(ratios.to_numpy(), np.median)
+    return f"{fmt(low)}–{fmt(high)}"
+
+
 def render(t: pd.DataFrame) -> pd.DataFrame:
-    """Per context and method: medians over rounds of TTFT and TPOT, their ratio to `full`'s in the
-    same round, peak GPU memory against the formula's, and the stated costs they replace."""
+    """Per context and method: medians over rounds of TTFT and TPOT, TPOT's ratio to `full`'s in
+    the same round (paired) with its interval, peak GPU memory against the formula's, and the
+    stated costs the measured ones stand beside."""
     ok = t[t.error.isna()]
     full = ok[ok.method == "full"].set_index(["round", "context_tokens"])
     ratio = ok.join(full[["ttft_s", "tpot_s"]], on=["round", "context_tokens"], rsuffix="_full")
@@ -159,11 +172,13 @@ def render(t: pd.DataFrame) -> pd.DataFrame:
             "TPOT (ms)": g.tpot_s.median() * 1e3,
             "TPOT stated (ms)": g.stated_tpot_s.first() * 1e3,
             "TPOT / full": g.tpot_vs_full.median(),
+            "95 % interval": g.tpot_vs_full.apply(ratio_interval),
             "peak GiB": g.peak_gpu_gib.max(),
             "formula GiB": g.formula_gpu_gib.first(),
             "KV / full16": 1 / g.ratio_end.median(),
         }
     ).reset_index()
+    out.loc[out.method == "full", "95 % interval"] = "—"
     failed = t[t.error.notna()].groupby(["context_tokens", "method"]).error.first()
     out["error"] = [failed.get((c, m), "") for c, m in zip(out.context_tokens, out.method)]
     return out.sort_values(["context_tokens", "TPOT / full"]).rename(columns={"context_tokens": "tokens"})
@@ -176,8 +191,8 @@ def render_summary(t: pd.DataFrame) -> str:
     full = ok[ok.method == "full"]
     longest = int(full.context_tokens.max())
     at = full[full.context_tokens == longest]
-    prefill = float((at.ttft_s / at.context_tokens).median())
-    decode = float(at.tpot_s.median())
+    prefill = at.ttft_s / at.context_tokens * 1e3
+    decode = at.tpot_s * 1e3
     over = ok[ok.peak_gpu_gib > ok.formula_gpu_gib]
     memory = (
         "every run's peak GPU memory within the formula's"
@@ -189,9 +204,11 @@ def render_summary(t: pd.DataFrame) -> str:
     gpu = next((part for part in hardware if "x NVIDIA" in part or part.startswith("1x")), "a GPU")
     return (
         f"on {gpu} ({len(t)} runs, {int(t.steps.iloc[0])} decode steps each, {t.error.notna().sum()} failed), "
-        f"`full` at {longest} tokens prefilled at {fmt(prefill * 1e3)} ms per token "
-        f"(stated {fmt(GPU_COST['harness_prefill_s_per_token'] * 1e3)}) and decoded at {fmt(decode * 1e3)} ms "
-        f"per step (stated {fmt(GPU_COST['harness_decode_s_per_step'] * 1e3)}); {memory}"
+        f"`full` at {longest} tokens prefilled at {fmt(prefill.median())} ms per token "
+        f"(median of {len(at)} runs, range {fmt(prefill.min())}–{fmt(prefill.max())}; "
+        f"stated {fmt(GPU_COST['harness_prefill_s_per_token'] * 1e3)}) and decoded at {fmt(decode.median())} ms "
+        f"per step (range {fmt(decode.min())}–{fmt(decode.max())}; stated "
+        f"{fmt(GPU_COST['harness_decode_s_per_step'] * 1e3)}); {memory}"
     )
 
 

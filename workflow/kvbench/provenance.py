@@ -67,8 +67,7 @@ def package_versions() -> str:
 
 @lru_cache(maxsize=1)
 def git_commit() -> str:
-    """Commit of the kvbench checkout, '+dirty' when it has uncommitted changes; in a copy of the
-    tree without git (a GPU host it was sent to), KVBENCH_GIT_COMMIT, else 'unknown'."""
+    """Commit of the kvbench checkout, '+dirty' when it has uncommitted changes."""
     repo = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
@@ -80,7 +79,7 @@ def git_commit() -> str:
         commit = git("rev-parse", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (subprocess.SubprocessError, OSError):
-        return os.environ.get("KVBENCH_GIT_COMMIT", "unknown")
+        return "unknown"
     return commit + ("+dirty" if dirty else "")
 
 
