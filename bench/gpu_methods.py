@@ -19,7 +19,6 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 import yaml
@@ -30,7 +29,7 @@ from kvbench.report.blocks import Block
 from kvbench.report.bootstrap import MIN_UNITS
 from kvbench.report.render import fmt
 from kvbench.resources import GPU_COST, KNOWN_SHAPES, Shape, Work, gpu_bytes
-from kvbench.serve.intervals import bootstrap
+from kvbench.serve.intervals import paired_ratio_of_medians
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB = "meta-llama/Llama-3.1-8B-Instruct"
@@ -69,29 +68,43 @@ def random_llama(hub: str, seed: int, device: str) -> torch.nn.Module:
 
 
 def formula(hub: str, shape: Shape, context: int, steps: int) -> dict[str, float]:
-    """kvbench.resources' GPU memory of a harness job holding one cache of this length, and its
-    stated seconds for this prefill and decode."""
+    """kvbench.resources' GPU memory of a harness job holding one cache of this length (copies 1:
+    the quality and system jobs, which hold two, are sized with 2), and its stated seconds for
+    this prefill and per decode step, scaled to the model as the profile scales them."""
     work = Work("bench", hub, 1, "harness", context + steps, context, steps)
     return {
         "formula_gpu_gib": gpu_bytes(work, shape, 0) / 2**30,
         "stated_ttft_s": shape.scale * context * GPU_COST["harness_prefill_s_per_token"],
-        "stated_tpot_s": shape.scale * GPU_COST["harness_decode_s_per_step"],
+        "stated_step_s": shape.scale * GPU_COST["harness_decode_s_per_step"],
     }
 
 
-def run_one(model, spec: dict, ids: list[int], steps: int, seed: int) -> dict:
+def cuda_context_gib(device: torch.device) -> float | None:
+    """What the process holds on the GPU beyond PyTorch's allocator (the CUDA context, cuBLAS
+    workspaces): used minus reserved, on a GPU no other process uses."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free - torch.cuda.memory_reserved(device)) / 2**30
+
+
+def run_one(model, spec: dict, ids: list[int], steps: int, seed: int, context_gib: float | None) -> dict:
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    before = reset_peak_memory(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     try:
         out = generate(model, spec, ids, steps, seed=seed)
     except Exception as err:  # noqa: BLE001 - an OOM or a method's failure is a row, not a crash
         return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=3)}
-    keep = ("ttft_s", "tpot_s", "new_tokens", "kv_bytes_end", "full16_bytes_end", "ratio_end")
+    keep = ("ttft_s", "tpot_s", "e2e_s", "new_tokens", "kv_bytes_end", "full16_bytes_end", "ratio_end")
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
     return {k: out[k] for k in keep} | {
-        "peak_gpu_gib": peak_memory_mb(device) / 1024,
-        "in_use_before_gib": before / 1024 if before is not None else None,
+        # the decode loop's wall time per step: TPOT's forward passes plus the loop's own work
+        "step_s": (out["e2e_s"] - out["ttft_s"]) / max(1, out["new_tokens"] - 1),
+        "peak_allocated_gib": peak_memory_mb(device) / 1024,
+        "peak_process_gib": reserved + context_gib if reserved is not None and context_gib is not None else None,
         "error": None,
     }
 
@@ -102,9 +115,9 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "config" / "gpu.yaml"))
     parser.add_argument("--hub", default=HUB, choices=sorted(KNOWN_SHAPES), help="the shape to build")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 10000])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[10000])
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--budget-s", type=float, default=300.0, help="start no run after this many seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=TABLE)
@@ -113,6 +126,7 @@ def main() -> None:
     methods = config["methods"]
     start = time.perf_counter()
     model = random_llama(args.hub, args.seed, args.device)
+    device = next(model.parameters()).device
     print(f"model built in {time.perf_counter() - start:.1f} s", flush=True)
     shape = Shape(**KNOWN_SHAPES[args.hub])
     prov = provenance(
@@ -124,8 +138,11 @@ def main() -> None:
     prompts = {
         c: torch.randint(0, KNOWN_SHAPES[args.hub]["vocab"], (c,), generator=gen).tolist() for c in args.contexts
     }
-    warm = generate(model, {"kind": "full"}, prompts[args.contexts[0]][:256], 4)  # CUDA and SDPA's first calls
-    del warm
+    for context in args.contexts:  # untimed: each shape's and method's first calls
+        for name, spec in methods.items():
+            generate(model, spec, prompts[context], 2, seed=args.seed)
+    context_gib = cuda_context_gib(device)
+    print(f"warmed up at {time.perf_counter() - start:.1f} s; CUDA context {context_gib} GiB", flush=True)
     for round_ in range(args.rounds):
         for context in args.contexts:
             for name in rng.sample(list(methods), len(methods)):
@@ -133,82 +150,97 @@ def main() -> None:
                     print(f"budget of {args.budget_s:.0f} s spent: stopping", flush=True)
                     return
                 row = {"round": round_, "context_tokens": context, "method": name, "steps": args.steps}
-                row |= run_one(model, methods[name], prompts[context], args.steps, args.seed)
+                row |= run_one(model, methods[name], prompts[context], args.steps, args.seed, context_gib)
                 row |= formula(args.hub, shape, context, args.steps)
                 rows.append(row)
                 shown = row["error"] or (
-                    f"TTFT {row['ttft_s']:.3f} s, TPOT {row['tpot_s'] * 1e3:.1f} ms, peak {row['peak_gpu_gib']:.1f} GiB"
+                    f"TTFT {row['ttft_s']:.3f} s, TPOT {row['tpot_s'] * 1e3:.1f} ms, "
+                    f"step {row['step_s'] * 1e3:.1f} ms, peak {row['peak_allocated_gib']:.1f} GiB"
                 )
                 print(f"round {round_} {context} {name}: {shown}", flush=True)
                 write_table(pd.DataFrame(rows), args.out, prov)
 
 
-def ratio_interval(ratios: pd.Series) -> str:
-    """95 % bootstrap interval of the median of the per-round ratios (seeded; none below MIN_UNITS
-    rounds): how steady the ratio is between rounds in one process on one GPU."""
-    if ratios.notna().sum() < MIN_UNITS:
-        return f"none (n < {MIN_UNITS})"
-    low, high = bootstrap(ratios.to_numpy(), np.median)
-    return f"{fmt(low)}–{fmt(high)}"
+def ratio_to_full(t: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Per context and method: median of `column` over rounds / full's median, paired by round
+    (kvbench.serve.intervals.paired_ratio_of_medians: its interval resamples rounds; none below
+    MIN_UNITS rounds)."""
+    wide = t.pivot_table(index=["context_tokens", "round"], columns="method", values=column)
+    rows = []
+    for context, per_round in wide.groupby(level=0):
+        for method in per_round.columns:
+            ratio, low, high, n = paired_ratio_of_medians(per_round[method].to_numpy(), per_round["full"].to_numpy())
+            rows.append({"context_tokens": context, "method": method, "ratio": ratio, "low": low, "high": high, "n": n})
+    return pd.DataFrame(rows).set_index(["context_tokens", "method"])
+
+
+def timed(t: pd.DataFrame) -> pd.DataFrame:
+    """The runs the blocks summarise: no error, after the first round (on the H200 the first
+    round's decode ran up to 3x slower for every method, the untimed warm-up before it
+    notwithstanding; its rows stay in the table)."""
+    return t[t.error.isna() & (t["round"] > 0)]
 
 
 def render(t: pd.DataFrame) -> pd.DataFrame:
-    """Per context and method: medians over rounds of TTFT and TPOT, TPOT's ratio to `full`'s in
-    the same round (paired) with its interval, peak GPU memory against the formula's, and the
-    stated costs the measured ones stand beside."""
-    ok = t[t.error.isna()]
-    full = ok[ok.method == "full"].set_index(["round", "context_tokens"])
-    ratio = ok.join(full[["ttft_s", "tpot_s"]], on=["round", "context_tokens"], rsuffix="_full")
-    ratio = ratio.assign(
-        ttft_vs_full=ratio.ttft_s / ratio.ttft_s_full,
-        tpot_vs_full=ratio.tpot_s / ratio.tpot_s_full,
-    )
-    g = ratio.groupby(["context_tokens", "method"])
+    """Per context and method, over the rounds after the first: medians of TTFT, TPOT and the
+    decode loop's time per step, TPOT's ratio to `full`'s (ratio of medians, paired by round)
+    with its interval, the process's peak GPU memory against the formula's, and the stated costs
+    beside the measured."""
+    ok = timed(t)
+    ratio = ratio_to_full(ok, "tpot_s")
+    g = ok.groupby(["context_tokens", "method"])
     out = pd.DataFrame(
         {
             "runs": g.size(),
             "TTFT (s)": g.ttft_s.median(),
             "TTFT stated (s)": g.stated_ttft_s.first(),
             "TPOT (ms)": g.tpot_s.median() * 1e3,
-            "TPOT stated (ms)": g.stated_tpot_s.first() * 1e3,
-            "TPOT / full": g.tpot_vs_full.median(),
-            "95 % interval": g.tpot_vs_full.apply(ratio_interval),
-            "peak GiB": g.peak_gpu_gib.max(),
+            "step (ms)": g.step_s.median() * 1e3,
+            "step stated (ms)": g.stated_step_s.first() * 1e3,
+            "TPOT / full": ratio.ratio,
+            "95 % interval": [
+                "—" if m == "full" else f"{fmt(lo)}–{fmt(hi)}" if lo == lo else f"none (n < {MIN_UNITS})"
+                for (_, m), lo, hi in zip(ratio.index, ratio.low, ratio.high)
+            ],
+            "peak GiB": g.peak_process_gib.max(),
             "formula GiB": g.formula_gpu_gib.first(),
             "KV / full16": 1 / g.ratio_end.median(),
         }
     ).reset_index()
-    out.loc[out.method == "full", "95 % interval"] = "—"
     failed = t[t.error.notna()].groupby(["context_tokens", "method"]).error.first()
     out["error"] = [failed.get((c, m), "") for c, m in zip(out.context_tokens, out.method)]
     return out.sort_values(["context_tokens", "TPOT / full"]).rename(columns={"context_tokens": "tokens"})
 
 
 def render_summary(t: pd.DataFrame) -> str:
-    """One sentence: where it ran, full's measured per-token costs against the stated ones, and
-    whether the formula's GPU memory covered every measured peak."""
-    ok = t[t.error.isna()]
-    full = ok[ok.method == "full"]
-    longest = int(full.context_tokens.max())
-    at = full[full.context_tokens == longest]
-    prefill = at.ttft_s / at.context_tokens * 1e3
-    decode = at.tpot_s * 1e3
-    over = ok[ok.peak_gpu_gib > ok.formula_gpu_gib]
+    """One sentence: where it ran, full's measured prefill and decode costs and the slowest
+    method's decode step against the stated ones (scaled to the model), and whether the process's
+    peak GPU memory stayed within the formula's."""
+    ok = timed(t)
+    longest = int(ok.context_tokens.max())
+    at = ok[ok.context_tokens == longest]
+    full = at[at.method == "full"]
+    stated_ttft, stated_step = float(at.stated_ttft_s.iloc[0]), float(at.stated_step_s.iloc[0])
+    steps = at.groupby("method").step_s.median().sort_values()
+    slowest = steps.index[-1]
+    over = ok[ok.peak_process_gib > ok.formula_gpu_gib]
     memory = (
-        "every run's peak GPU memory within the formula's"
+        "no GPU memory measured (not on CUDA)"
+        if ok.peak_process_gib.isna().all()
+        else "every run's peak GPU memory (the allocator's reserved peak plus the CUDA context) within the formula's"
         if over.empty
-        else f"{over.method.nunique()} method(s) above the formula's GPU memory: "
-        + ", ".join(sorted(f"{m} ({fmt(p)} GiB)" for m, p in over.groupby("method").peak_gpu_gib.max().items()))
+        else "above the formula's GPU memory: "
+        + ", ".join(sorted(f"{m} ({fmt(p)} GiB)" for m, p in over.groupby("method").peak_process_gib.max().items()))
     )
     hardware = str(t.hardware.iloc[0]).split(", ")
-    gpu = next((part for part in hardware if "x NVIDIA" in part or part.startswith("1x")), "a GPU")
+    gpu = next((part for part in hardware if "x NVIDIA" in part), "a GPU")
     return (
-        f"on {gpu} ({len(t)} runs, {int(t.steps.iloc[0])} decode steps each, {t.error.notna().sum()} failed), "
-        f"`full` at {longest} tokens prefilled at {fmt(prefill.median())} ms per token "
-        f"(median of {len(at)} runs, range {fmt(prefill.min())}–{fmt(prefill.max())}; "
-        f"stated {fmt(GPU_COST['harness_prefill_s_per_token'] * 1e3)}) and decoded at {fmt(decode.median())} ms "
-        f"per step (range {fmt(decode.min())}–{fmt(decode.max())}; stated "
-        f"{fmt(GPU_COST['harness_decode_s_per_step'] * 1e3)}); {memory}"
+        f"on {gpu} ({len(t)} runs over {t['round'].nunique()} rounds, {int(t.steps.iloc[0])} decode steps each, "
+        f"{t.error.notna().sum()} failed; {len(ok)} after the first round summarised), `full` at {longest} tokens prefilled in {fmt(full.ttft_s.median())} s "
+        f"(stated {fmt(stated_ttft)}) and decoded at {fmt(full.step_s.median() * 1e3)} ms per step "
+        f"(range {fmt(full.step_s.min() * 1e3)}–{fmt(full.step_s.max() * 1e3)}; stated {fmt(stated_step * 1e3)}); "
+        f"the slowest method's step, {slowest}'s, took {fmt(steps.iloc[-1] * 1e3)} ms "
+        f"({fmt(steps.iloc[-1] / stated_step)}× the stated); {memory}"
     )
 
 

@@ -35,7 +35,7 @@ def test_the_formula_byte_for_byte_on_llama():
     assert LLAMA.weight_bytes == pytest.approx(8.03e9 * 2)  # bf16 throughout
     assert LLAMA.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
     work = Work("system_job", "llama", 10, "harness", 10_000, 0, 0, copies=2)
-    expected = 2 * GIB + 8.03e9 * 2 + 131072 * 10_000 * 2 + 10_000 * (4 * 4096 + 2 * 14336) * 2
+    expected = 2 * GIB + 8.03e9 * 2 + 131072 * 10_000 * 2 + 10_000 * (4 * 4096 + 3 * 14336) * 2
     assert gpu_bytes(work, LLAMA, 32768) == pytest.approx(expected)
     served = Work("serve_server", "llama", 4, "vllm", 32768, 0, 0)
     assert gpu_bytes(served, LLAMA, 32768) == pytest.approx(8.03e9 * 2 + 131072 * 32768 + 2 * GIB)

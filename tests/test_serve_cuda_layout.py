@@ -105,11 +105,19 @@ def gpu():
     return "cuda"
 
 
+BUSY_CYCLES = 200_000_000  # torch.cuda._sleep: a kernel that keeps the stream busy ~0.1 s on an H200
+NOT_ASYNC_ON_H200 = (
+    "on the 2026-12-04 H200 run, with the stream busy, copy_out's event was already reached when it "
+    "returned and copy_in returned with the stream idle: something in them (or that host) waits for the "
+    "stream; cause not established (docs/cluster.md)"
+)
+
+
 @pytest.mark.cuda
-def test_cuda_copy_out_lands_in_pinned_host_memory_and_survives_reuse_of_its_blocks(gpu):
-    """The device-to-host copy is asynchronous: the chunks are pinned, an event marks their end,
-    and blocks overwritten on the stream right after copy_out (vLLM reusing them) do not reach
-    the copy. The bytes equal the CPU path's."""
+def test_cuda_copy_out_lands_the_cpu_paths_bytes_in_pinned_memory_and_ignores_later_writes(gpu):
+    """The chunks are pinned, `wait()` leaves the event reached and the chunks holding the blocks'
+    bytes (the CPU path's), and blocks overwritten on the stream right after copy_out (vLLM
+    reusing them) do not reach the copy."""
     want = copy_out(cuda_like_cache(0)[0], [4, 1]).chunks
     views = cuda_like_cache(0, device=gpu)[0]
     copy = copy_out(views, [4, 1])
@@ -117,6 +125,7 @@ def test_cuda_copy_out_lands_in_pinned_host_memory_and_survives_reuse_of_its_blo
     for view in views:
         view.zero_()  # queued after the copy on the same stream
     copy.wait()
+    assert copy.event.query()
     assert all(torch.equal(got, w) for got, w in zip(copy.chunks, want))
 
 
@@ -131,19 +140,32 @@ def test_cuda_copy_in_writes_what_the_cpu_copy_in_writes(gpu):
 
 
 @pytest.mark.cuda
+@pytest.mark.xfail(reason=NOT_ASYNC_ON_H200, strict=False)
+def test_cuda_copies_return_while_the_stream_is_still_busy(gpu):
+    """The design (staging.py): copy_out returns before its device-to-host copy has run, copy_in
+    before its host-to-device copy has; both are queued on the stream behind the forward pass."""
+    views = cuda_like_cache(0, device=gpu)[0]
+    chunks = copy_out(cuda_like_cache(1)[0], [2]).chunks
+    torch.cuda.synchronize()
+    torch.cuda._sleep(BUSY_CYCLES)
+    copy = copy_out(views, [4, 1])
+    out_waited = copy.event.query()
+    copy_in(chunks, views, [5])
+    in_waited = torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert not out_waited, "copy_out returned after its copy had run"
+    assert not in_waited, "copy_in returned with the stream idle"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize(
-    "name, method",
-    [
-        ("zstd-3+byteplane", None),
-        ("kivi2", {"kind": "kivi", "bits": 2, "group_size": 32}),
-        ("turboquant4", {"kind": "turboquant", "bits": 4}),
-        ("fp8", {"kind": "fp8"}),
-    ],
+    "name, method", [("zstd-3+byteplane", None), ("turboquant4", {"kind": "turboquant", "bits": 4})]
 )
 def test_cuda_caches_round_trip_through_a_real_valkey_as_the_cpu_ones_do(gpu, tmp_path, name, method):
-    """Our connector's worker path on CUDA caches: blocks stored from one GPU cache and loaded
-    into another through Valkey hold exactly what the same store and load give between CPU caches
-    (the wire formats encode on the host, so a lossy format's bytes do not depend on the device)."""
+    """transfer.py's store and load on CUDA caches (gather, then store_chunks; load_chunks, then
+    copy_in), in one thread: blocks stored from one GPU cache and loaded into another through
+    Valkey hold exactly what the same calls give between CPU caches (the wire formats encode on
+    the host). The connector's background store thread is not in it."""
     space = namespace("t", "m", "bfloat16", BLOCK, name, layout.TOKEN_ROWS)
     keys = chunk_keys(space, list(range(2 * BLOCK + 1)), BLOCK, 2)
     wire = wire_format(name, SPEC, method, seed=0) if method else wire_format(name, SPEC)

@@ -7,7 +7,7 @@ hours of a config: the formula behind workflow/profiles/slurm/config.yaml (docs/
            transformer blocks, 2 for the embeddings and LM head)
       KV = 2 x layers x kv_heads x head_dim x 2 bytes x tokens x copies
            (copies 2 where a method's cache and the full prefill it starts from coexist)
-      A  = one layer's working set of the longest prefill: tokens x (4 hidden + 2 intermediate) x 2 bytes
+      A  = one layer's working set of the longest prefill: tokens x (4 hidden + 3 intermediate) x 2 bytes
            (attention through SDPA/flash: linear in tokens; layers run one after another)
     host memory = 2 W + 8 GiB (a safetensors copy while weights move to the GPU; the process)
                   [serve jobs: + the Valkey the job starts (its maxmemory, or the run's bound) + the
@@ -17,9 +17,10 @@ hours of a config: the formula behind workflow/profiles/slurm/config.yaml (docs/
                   server without enforce_eager); starts: the servers a job starts one after another
                   (quality_served: the 16-bit server and each native KV cache's)
 
-The per-token costs are STATED, not measured (no GPU run exists yet): an 8B model in bf16 on an
-A100/H100-class GPU, scaled by parameter count (GPU_COST below); replace them with a GPU run's
-`benchmark:` times. Token and job counts come from the config, the same counts the dry run plans.
+The per-token costs are STATED: an 8B model in bf16 on an A100/H100-class GPU, scaled by parameter
+count (GPU_COST below); replace them with a workflow run's `benchmark:` times on the GPUs used.
+bench/gpu_methods.py measured the harness's on an H200 (docs/cluster.md): prefill far faster than
+stated, the quantized methods' decode steps slower. Token and job counts come from the config, the same counts the dry run plans.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def gpu_bytes(work: Work, shape: Shape, vllm_len: int) -> float:
     if work.engine == "vllm":
         return shape.weight_bytes + shape.kv_bytes_per_token * vllm_len + OVERHEAD_GIB * GIB
     kv = shape.kv_bytes_per_token * work.longest * work.copies
-    activations = work.longest * (4 * shape.hidden + 2 * shape.intermediate) * 2
+    activations = work.longest * (4 * shape.hidden + 3 * shape.intermediate) * 2  # gate, up and act(gate)*up at once
     return OVERHEAD_GIB * GIB + shape.weight_bytes + kv + activations
 
 

@@ -27,13 +27,23 @@ class HostCopy:
         return sum(c.numel() * c.element_size() for c in self.chunks)
 
 
+def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The block ids as an index on `device`. On CUDA through pinned memory, without blocking: a
+    copy from pageable memory would wait for every kernel already queued on the stream (the
+    forward pass), which is what the asynchronous copies around it avoid."""
+    index = torch.as_tensor(list(block_ids), dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def copy_out(layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> HostCopy:
     """The blocks' chunks copied out of every layer. Returns before a CUDA copy completes; the
     source blocks may be reused right away (later kernels on the stream run after the copy)."""
     if not block_ids:
         return HostCopy([])
     device = layers[0].device
-    index = torch.as_tensor(list(block_ids), device=device)
+    index = block_index(block_ids, device)
     stacked = torch.stack([cache.index_select(0, index) for cache in layers], dim=1)  # [n, layers, ...]
     if device.type != "cuda":
         return HostCopy(list(stacked.unbind(0)))
@@ -53,6 +63,6 @@ def copy_in(chunks: Sequence[torch.Tensor], layers: Sequence[torch.Tensor], bloc
     staged = torch.stack(list(chunks))  # [n, layers, ...]
     if device.type == "cuda":
         staged = staged.pin_memory().to(device, non_blocking=True)
-    index = torch.as_tensor(list(block_ids)[: len(chunks)], device=device)
+    index = block_index(list(block_ids)[: len(chunks)], device)
     for layer, cache in enumerate(layers):
         cache.index_copy_(0, index, staged[:, layer])
