@@ -129,3 +129,33 @@ def test_a_vllm_native_cache_runs_the_load_sweep_and_an_example_server_one_level
             assert sum(not p.miss for p in cell.planned) >= s.load["hits_per_cell"]
     example = reference_cells("example", "example", s, prompts, seed=3)
     assert {c.concurrency for c in example} == {s.max_inflight} and {c.codec for c in example} == {"safetensors"}
+
+
+def test_open_loop_levels_follow_the_closed_ones_with_one_plan_and_its_arrivals_per_level():
+    from kvbench.serve.stage import ServeSettings, main_cells, reference_cells, store_bound_mb
+
+    config = default_config()
+    config["serve"]["load"] |= {"rates": [0.5, 2.0]}
+    check_config(config, SCHEMA)
+    s = ServeSettings.of(config["serve"])
+    docs = {c: {f"{c}{i}": f"text {c} {i}" for i in range(s.docs_per_corpus)} for c in s.corpora}
+    cells = [c for c in main_cells("main", ["recompute", "prefix", "valkey"], s, docs, seed=3) if c.rate_rps]
+    swept = [c for c in s.corpora if c in s.load["corpora"]]
+    assert sorted({(c.corpus, c.rate_rps) for c in cells}) == sorted((c, r) for c in swept for r in (0.5, 2.0))
+    for rate in (0.5, 2.0):
+        level = [c for c in cells if c.rate_rps == rate]
+        assert len({id(c.planned) for c in level}) == 1 and len({c.arrivals for c in level}) == 1  # paired
+        first = level[0]
+        assert first.concurrency == 0 and len(first.planned) == len(first.arrivals)  # 0: no cap in flight
+        assert [c.codec for c in level if c.backend == "valkey"] == [c for c in s.codecs if c in s.load["codecs"]]
+        assert first.arrivals[-1] == pytest.approx((len(first.arrivals) - 1) / rate)
+    fast = next(c for c in cells if c.rate_rps == 2.0).arrivals
+    slow = next(c for c in cells if c.rate_rps == 0.5).arrivals
+    assert slow[-1] > fast[-1]  # the same count of requests spread over longer at the lower rate
+    native = [c for c in reference_cells("vllm-fp8", "vllm-fp8", s, docs, seed=3) if c.rate_rps]
+    # one level per rate whatever each server's request count (the recommendation pairs by level)
+    assert sorted({(c.concurrency, c.rate_rps) for c in native}) == sorted({(c.concurrency, c.rate_rps) for c in cells})
+    # Valkey's bound counts the open-loop levels' misses too
+    closed = default_config()
+    check_config(closed, SCHEMA)
+    assert store_bound_mb(s, 10**6) > store_bound_mb(ServeSettings.of(closed["serve"]), 10**6)

@@ -7,7 +7,7 @@ import pytest
 
 from kvbench.serve.keys import chunk_keys, namespace
 from kvbench.serve.metrics import delta, parse
-from kvbench.serve.protocol import parse_ratio, query_round, repeat, warmup_round
+from kvbench.serve.protocol import parse_ratio, poisson_arrivals, query_round, repeat, warmup_round
 
 PROMPTS = {"a": "doc a", "b": "doc b", "c": "doc c"}
 
@@ -99,3 +99,19 @@ def test_metric_deltas_of_a_round():
     d = delta(before, after)
     assert d["server_ttft_count"] == 2.0 and d["server_ttft_mean_s"] == pytest.approx(2.25)
     assert d["prompt_tokens_external_kv_transfer"] == 512.0 and d["prefix_cache_hits"] == 0.0
+
+
+def test_poisson_arrivals_start_at_zero_span_their_count_over_the_rate_and_are_seeded():
+    for n in (2, 5, 30):  # the offered rate is the configured one exactly, whatever the draws
+        times = poisson_arrivals(n, 2.0, seed=7)
+        assert len(times) == n and times[0] == 0.0 and times[-1] == pytest.approx((n - 1) / 2.0)
+    assert poisson_arrivals(1, 2.0, seed=7) == [0.0]
+    times = poisson_arrivals(4000, 2.0, seed=7)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert all(g > 0 for g in gaps)
+    assert times == poisson_arrivals(4000, 2.0, seed=7) and times != poisson_arrivals(4000, 2.0, seed=8)
+    mean = sum(gaps) / len(gaps)
+    sd = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert abs(sd / mean - 1) < 0.1  # exponential gaps: sd equals the mean (evenly spaced would give 0)
+    with pytest.raises(ValueError, match="rate_rps"):
+        poisson_arrivals(3, 0.0, seed=0)

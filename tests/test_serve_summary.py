@@ -9,7 +9,14 @@ import pytest
 
 from kvbench.report.bootstrap import MIN_UNITS
 from kvbench.serve.intervals import paired_ratio_of_medians
-from kvbench.serve.summary import client_vs_server, compare_outputs, engine_table, join_transfers, offload_table
+from kvbench.serve.summary import (
+    client_vs_server,
+    compare_outputs,
+    engine_table,
+    join_transfers,
+    load_table,
+    offload_table,
+)
 
 
 def request(backend, codec, round_, index, miss, output, tag, corpus="realistic", ttft=1.0, cached=0):
@@ -382,7 +389,14 @@ def test_a_level_that_ran_fewer_codecs_says_its_pick_is_among_those(monkeypatch)
     rows += [("valkey", "zstd-3", 2)]
     table = pd.DataFrame(
         [
-            {"backend": b, "codec": c, "concurrency": n, "requests": 28, "wire_bytes_per_token": 10.0 + i}
+            {
+                "backend": b,
+                "codec": c,
+                "concurrency": n,
+                "rate_rps": 0.0,
+                "requests": 28,
+                "wire_bytes_per_token": 10.0 + i,
+            }
             for i, (b, c, n) in enumerate(rows)
         ]
     )
@@ -403,3 +417,55 @@ def test_paired_ratio_counts_only_whole_pairs_and_gives_no_interval_below_min_un
     assert n == 5 and ratio == 2.0 and low == high == 2.0
     few = paired_ratio_of_medians(a[: MIN_UNITS - 1], b[: MIN_UNITS - 1])
     assert few[3] == MIN_UNITS - 2 and math.isnan(few[1]) and math.isnan(few[2])
+
+
+def test_open_loop_rounds_are_load_rows_of_their_own_and_not_the_protocols_query_round():
+    """A round sent open loop at a request rate is a load-table row beside the closed-loop level it
+    shares a concurrency value with; the offload table's query figures stay the closed-loop ones."""
+    closed = [
+        request("recompute", "-", "query", i, False, "a", f"c{i}", ttft=1.0) | {"rate_rps": 0.0} for i in range(4)
+    ]
+    opened = [
+        request("recompute", "-", "query", i, False, "a", f"o{i}", ttft=9.0) | {"rate_rps": 2.0, "concurrency": 1}
+        for i in range(4)
+    ]
+    rows = pd.DataFrame(closed + opened).assign(output_tokens=4, tpot_s=0.1, start=0.0, end=1.0)
+    metrics = pd.DataFrame(
+        [
+            {"weights": "real", "backend": "recompute", "codec": "-", "corpus": "realistic", "round": "query"}
+            | {"concurrency": 1, "rate_rps": rate, "round_s": 2.0, "flush_s": 0.0}
+            for rate in (0.0, 2.0)
+        ]
+    )
+    rows = compare_outputs(join_transfers(rows, pd.DataFrame()))
+    load = load_table(rows, metrics).set_index("rate_rps")
+    assert len(load) == 2 and load.loc[0.0, "ttft_all_p50_s"] == 1.0 and load.loc[2.0, "ttft_all_p50_s"] == 9.0
+    offload = offload_table(rows, pd.DataFrame(), pd.DataFrame(), KV).set_index("backend")
+    assert offload.loc["recompute", "ttft_query_mean_s"] == 1.0
+
+
+def test_candidates_keep_each_rate_a_level_of_its_own_with_no_ratio_to_a_recompute_of_zero():
+    """Closed- and open-loop rounds are separate candidate levels, each relative column divided by
+    recompute's at the same level; past capacity recompute meets no TTFT target (goodput 0), and
+    the ratio to it is empty, not infinite."""
+    from kvbench.serve.recommend import candidates
+
+    rows = []
+    for rate, recompute_ttft in ((0.0, 1.0), (4.0, 9.0)):  # open loop: recompute queues past the target
+        for backend, ttft in (("recompute", recompute_ttft), ("valkey", 0.5)):
+            for i in range(6):
+                rows.append(
+                    request(
+                        backend, "-" if backend == "recompute" else "zstd-3", "query", i, False, "a", f"{backend}{i}"
+                    )
+                    | {"rate_rps": rate, "concurrency": 1 if not rate else 0, "ttft_s": ttft}
+                    | {"start": float(i), "end": float(i) + ttft, "kv_loaded": True, "output_matches_recompute": True}
+                )
+    offload = pd.DataFrame(columns=["backend", "codec", "weights", "corpus", "wire_bytes", "stored_chunks"])
+    table, draws = candidates(pd.DataFrame(rows), offload, ["realistic"], 128, 2.0, seed=0)
+    table = table.set_index(["backend", "rate_rps"])
+    assert len(table) == 4 and len(draws) == 4
+    assert table.loc[("valkey", 0.0), "ttft_hit_p90_s_rel"] == pytest.approx(0.5)  # over recompute's 1.0
+    assert table.loc[("valkey", 4.0), "ttft_hit_p90_s_rel"] == pytest.approx(0.5 / 9.0)  # its own level's
+    assert table.loc[("recompute", 4.0), "goodput_rps"] == 0
+    assert math.isnan(table.loc[("valkey", 4.0), "goodput_rps_rel"])

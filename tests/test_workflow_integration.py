@@ -442,22 +442,39 @@ def test_serve_rows_for_every_backend_round_and_request(run):
     hits = served[~served.miss.astype(bool)]
     assert hits.prompt_tokens.nunique() == 1 and set(served.corpus) == {"realistic", "synthetic"}
     serve = config["serve"]
-    rounds = served.groupby(["backend", "codec", "corpus", "round", "concurrency"]).size()
-    # the swept corpus: every backend x codec at each level, enough repeats for hits_per_cell hits
+    rounds = served.groupby(["backend", "codec", "corpus", "round", "concurrency", "rate_rps"]).size()
+    # the swept corpus: every backend at each level (closed loop, then open loop with no cap), every
+    # codec at the lowest, load.codecs above it, enough repeats for hits_per_cell hits
     swept = max(serve["repeat_count"], repeats_for_hits(1, serve["hit_miss_ratio"], serve["load"]["hits_per_cell"]))
-    for level in serve["load"]["concurrency"]:
-        assert rounds[("recompute", "-", "realistic", "query", level)] == swept
-        for codec in serve["codecs"]:
-            assert rounds[("valkey", codec, "realistic", "query", level)] == swept
+    levels = [(c, 0.0) for c in serve["load"]["concurrency"]] + [(0, r) for r in serve["load"]["rates"]]
+    for i, level in enumerate(levels):
+        assert rounds[("recompute", "-", "realistic", "query", *level)] == swept
+        for codec in serve["codecs"] if i == 0 else serve["load"]["codecs"]:
+            assert rounds[("valkey", codec, "realistic", "query", *level)] == swept
     assert not any(key[:4] == ("recompute", "-", "realistic", "warmup") for key in rounds.index)
+    # the open-loop round sent each request at its planned arrival (no cap: nothing waits for a slot;
+    # a cap of one would hold a request back for most of an earlier one's time, > 0.2 s here)
+    from kvbench.config import with_schema_defaults
+    from kvbench.serve.backends import server_backends
+    from kvbench.serve.stage import ServeSettings, main_cells
+
+    s = ServeSettings.of(with_schema_defaults({"serve": serve})["serve"])
+    docs = {corpus: {f"doc{i}": "" for i in range(s.docs_per_corpus)} for corpus in s.corpora}
+    backends = server_backends("main", list(s.backends))
+    plan = [c for c in main_cells("main", backends, s, docs, int(config["seed"])) if c.rate_rps]
+    opened = served[served.rate_rps > 0]
+    assert plan and set(opened.backend) == {c.backend for c in plan}
+    for _, cell in opened.groupby(["backend", "codec"]):
+        assert cell.sort_values("index").arrival_s.tolist() == pytest.approx(list(plan[0].arrivals))
+        assert cell.send_lag_s.between(-0.01, 0.2).all(), cell[["index", "arrival_s", "send_lag_s"]]
     # the other corpus: one query round at max_inflight, valkey with the first codec only
-    one = (serve["max_inflight"],)
+    one = (serve["max_inflight"], 0.0)
     assert rounds[("recompute", "-", "synthetic", "query", *one)] == serve["repeat_count"]
     assert rounds[("valkey", serve["codecs"][0], "synthetic", "query", *one)] == serve["repeat_count"]
     assert not any(key[1] == serve["codecs"][1] and key[2] == "synthetic" for key in rounds.index)
     assert (
-        rounds[("prefix", "-", "synthetic", "warmup", 1)] == 1
-        and rounds[("valkey", "all", "synthetic", "warmup", 1)] == 1
+        rounds[("prefix", "-", "synthetic", "warmup", 1, 0.0)] == 1
+        and rounds[("valkey", "all", "synthetic", "warmup", 1, 0.0)] == 1
     )
     lmcache = requests[requests.backend == "lmcache"]
     assert len(lmcache) == 2 and lmcache.error.str.startswith("unsupported: LMCache").all()
@@ -468,10 +485,12 @@ def test_serve_rows_for_every_backend_round_and_request(run):
     assert asked == (served.server == "main").sum()
     # time per output token after the first, from the stream (max_tokens of them: ignore_eos)
     assert (served.output_tokens == serve["max_tokens"]).all() and (served.tpot_s > 0).all()
-    load = read(workdir, "results/serve/load.parquet").set_index(["backend", "codec", "corpus", "concurrency"])
+    load = read(workdir, "results/serve/load.parquet").set_index(
+        ["backend", "codec", "corpus", "concurrency", "rate_rps"]
+    )
     cell = served[(served["round"] == "query") & (served.backend == "recompute") & (served.corpus == "realistic")]
-    for level, group in cell.groupby("concurrency"):
-        assert load.loc[("recompute", "-", "realistic", level), "tpot_p50_s"] == pytest.approx(group.tpot_s.median())
+    for level, group in cell.groupby(["concurrency", "rate_rps"]):
+        assert load.loc[("recompute", "-", "realistic", *level), "tpot_p50_s"] == pytest.approx(group.tpot_s.median())
 
 
 def test_client_ttft_matches_the_servers_histogram_within_5_percent(run):

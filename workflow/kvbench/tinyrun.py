@@ -85,7 +85,14 @@ def tiny_config(model_dir: Path, workdir: Path) -> dict[str, Any]:
         max_tokens=4,
         fault_round=True,
         prewarm={"prompts": 1, "words": 50},
-        load={"corpora": ["realistic"], "concurrency": [1, 2], "hits_per_cell": 2},
+        # above the lowest level one codec; an open-loop level (Poisson arrivals) after the closed ones
+        load={
+            "corpora": ["realistic"],
+            "concurrency": [1, 2],
+            "rates": [8.0],
+            "codecs": ["zstd-3+byteplane"],
+            "hits_per_cell": 2,
+        },
     )
     config["quality"].update(
         models=["smol"],

@@ -23,7 +23,7 @@ with job_log(snakemake.log[0], snakemake.config):
         requests, offload, snakemake.params.scenarios, cfg["load"]["corpora"], cfg["block_size"], seed, engine
     )
     print(summary_text(offload, metrics))
-    print(recommendations[["scenario", "concurrency", "best", "why"]].to_string())
+    print(recommendations[["scenario", "concurrency", "rate_rps", "best", "why"]].to_string())
     prov = provenance(config, model=cfg["model"])
     for table, path in (
         (requests, out.requests),

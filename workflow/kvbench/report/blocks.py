@@ -286,15 +286,19 @@ def _serve_vs_recompute(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _serve_load(t: pd.DataFrame) -> pd.DataFrame:
-    """The concurrency sweep: hit TTFT percentiles (p90 with its interval), misses, throughput."""
-    t = t.sort_values(["weights", "corpus", "backend", "codec", "concurrency"])
+    """The load sweep: hit TTFT percentiles (p90 with its interval), misses, throughput, per
+    concurrency level and open-loop request rate."""
+    t = t.assign(rate_rps=t.rate_rps if "rate_rps" in t else 0.0)
+    t = t.sort_values(["weights", "corpus", "backend", "codec", "rate_rps", "concurrency"])
+    open_loop = t.rate_rps > 0
     return pd.DataFrame(
         {
             "weights": t.weights,
             "corpus": t.corpus,
             "backend": t.backend,
             "codec": t.codec,
-            "in flight": t.concurrency,
+            "in flight": t.concurrency.astype(object).where(~open_loop, "any"),
+            "offered requests/s": t.rate_rps.astype(object).where(open_loop, "—"),
             "requests": t.requests,
             "hits": t.hits,
             "hit TTFT p50 s": t.ttft_hit_p50_s,
@@ -307,7 +311,7 @@ def _serve_load(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _serve_recommendations(t: pd.DataFrame) -> pd.DataFrame:
-    cols = ["scenario", "concurrency", "prefer", "candidates", "qualifying", "best", "why"]
+    cols = ["scenario", "concurrency", "rate_rps", "prefer", "candidates", "qualifying", "best", "why"]
     return t[[c for c in cols if c in t.columns]]
 
 

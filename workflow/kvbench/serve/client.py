@@ -1,6 +1,7 @@
 """An async, streaming OpenAI-compatible chat client (long_doc_qa's default mode): per request
 start, TTFT (first non-empty content delta), end, output, prompt and cached tokens
-(`usage.prompt_tokens_details`), at most K requests in flight."""
+(`usage.prompt_tokens_details`), at most K requests in flight; or open loop, each request sent at
+its own arrival time whatever is in flight (vLLM's benchmark_serving with a request rate)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,15 @@ async def _one(
     index: int,
     on_first_token: Hook | None,
     on_done: Hook | None,
+    send_at: float | None = None,
 ) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    if send_at is not None:  # open loop: its arrival time (event-loop clock), not a free slot
+        await asyncio.sleep(max(0.0, send_at - loop.time()))
     async with gate:
-        row: dict[str, Any] = {"start": time.time(), "ttft_s": None, "error": None}
+        # how late it went out after its arrival (a busy event loop, a full gate); TTFT starts here
+        late = loop.time() - send_at if send_at is not None else None
+        row: dict[str, Any] = {"start": time.time(), "send_lag_s": late, "ttft_s": None, "error": None}
         start = time.perf_counter()
         texts, usage = [], {}
         try:
@@ -91,14 +98,22 @@ async def _all(
     api_key: str | None,
     on_first_token: Hook | None,
     on_done: Hook | None,
+    arrivals: Sequence[float] | None,
 ) -> list[dict[str, Any]]:
     gate = asyncio.Semaphore(max_inflight)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout, headers=bearer(api_key)) as session:
+    # no connection limit (aiohttp's default is 100): the gate alone decides what is in flight
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, headers=bearer(api_key), connector=connector) as session:
         url = f"{base_url}/v1/chat/completions"
+        t0 = asyncio.get_running_loop().time()
+        send_at = [t0 + a for a in arrivals] if arrivals is not None else [None] * len(bodies)
         return list(
             await asyncio.gather(
-                *(_one(session, url, body, gate, i, on_first_token, on_done) for i, body in enumerate(bodies))
+                *(
+                    _one(session, url, body, gate, i, on_first_token, on_done, at)
+                    for i, (body, at) in enumerate(zip(bodies, send_at))
+                )
             )
         )
 
@@ -111,9 +126,14 @@ def send_all(
     api_key: str | None = None,
     on_first_token: Hook | None = None,
     on_done: Hook | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per body, in order; a failed request is a row with its error, never dropped.
     `api_key`: the server's (sent as a bearer token). `on_first_token(i)`, `on_done(i)`: called in
     the client's event loop when request i streams its first token, and when it has ended (before
-    its slot is free); the client waits while they run."""
-    return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s, api_key, on_first_token, on_done))
+    its slot is free); the client waits while they run. `arrivals`: open loop, request i sent
+    `arrivals[i]` seconds after the round starts (still at most `max_inflight` at once: pass the
+    number of bodies for none); its row's `send_lag_s` says how late it went out."""
+    if arrivals is not None and len(arrivals) != len(bodies):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(bodies)} requests")
+    return asyncio.run(_all(base_url, bodies, max_inflight, timeout_s, api_key, on_first_token, on_done, arrivals))

@@ -1,11 +1,13 @@
 """A serve recommendation per scenario: among the backend x codec configurations measured on the
 load corpora (realistic documents by default, real weights), the one that meets the scenario's
-`serve` limits and is best by its preferred column, at each concurrency of the sweep.
+`serve` limits and is best by its preferred column, at each level of the sweep (a concurrency, or
+the request rate of an open-loop round).
 
 Columns: `ttft_hit_p90_s` (hits), `goodput_rps` (requests per second of round time whose TTFT is
-within `ttft_slo` x recompute's median TTFT at the lowest concurrency), `wire_bytes_per_token`
+within `ttft_slo` x recompute's median TTFT at the lowest closed-loop concurrency, an absolute
+target; at an open-loop level it cannot exceed the offered rate), `wire_bytes_per_token`
 (bytes the store holds per cached token), `outputs_identical` (hits answering as recompute).
-A limit with `relative: true` divides by recompute's value at the same concurrency. A column a
+A limit with `relative: true` divides by recompute's value at the same level (none where that is 0). A column a
 configuration did not measure (recompute and prefix store nothing) cannot meet a limit on it.
 The pick is printed only when the bootstrap interval of best minus runner-up excludes 0;
 otherwise `undecided at n=...`. Beside it: Kendall's tau between the realistic and synthetic
@@ -24,10 +26,11 @@ import pandas as pd
 from kvbench.report.stats import kendall_tau
 from kvbench.serve.intervals import LEVEL, RESAMPLES
 from kvbench.serve.names import is_lossless
-from kvbench.serve.summary import effective_hits
+from kvbench.serve.summary import effective_hits, with_rate
 
 COLUMNS = ("ttft_hit_p90_s", "goodput_rps", "wire_bytes_per_token", "outputs_identical")
 NONE = "none qualifies"
+LEVEL_KEY = ["concurrency", "rate_rps"]  # a load level: requests in flight, and the open-loop rate (0: closed loop)
 
 
 def data_dependent(codec: str) -> bool:
@@ -57,17 +60,19 @@ def _draws(values: np.ndarray, statistic, rng: np.random.Generator) -> np.ndarra
 def candidates(
     requests: pd.DataFrame, offload: pd.DataFrame, corpora: list[str], block_size: int, slo: float, seed: int
 ) -> tuple[pd.DataFrame, dict[tuple, dict[str, np.ndarray]]]:
-    """One row per backend x codec x concurrency with every column, and per row the bootstrap
-    draws of each column (for the pick's interval)."""
-    query = requests[(requests["round"] == "query") & (requests.weights == "real") & requests.corpus.isin(corpora)]
+    """One row per backend x codec x level (concurrency and request rate: 0 in a closed-loop round)
+    with every column, and per row the bootstrap draws of each column (for the pick's interval)."""
+    query = with_rate(requests)
+    query = query[(query["round"] == "query") & (query.weights == "real") & query.corpus.isin(corpora)]
     if query.empty:
         return pd.DataFrame(), {}
-    lowest = query.concurrency.min()
-    ref = query[(query.backend == "recompute") & (query.concurrency == lowest)].ttft_s.median()
+    closed = query[query.rate_rps == 0]
+    lowest = closed.concurrency.min()
+    ref = closed[(closed.backend == "recompute") & (closed.concurrency == lowest)].ttft_s.median()
     slo_s = slo * ref if ref == ref else math.nan
     rng = np.random.default_rng(seed)
     rows, draws = [], {}
-    for (backend, codec, level), group in query.groupby(["backend", "codec", "concurrency"], sort=False):
+    for (backend, codec, level, rate), group in query.groupby(["backend", "codec", *LEVEL_KEY], sort=False):
         hits = group[effective_hits(group, backend)]
         span = (group.end.max() - group.start.min()) if len(group) else math.nan
         good = (group.ttft_s <= slo_s).to_numpy(float)
@@ -84,12 +89,13 @@ def candidates(
             if "stored_chunks" in wire and wire.stored_chunks.sum() > 0
             else math.nan
         )
-        key = (backend, codec, int(level))
+        key = (backend, codec, int(level), float(rate))
         rows.append(
             {
                 "backend": backend,
                 "codec": codec,
                 "concurrency": int(level),
+                "rate_rps": float(rate),
                 "requests": len(group),
                 "hits": len(hits),
                 "ttft_hit_p90_s": float(np.percentile(ttft, 90)) if len(ttft) else math.nan,
@@ -107,8 +113,11 @@ def candidates(
         }
     table = pd.DataFrame(rows)
     for column in COLUMNS:
-        base = table[table.backend == "recompute"].set_index("concurrency")[column]
-        table[f"{column}_rel"] = table[column] / table.concurrency.map(base)
+        base = table[table.backend == "recompute"].set_index(LEVEL_KEY)[column]
+        levels = pd.MultiIndex.from_frame(table[LEVEL_KEY])
+        ref = base.reindex(levels).to_numpy()
+        # no ratio to a recompute that measured nothing, or none within the target (goodput 0 past capacity)
+        table[f"{column}_rel"] = np.where(ref > 0, table[column].to_numpy() / np.where(ref > 0, ref, 1.0), np.nan)
     return table, draws
 
 
@@ -134,7 +143,7 @@ def recommend(
     seed: int,
     engine: pd.DataFrame,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(one row per scenario x concurrency, the candidates table behind it)."""
+    """(one row per scenario x level, the candidates table behind it)."""
     tau, n_tau = wire_rank_agreement(engine)
     out, behind = [], []
     for name, scenario in scenarios.items():
@@ -149,11 +158,12 @@ def recommend(
             scenario=name, missed=[", ".join(_met(r, serve.get("limits", {}))) for r in table.to_dict("records")]
         )
         behind.append(table)
-        for level, cell in table.groupby("concurrency"):
+        for (level, rate), cell in table.groupby(LEVEL_KEY):
             ok = cell[(cell.missed == "") & cell[prefer].notna()].sort_values(prefer, ascending=order == "min")
             row = {
                 "scenario": name,
                 "concurrency": int(level),
+                "rate_rps": float(rate),
                 "prefer": f"{order} {prefer}",
                 "candidates": len(cell),
                 "qualifying": len(ok),
@@ -179,8 +189,8 @@ def recommend(
                 continue
             runner = ok.iloc[1]
             diff = (
-                draws[(best.backend, best.codec, best.concurrency)][prefer]
-                - draws[(runner.backend, runner.codec, runner.concurrency)][prefer]
+                draws[(best.backend, best.codec, best.concurrency, best.rate_rps)][prefer]
+                - draws[(runner.backend, runner.codec, runner.concurrency, runner.rate_rps)][prefer]
             )
             tail = 100 * (1 - LEVEL) / 2
             low, high = np.nanpercentile(diff, [tail, 100 - tail]) if np.isfinite(diff).any() else (math.nan, math.nan)
@@ -201,6 +211,7 @@ def recommend(
     columns = [
         "scenario",
         "concurrency",
+        "rate_rps",
         "best",
         "best_candidate",
         "best_value",

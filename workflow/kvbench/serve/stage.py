@@ -4,7 +4,8 @@ return the request rows, the server's metric deltas per round and the connector'
 Every server gets the same pre-warm (long_doc_qa's five "hi" prompts) before any measured round.
 The main server (real weights) then runs, per corpus, the warm-ups (vLLM's prefix cache; Valkey
 storing every codec at once), and the query rounds: on the load corpora a concurrency sweep (each
-backend x codec a round per level, with enough requests for `hits_per_cell` hits), elsewhere one
+backend x codec a round per level, with enough requests for `hits_per_cell` hits) and then, at
+each `load.rates` level, the same kind of round sent open loop (Poisson arrivals), elsewhere one
 round per backend at `max_inflight` (Valkey with the first codec). After every Valkey round the
 stage waits until the store's tally of queued chunks is 0, so background stores never overlap the
 next round. The dummy-weights server runs the Valkey warm-up and query rounds; the fault round
@@ -21,9 +22,9 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import pandas as pd
 import valkey as valkey_client
@@ -37,7 +38,15 @@ from kvbench.serve.events import read_events
 from kvbench.serve.keys import pending_key
 from kvbench.serve.metrics import delta, scrape
 from kvbench.serve.names import is_lossless
-from kvbench.serve.protocol import Planned, parse_ratio, prewarm_prompts, query_round, repeats_for_hits, warmup_round
+from kvbench.serve.protocol import (
+    Planned,
+    parse_ratio,
+    poisson_arrivals,
+    prewarm_prompts,
+    query_round,
+    repeats_for_hits,
+    warmup_round,
+)
 from kvbench.serve.valkey_server import RestartableValkey, ValkeyAddress
 from kvbench.vllm_server import VLLMClient, vllm_server
 
@@ -45,6 +54,7 @@ NO_CODEC = "-"
 ALL_CODECS = "all"  # the valkey warm-up stores every codec at once
 SHARED_SALT = ("prefix", *bk.NATIVE)  # backends measured through vLLM's own prefix cache
 FLUSH_TIMEOUT_S = 300.0
+ARRIVAL_SEED = 500_000  # added to a level's plan seed: its arrival times draw from another stream
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
 
 
@@ -116,20 +126,23 @@ class Rounds:
         params: Callable[[Planned, str, str], dict[str, Any]],
         concurrency: int,
         fault: "MidRoundKill | None" = None,
+        arrivals: Sequence[float] | None = None,
+        rate_rps: float = 0.0,
         **extra: Any,
     ) -> None:
-        """One round at `concurrency` requests in flight; Valkey rounds end when their stores have.
-        `fault`: kills Valkey during the round and starts it again (what it did goes in the round's
-        metrics)."""
+        """One round at `concurrency` requests in flight, or open loop (`arrivals`: each request's
+        send time, at `rate_rps`); Valkey rounds end when their stores have. `fault`: kills Valkey
+        during the round and starts it again (what it did goes in the round's metrics)."""
+        level = f"r{rate_rps:g}" if arrivals is not None else f"c{concurrency}"
         tags = [
-            f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.c{concurrency}.{p.phase or ''}.{p.index}"
-            for p in planned
+            f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.{level}.{p.phase or ''}.{p.index}" for p in planned
         ]
         bodies = [chat_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
         before = scrape(self.base_url)
         start = time.monotonic()
         hooks = {"on_first_token": fault.first_token, "on_done": fault.done} if fault is not None else {}
-        results = send_all(self.base_url, bodies, concurrency, api_key=self.api_key, **hooks)
+        in_flight = concurrency or len(bodies)  # 0: open loop, no cap
+        results = send_all(self.base_url, bodies, in_flight, api_key=self.api_key, arrivals=arrivals, **hooks)
         round_s = time.monotonic() - start
         extra |= fault.info if fault is not None else {}
         flush_s = self.flush() if backend == "valkey" else 0.0
@@ -145,6 +158,7 @@ class Rounds:
             "corpus": corpus,
             "round": planned[0].round,
             "concurrency": concurrency,
+            "rate_rps": float(rate_rps),
         }
         for p, tag, body, result in zip(planned, tags, bodies, results):
             self.requests.append(
@@ -156,6 +170,7 @@ class Rounds:
                     "miss": p.miss,
                     "tag": tag,
                     "cache_salt": body.get("cache_salt"),
+                    "arrival_s": arrivals[p.index] if arrivals is not None else None,
                     **result,
                 }
             )
@@ -174,7 +189,7 @@ class Rounds:
         )
         errors = sum(r["error"] is not None for r in results)
         note(
-            f"{backend:<9} {codec:<17} {corpus:<9} {planned[0].round:<6} c={concurrency} {len(planned)} requests in "
+            f"{backend:<9} {codec:<17} {corpus:<9} {planned[0].round:<6} {level} {len(planned)} requests in "
             f"{round_s:6.1f} s (+{flush_s:.1f} s stores), client TTFT {self.metrics[-1]['client_ttft_mean_s']:.2f} s"
             + (f", {errors} errors" if errors else "")
         )
@@ -233,6 +248,7 @@ def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
     chunks_per_doc = settings.doc_tokens // settings.block_size + 1  # the question may complete one more
     hit, miss = parse_ratio(settings.hit_miss_ratio)
     docs, n_codecs = settings.docs_per_corpus, len(settings.codecs)
+    n_above = len([c for c in settings.codecs if c in (settings.load.get("codecs") or settings.codecs)])
     swept = [c for c in settings.corpora if c in settings.load["corpora"]]
     per_sweep = docs * max(
         settings.repeat_count, repeats_for_hits(docs, settings.hit_miss_ratio, settings.load["hits_per_cell"])
@@ -240,7 +256,8 @@ def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
     misses = sum(i % (hit + miss) >= hit for i in range(per_sweep))
     stored_docs = (
         len(settings.corpora) * docs * n_codecs  # warm-ups
-        + len(swept) * len(settings.load["concurrency"]) * misses * n_codecs
+        # the sweep's lowest level stores every codec's misses, the levels above load.codecs' only
+        + len(swept) * misses * (n_codecs + (len(sweep_levels(settings, True)) - 1) * n_above)
         + (len(settings.corpora) - len(swept)) * misses
         + fault_repeats(docs) * docs
     )  # other corpora, fault round
@@ -420,7 +437,8 @@ def _query_cells(backends: list[str], s: ServeSettings, swept: bool, level_index
 
 @dataclass(frozen=True)
 class Cell:
-    """One round of a server: what it asks, how many at once, what the connector does."""
+    """One round of a server: what it asks, how many at once (or when: `arrivals`, open loop at
+    `rate_rps`), what the connector does."""
 
     backend: str
     codec: str
@@ -429,6 +447,25 @@ class Cell:
     load: str | None
     store: tuple[str, ...]
     concurrency: int
+    rate_rps: float = 0.0
+    arrivals: tuple[float, ...] | None = None
+
+
+def sweep_levels(s: ServeSettings, swept: bool) -> list[tuple[int, float]]:
+    """(requests in flight, request rate) of each query round of a corpus: the load sweep's
+    concurrency levels (rate 0: closed loop), then its `rates` (open loop: 0 in flight, no cap);
+    off the sweep one closed-loop round at `max_inflight`."""
+    if not swept:
+        return [(s.max_inflight, 0.0)]
+    return [(int(c), 0.0) for c in s.load["concurrency"]] + [(0, float(r)) for r in s.load.get("rates") or []]
+
+
+def level_cell(cell: Cell, in_flight: int, rate: float, seed: int) -> Cell:
+    """`cell` at one sweep level: open loop sends its requests at seeded Poisson arrivals, with no
+    cap on how many are in flight (concurrency 0)."""
+    if not rate:
+        return replace(cell, concurrency=in_flight)
+    return replace(cell, concurrency=0, rate_rps=rate, arrivals=tuple(poisson_arrivals(len(cell.planned), rate, seed)))
 
 
 def main_cells(
@@ -444,16 +481,18 @@ def main_cells(
             cells.append(Cell("valkey", ALL_CODECS, corpus, warmup_round(docs[corpus]), None, s.codecs, s.max_inflight))
     for c, corpus in enumerate(s.corpora):
         swept = corpus in s.load["corpora"] and server == "main"
-        levels = list(s.load["concurrency"]) if swept else [s.max_inflight]
         count = s.repeat_count
         if swept:
             count = max(count, repeats_for_hits(len(docs[corpus]), s.hit_miss_ratio, int(s.load["hits_per_cell"])))
-        for level_index, level in enumerate(levels):
-            # one plan per level, the same for every cell (paired), other miss prefixes per level
-            planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c + level_index)
+        for level_index, (in_flight, rate) in enumerate(sweep_levels(s, swept)):
+            # one plan (and arrival times) per level, the same for every cell (paired), other miss
+            # prefixes per level
+            level_seed = seed + 1000 * c + level_index
+            planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, level_seed)
             for backend, codec in _query_cells(backends, s, swept, level_index):
                 load = codec if backend == "valkey" else None
-                cells.append(Cell(backend, codec, corpus, planned, load, (load,) if load else (), level))
+                cell = Cell(backend, codec, corpus, planned, load, (load,) if load else (), 0)
+                cells.append(level_cell(cell, in_flight, rate, ARRIVAL_SEED + level_seed))
     return cells
 
 
@@ -467,7 +506,16 @@ def _main_rounds(
 ) -> None:
     for cell in main_cells(r.server, backends, s, docs, seed):
         params = r.params(cell.backend, cell.load, list(cell.store))
-        r.run(cell.backend, cell.codec, cell.corpus, cell.planned, params, cell.concurrency)
+        r.run(
+            cell.backend,
+            cell.codec,
+            cell.corpus,
+            cell.planned,
+            params,
+            cell.concurrency,
+            arrivals=cell.arrivals,
+            rate_rps=cell.rate_rps,
+        )
     if s.fault_round and "valkey" in backends and r.server == "main":
         _fault_round(r, s, docs, store)
 
@@ -578,9 +626,11 @@ def reference_cells(
         count = max(s.repeat_count, repeats_for_hits(len(chosen), s.hit_miss_ratio, int(s.load["hits_per_cell"])))
         swept = server in bk.NATIVE and corpus in s.load["corpora"]
         cells.append(Cell(backend, codec, corpus, warmup_round(chosen), None, (), s.max_inflight))
-        for level_index, level in enumerate(s.load["concurrency"] if swept else [s.max_inflight]):
-            planned = query_round(chosen, count, s.repeat_mode, s.hit_miss_ratio, seed + 1000 * c + level_index)
-            cells.append(Cell(backend, codec, corpus, planned, None, (), level))
+        for level_index, (in_flight, rate) in enumerate(sweep_levels(s, swept)):
+            level_seed = seed + 1000 * c + level_index
+            planned = query_round(chosen, count, s.repeat_mode, s.hit_miss_ratio, level_seed)
+            cell = Cell(backend, codec, corpus, planned, None, (), 0)
+            cells.append(level_cell(cell, in_flight, rate, ARRIVAL_SEED + level_seed))
     return cells
 
 
@@ -596,7 +646,16 @@ def _reference_rounds(
     storage, params = workdir / "example-kv", rounds.params(backend, None, [])
     for cell in reference_cells(server, backend, s, prompts, seed):
         before = _dir_bytes(storage)
-        rounds.run(cell.backend, cell.codec, cell.corpus, cell.planned, params, cell.concurrency)
+        rounds.run(
+            cell.backend,
+            cell.codec,
+            cell.corpus,
+            cell.planned,
+            params,
+            cell.concurrency,
+            arrivals=cell.arrivals,
+            rate_rps=cell.rate_rps,
+        )
         if server == "example":
             rounds.metrics[-1]["disk_bytes_written"] = _dir_bytes(storage) - before
 

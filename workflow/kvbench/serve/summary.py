@@ -159,10 +159,16 @@ def _wire(events: pd.DataFrame, hits: pd.DataFrame) -> dict:
     }
 
 
+def with_rate(rows: pd.DataFrame) -> pd.DataFrame:
+    """`rows` with `rate_rps` (0: a closed-loop round), also where a table predates open-loop rounds."""
+    return rows if "rate_rps" in rows else rows.assign(rate_rps=0.0)
+
+
 def _first_level(group: pd.DataFrame) -> pd.DataFrame:
-    """The protocol's query rounds: at the lowest concurrency the group ran (the load sweep's
-    other levels are the load table's)."""
-    query = group[group["round"] == "query"]
+    """The protocol's query rounds: closed loop, at the lowest concurrency the group ran (the load
+    sweep's other levels, and its open-loop rounds, are the load table's)."""
+    query = with_rate(group)
+    query = query[(query["round"] == "query") & (query.rate_rps == 0)]
     return query[query.concurrency == query.concurrency.min()] if len(query) else query
 
 
@@ -178,13 +184,18 @@ def _versus_recompute(
     pairs share their prompts, not their time: rounds run one after another, so drift between
     them is in the ratio and not in its interval. Both n: pairs, the reference's requests."""
     level = rows.concurrency.min() if len(rows) else None
+    requests = with_rate(requests)
     mine = (requests.weights == weights) & (requests.corpus == corpus)
     prefix = requests[mine & (requests.backend == "prefix") & (requests["round"] == "warmup")]
     if warmup and len(prefix):
         ref, paired_by = prefix, "document (prefix warm-up)"
     else:
         ref = requests[
-            mine & (requests.backend == "recompute") & (requests["round"] == "query") & (requests.concurrency == level)
+            mine
+            & (requests.backend == "recompute")
+            & (requests["round"] == "query")
+            & (requests.rate_rps == 0)
+            & (requests.concurrency == level)
         ]
         paired_by = "document (recompute)" if warmup else "request"
     by = "doc_id" if warmup else "index"
@@ -325,14 +336,18 @@ def offload_table(
 
 
 def load_table(requests: pd.DataFrame, metrics: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """The load sweep: per weights x backend x codec x corpus x concurrency of every query round,
-    TTFT percentiles of the hits (p90 with its interval) and of every request, misses' median,
-    TPOT percentiles of every request, throughput (requests and output tokens per second of the round's wall time plus the time its
-    background stores took to finish)."""
-    query = requests[requests["round"] == "query"]
-    rounds = metrics[metrics["round"] == "query"] if "round" in metrics else metrics
+    """The load sweep: per weights x backend x codec x corpus x level (concurrency, or the request
+    rate of an open-loop round) of every query round, TTFT percentiles of the hits (p90 with its
+    interval) and of every request, misses' median, TPOT percentiles of every request, throughput
+    (completed requests and output tokens per second of the round's wall time plus the time its
+    background stores took to finish; an open-loop round lasts at least its arrival schedule, so
+    below capacity this is the offered rate) and an open-loop round's largest send lag."""
+    query = with_rate(requests[requests["round"] == "query"])
+    rounds = with_rate(metrics[metrics["round"] == "query"] if "round" in metrics else metrics)
     rows = []
-    for (weights, backend, codec, corpus, level), group in query.groupby([*KEY, "concurrency"], sort=False):
+    for (weights, backend, codec, corpus, level, rate), group in query.groupby(
+        [*KEY, "concurrency", "rate_rps"], sort=False
+    ):
         hits = group[effective_hits(group, backend)]
         mine = rounds[
             (rounds.weights == weights)
@@ -340,6 +355,7 @@ def load_table(requests: pd.DataFrame, metrics: pd.DataFrame, seed: int = 0) -> 
             & (rounds.codec == codec)
             & (rounds.corpus == corpus)
             & (rounds.concurrency == level)
+            & (rounds.rate_rps == rate)
         ]
         # the background stores the round queued are work it did: throughput counts their flush
         spent = mine.round_s.sum() + (mine.flush_s.fillna(0).sum() if "flush_s" in mine else 0.0)
@@ -352,6 +368,7 @@ def load_table(requests: pd.DataFrame, metrics: pd.DataFrame, seed: int = 0) -> 
                 "codec": codec,
                 "corpus": corpus,
                 "concurrency": int(level),
+                "rate_rps": float(rate),
                 "requests": len(group),
                 "hits": len(hits),
                 "misses": int(group.miss.astype(bool).sum()),
@@ -367,12 +384,18 @@ def load_table(requests: pd.DataFrame, metrics: pd.DataFrame, seed: int = 0) -> 
                 "tpot_p50_s": _quantile(group, "tpot_s", 0.5),
                 "tpot_p90_s": _quantile(group, "tpot_s", 0.9),
                 "round_s": float(spent),
-                "throughput_rps": len(group) / spent if spent else np.nan,
+                "throughput_rps": int(group.error.isna().sum()) / spent if spent else np.nan,
+                "send_lag_max_s": _max(group, "send_lag_s"),
                 "output_tok_s": group.output_tokens.sum() / spent if spent else np.nan,
                 "outputs_identical_share": _mean(hits.output_matches_recompute.astype("Float64")),
             }
         )
     return pd.DataFrame(rows)
+
+
+def _max(group: pd.DataFrame, column: str) -> float:
+    """A column's largest value (NaN where the table predates it or every value is null)."""
+    return float(group[column].astype(float).max()) if column in group else np.nan
 
 
 def _quantile(group: pd.DataFrame, column: str, q: float) -> float:
