@@ -365,3 +365,24 @@ def test_an_overlay_names_the_default_first_and_is_valid_over_it():
         [SNAKEMAKE, "-n", "--quiet", "rules", *both], cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert dry.returncode == 0, dry.stderr[-3000:]
+
+
+def test_several_configfiles_merge_as_snakemakes_own_update_config_merges_them(tmp_path):
+    """`make prefetch CONFIG="a b"` reads the config the workflow runs with `--configfile a b`:
+    Snakemake's update_config, file by file (nested keys merged, lists replaced)."""
+    from snakemake.utils import update_config
+
+    from kvbench.config import load_configfiles
+
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("quality:\n  methods: [full]\n  tasks:\n    single_doc_qa: {samples: 3}\nseed: 5\n")
+    files = [REPO / "config" / "config.yaml", REPO / "config" / "evidence.yaml", overlay]
+    want: dict = {}
+    for path in files:
+        update_config(want, yaml.safe_load(path.read_text()))
+    got = load_configfiles(files)
+    assert got == want and got["seed"] == 5 and got["quality"]["methods"] == ["full"]
+    assert (
+        got["quality"]["tasks"]["single_doc_qa"]["samples"] == 3
+        and "context_tokens" in got["quality"]["tasks"]["single_doc_qa"]
+    )

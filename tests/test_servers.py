@@ -195,3 +195,25 @@ def test_fake_vllm_that_streams_slowly_is_not_mistaken_for_a_hung_one(tmp_path):
     assert time.monotonic() - start > 1.5  # longer than the idle timeout in all
     assert reply["choices"][0]["message"]["content"] == "Slow but alive."
     assert reply["choices"][0]["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] == 4
+
+
+def test_a_secret_in_the_servers_environment_is_masked_in_its_log(tmp_path):
+    """What a server prints of a variable named in `redact` (LMCache prints the store's password
+    with its configuration) reaches the log masked, the rest of its output intact."""
+    code = "import os; print('config: password=' + os.environ['MY_SECRET'] + ' port=1', flush=True)"
+    log = tmp_path / "s.log"
+    with pytest.raises(ServerError, match="exited with code 0"):
+        with managed_server(
+            "fake-server",
+            [sys.executable, "-c", code],
+            free_port(),
+            lambda: False,
+            log,
+            env={"MY_SECRET": "s3cr3t-value"},
+            timeout_s=30,
+            poll_s=0.1,
+            redact=("MY_SECRET", "NOT_SET"),
+        ):
+            pass
+    text = log.read_text()
+    assert "config: password=<redacted> port=1" in text and "s3cr3t-value" not in text

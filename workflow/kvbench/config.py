@@ -42,6 +42,23 @@ def _filling_defaults(cls: Any) -> Any:
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 
 
+def load_configfiles(paths: list[str | Path]) -> dict[str, Any]:
+    """The config Snakemake builds from `--configfile A B ...`: each file's mappings merged into the
+    ones before it, key by key at every depth; any other value (a list too) replaces the earlier."""
+
+    def merge(into: dict[str, Any], update: Mapping[str, Any]) -> None:
+        for key, value in update.items():
+            if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = copy.deepcopy(value)
+
+    config: dict[str, Any] = {}
+    for path in paths:
+        merge(config, yaml.safe_load(Path(path).read_text()) or {})
+    return config
+
+
 def schema_errors(config: dict[str, Any], schema_path: str | Path) -> list[str]:
     """Every schema violation as one line that starts with the offending key's dotted path.
     Fills in the schema's defaults on the way."""

@@ -8,6 +8,10 @@
 Usage: python group_leader.py PARENT_PID GRACE_S -- CMD...  (started with start_new_session=True,
 so our pid is the group id). Standalone on purpose: no kvbench import, so it starts fast and
 under any interpreter.
+
+The values of the environment variables KVBENCH_REDACT_ENV names (comma-separated) never reach
+our output, the server's log: its output passes through us with each of them masked (LMCache
+prints its configuration, the store's password in it, at startup).
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import IO
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36  # orphaned descendants are reparented to us, so we can reap them
+REDACT_ENV = "KVBENCH_REDACT_ENV"
+MASK = b"<redacted>"
 
 
 class _Stop(Exception):
@@ -84,6 +92,32 @@ def end_group(grace_s: float) -> None:
             time.sleep(0.05)
 
 
+def secrets_of(env: dict[str, str]) -> list[bytes]:
+    """The values to mask: those of the variables REDACT_ENV names that are set and not empty."""
+    names = [name for name in env.get(REDACT_ENV, "").split(",") if name]
+    return [env[name].encode() for name in names if env.get(name)]
+
+
+def relay(source: IO[bytes], sink: IO[bytes], secrets: list[bytes]) -> None:
+    """Copy `source` to `sink` line by line (a secret never spans lines), every secret masked."""
+    for line in iter(source.readline, b""):
+        for secret in secrets:
+            line = line.replace(secret, MASK)
+        sink.write(line)
+        sink.flush()
+
+
+def start(cmd: list[str]) -> tuple[subprocess.Popen, threading.Thread | None]:
+    """The server, its output relayed through a masking thread when there are secrets to mask."""
+    secrets = secrets_of(dict(os.environ))
+    if not secrets:
+        return subprocess.Popen(cmd), None
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    thread = threading.Thread(target=relay, args=(child.stdout, sys.stdout.buffer, secrets), daemon=True)
+    thread.start()
+    return child, thread
+
+
 def main(argv: list[str]) -> int:
     parent, grace_s, sep, cmd = int(argv[1]), float(argv[2]), argv[3], argv[4:]
     if sep != "--" or not cmd:
@@ -98,8 +132,10 @@ def main(argv: list[str]) -> int:
     try:
         if os.getppid() != parent:  # the parent died before the death signal was armed
             return 1
-        child = subprocess.Popen(cmd)
+        child, relaying = start(cmd)
         code = child.wait()
+        if relaying is not None:
+            relaying.join(timeout=5.0)  # the last lines it printed
         code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
     except _Stop as stop:
         code = 128 + stop.signum

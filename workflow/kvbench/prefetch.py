@@ -2,6 +2,7 @@
 
     make prefetch CONFIG=config/gpu.yaml
     # = PYTHONPATH=workflow python -m kvbench.prefetch --configfile config/gpu.yaml
+    make prefetch CONFIG="config/gpu.yaml my-site.yaml"   # overlays, as snakemake --configfile merges them
 
 Hub models (`models.<name>.hub`, only the files that get loaded) and the datasets of
 `quality.lm_eval_tasks`; a token for gated models comes from HF_TOKEN (or `hf auth login`).
@@ -13,20 +14,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
-
-import yaml
 
 from kvbench.checks import check_config
-from kvbench.config import SCHEMA
+from kvbench.config import SCHEMA, load_configfiles
 from kvbench.hub import PrefetchError, cache_root, hub_env, missing, prefetch
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.prefetch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configfile", required=True, help="the config the workflow will run with")
+    parser.add_argument(
+        "--configfile", required=True, nargs="+", help="the config files the workflow will run with, in its order"
+    )
     args = parser.parse_args(argv)
-    config = yaml.safe_load(Path(args.configfile).read_text())
+    config = load_configfiles(args.configfile)
     check_config(config, SCHEMA)  # fills the schema's defaults in (hub_cache, hf_offline)
     # Before huggingface_hub and datasets are imported: they read these once.
     os.environ.update(hub_env(config, offline=False))
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if left:  # cannot happen unless the cache changed meanwhile; said rather than assumed
         print("kvbench prefetch: still missing:\n  " + "\n  ".join(left), file=sys.stderr)
         return 1
-    print(f"kvbench prefetch: everything {args.configfile} reads from the hub is in {cache_root(config)}")
+    named = " + ".join(args.configfile)
+    print(f"kvbench prefetch: everything {named} reads from the hub is in {cache_root(config)}")
     return 0
 
 

@@ -364,7 +364,9 @@ def serve_requests(config: Mapping[str, Any]) -> dict[str, tuple[int, float, int
                 if main
                 else reference_cells(server, backends[0], s, docs, seed)
             )
-            # an open-loop round's requests may not overlap: counted as one at a time (an upper bound)
+            # an open-loop round's requests may not overlap: counted as one at a time (an upper bound
+            # on its work; the round also lasts at least its arrival schedule, which at low rates
+            # and few requests can outlast the work: not counted)
             rounds = [(len(c.planned), 1 if c.rate_rps else c.concurrency) for c in cells]
         faulted = server == "main" and s.fault_round and "valkey" in backends
         fault = s.docs_per_corpus * (2 + fault_repeats(s.docs_per_corpus)) if faulted else 0

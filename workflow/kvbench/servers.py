@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 HOST = "127.0.0.1"
 GROUP_LEADER = Path(__file__).with_name("group_leader.py")
+REDACT_ENV = "KVBENCH_REDACT_ENV"  # group_leader.py's (it imports nothing of ours)
 STOP_GRACE_S = 20.0  # SIGTERM to SIGKILL, for the server's whole group
 _RUNNING: set[subprocess.Popen] = set()  # group leaders of the servers this process runs
 
@@ -115,8 +116,10 @@ def managed_server(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 600.0,
     poll_s: float = 1.0,
+    redact: Sequence[str] = (),
 ) -> Iterator[subprocess.Popen]:
-    """Start `cmd` in its own process group, wait until `healthy()`, stop it on exit.
+    """Start `cmd` in its own process group, wait until `healthy()`, stop it on exit. The values
+    of the environment variables `redact` names are masked in the log.
 
     The yielded process is the group leader (see `group_leader.py`); the server is its child.
     """
@@ -131,7 +134,7 @@ def managed_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {}), REDACT_ENV: ",".join(redact)},
             start_new_session=True,
         )
         _RUNNING.add(proc)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from kvbench.gpu_env import require_gpu_environment
-from kvbench.job_secrets import VLLM_API_KEY_ENV, bearer, job_secret
+from kvbench.job_secrets import VALKEY_PASSWORD_ENV, VLLM_API_KEY_ENV, bearer, job_secret
 from kvbench.jobs import cpu_list, usable_cpus
 from kvbench.servers import HOST, ServerError, free_port, http_ok, managed_server, server_state
 
@@ -193,5 +193,6 @@ def vllm_server(
         log_path,
         env=vllm_env(settings) | dict(env or {}) | {VLLM_API_KEY_ENV: api_key},
         timeout_s=float(settings["startup_timeout_s"]),
+        redact=(VLLM_API_KEY_ENV, VALKEY_PASSWORD_ENV),  # LMCache logs its config, the password in it
     ) as proc:
         yield VLLMClient(base, float(settings["idle_timeout_s"]), proc, log_path, api_key)

@@ -84,7 +84,8 @@ def poisson_arrivals(n: int, rate_rps: float, seed: int) -> list[float]:
     """Send times (seconds after the round starts) of n requests at `rate_rps` per second: the gaps
     of a Poisson process (exponential, seeded), scaled so the n requests span exactly
     (n - 1) / rate_rps, as vLLM's benchmark_serving rescales its schedule. The offered rate is then
-    the configured one, not a draw around it (over ~30 requests the raw draws miss it by 10-50 %)."""
+    the configured one, not a draw around it (unscaled, gpu.yaml's seeded rounds of 32 requests
+    would offer 0.56, 0.86 and 1.5 requests/s for its 0.5, 1 and 2)."""
     if rate_rps <= 0:
         raise ValueError(f"rate_rps must be positive, got {rate_rps}")
     rng = random.Random(seed)

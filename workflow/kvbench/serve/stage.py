@@ -194,6 +194,19 @@ class Rounds:
             + (f", {errors} errors" if errors else "")
         )
 
+    def run_cell(self, cell: Cell, params: Callable[[Planned, str, str], dict[str, Any]]) -> None:
+        """One of the stage's planned rounds (main_cells, reference_cells)."""
+        self.run(
+            cell.backend,
+            cell.codec,
+            cell.corpus,
+            cell.planned,
+            params,
+            cell.concurrency,
+            arrivals=cell.arrivals,
+            rate_rps=cell.rate_rps,
+        )
+
     def flush(self) -> float:
         """Wait until the store's tally of queued chunks is 0 (its background stores are done)."""
         start = time.monotonic()
@@ -506,16 +519,7 @@ def _main_rounds(
 ) -> None:
     for cell in main_cells(r.server, backends, s, docs, seed):
         params = r.params(cell.backend, cell.load, list(cell.store))
-        r.run(
-            cell.backend,
-            cell.codec,
-            cell.corpus,
-            cell.planned,
-            params,
-            cell.concurrency,
-            arrivals=cell.arrivals,
-            rate_rps=cell.rate_rps,
-        )
+        r.run_cell(cell, params)
     if s.fault_round and "valkey" in backends and r.server == "main":
         _fault_round(r, s, docs, store)
 
@@ -646,16 +650,7 @@ def _reference_rounds(
     storage, params = workdir / "example-kv", rounds.params(backend, None, [])
     for cell in reference_cells(server, backend, s, prompts, seed):
         before = _dir_bytes(storage)
-        rounds.run(
-            cell.backend,
-            cell.codec,
-            cell.corpus,
-            cell.planned,
-            params,
-            cell.concurrency,
-            arrivals=cell.arrivals,
-            rate_rps=cell.rate_rps,
-        )
+        rounds.run_cell(cell, params)
         if server == "example":
             rounds.metrics[-1]["disk_bytes_written"] = _dir_bytes(storage) - before
 
