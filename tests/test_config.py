@@ -380,9 +380,20 @@ def test_several_configfiles_merge_as_snakemakes_own_update_config_merges_them(t
     want: dict = {}
     for path in files:
         update_config(want, yaml.safe_load(path.read_text()))
-    got = load_configfiles(files)
-    assert got == want and got["seed"] == 5 and got["quality"]["methods"] == ["full"]
+    assert load_configfiles(files) == want
+    # the corners: an empty mapping over a value, a mapping over null or a list, null over a mapping
+    base, edge = tmp_path / "base.yaml", tmp_path / "edge.yaml"
+    base.write_text("a: 1\nb: null\nc: [1, 2]\nd: {x: 1}\ne: {x: {y: 1}}\n")
+    edge.write_text("a: {}\nb: {x: 2}\nc: {x: 3}\nd: null\ne: {x: {}}\n")
+    want = {}
+    for path in (base, edge):
+        update_config(want, yaml.safe_load(path.read_text()))
     assert (
-        got["quality"]["tasks"]["single_doc_qa"]["samples"] == 3
-        and "context_tokens" in got["quality"]["tasks"]["single_doc_qa"]
+        load_configfiles([base, edge])
+        == want
+        == {"a": 1, "b": {"x": 2}, "c": {"x": 3}, "d": None, "e": {"x": {"y": 1}}}
     )
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="empty.yaml: a config file holds a mapping of keys, not NoneType"):
+        load_configfiles([base, empty])

@@ -217,3 +217,51 @@ def test_a_secret_in_the_servers_environment_is_masked_in_its_log(tmp_path):
             pass
     text = log.read_text()
     assert "config: password=<redacted> port=1" in text and "s3cr3t-value" not in text
+
+
+def test_what_a_stopped_server_prints_on_its_way_out_reaches_the_log_masked(tmp_path):
+    """Stopped (SIGTERM, as every server is at the end of its job), the server prints its last
+    lines, the secret among them: the leader waits for them, so the log ends with them, masked."""
+    port = free_port()
+    code = (
+        "import os, signal, sys, http.server as h\n"
+        "def bye(*_):\n"
+        "    for i in range(20000): print('shutdown line', i)\n"
+        "    print('last line', os.environ['MY_SECRET'], flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        f"h.HTTPServer(('127.0.0.1', {port}), h.SimpleHTTPRequestHandler).serve_forever()\n"
+    )
+    log = tmp_path / "s.log"
+    with managed_server(
+        "http-server",
+        [sys.executable, "-c", code],
+        port,
+        http_ok(f"http://127.0.0.1:{port}/"),
+        log,
+        env={"MY_SECRET": "s3cr3t-value"},
+        timeout_s=30,
+        redact=("MY_SECRET",),
+    ):
+        pass
+    lines = log.read_text().splitlines()
+    assert lines[-1] == "last line <redacted>" and "shutdown line 19999" in lines
+
+
+def test_the_relay_masks_longest_first_and_json_escaped_and_drains_after_a_failed_write():
+    import io
+
+    from kvbench.group_leader import relay, secrets_of
+
+    env = {"KVBENCH_REDACT_ENV": "A,B,UNSET", "A": 'pa"ss', "B": 'pa"ssword'}
+    secrets = secrets_of(env)
+    sink = io.BytesIO()
+    relay(io.BytesIO(b'{"p": "pa\\"ssword"} and pa"ss\n'), sink, secrets)
+    assert sink.getvalue() == b'{"p": "<redacted>"} and <redacted>\n'
+
+    class Full(io.RawIOBase):  # a log on a full disk
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+    source = io.BytesIO(b"line\n" * 100_000)
+    relay(source, Full(), secrets)
+    assert source.tell() == len(source.getvalue())  # read to the end: the server never blocks on us

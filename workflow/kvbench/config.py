@@ -43,19 +43,24 @@ SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 
 
 def load_configfiles(paths: list[str | Path]) -> dict[str, Any]:
-    """The config Snakemake builds from `--configfile A B ...`: each file's mappings merged into the
-    ones before it, key by key at every depth; any other value (a list too) replaces the earlier."""
+    """The config Snakemake builds from `--configfile A B ...`: each file merged into the ones
+    before it as snakemake.utils.update_config merges (a mapping into a mapping key by key at every
+    depth, over anything else it replaces it, an empty one changes nothing; any other value, a list
+    too, replaces the earlier)."""
 
-    def merge(into: dict[str, Any], update: Mapping[str, Any]) -> None:
+    def merge(into: Any, update: Mapping[str, Any]) -> Any:
         for key, value in update.items():
-            if isinstance(value, Mapping) and isinstance(into.get(key), dict):
-                merge(into[key], value)
-            else:
-                into[key] = copy.deepcopy(value)
+            if not isinstance(into, Mapping):
+                into = {}
+            into[key] = merge(into.get(key, {}), value) if isinstance(value, Mapping) else value
+        return into
 
     config: dict[str, Any] = {}
     for path in paths:
-        merge(config, yaml.safe_load(Path(path).read_text()) or {})
+        loaded = yaml.safe_load(Path(path).read_text())
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"{path}: a config file holds a mapping of keys, not {type(loaded).__name__}")
+        config = merge(config, loaded)
     return config
 
 

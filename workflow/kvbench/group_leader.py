@@ -17,6 +17,7 @@ prints its configuration, the store's password in it, at startup).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -30,6 +31,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36  # orphaned descendants are reparented to us, so we can reap them
 REDACT_ENV = "KVBENCH_REDACT_ENV"
 MASK = b"<redacted>"
+RELAY_DRAIN_S = 5.0
 
 
 class _Stop(Exception):
@@ -93,18 +95,31 @@ def end_group(grace_s: float) -> None:
 
 
 def secrets_of(env: dict[str, str]) -> list[bytes]:
-    """The values to mask: those of the variables REDACT_ENV names that are set and not empty."""
+    """The values to mask: those of the variables REDACT_ENV names that are set and not empty, each
+    also as JSON escapes it (a configuration printed as JSON), longest first (a secret inside
+    another must not leave the rest of that one showing). A value with a line break in it is not
+    masked (the relay reads lines)."""
     names = [name for name in env.get(REDACT_ENV, "").split(",") if name]
-    return [env[name].encode() for name in names if env.get(name)]
+    values = {env[name] for name in names if env.get(name)}
+    forms = {form.encode() for value in values for form in (value, json.dumps(value)[1:-1])}
+    return sorted(forms, key=len, reverse=True)
 
 
 def relay(source: IO[bytes], sink: IO[bytes], secrets: list[bytes]) -> None:
-    """Copy `source` to `sink` line by line (a secret never spans lines), every secret masked."""
+    """Copy `source` to `sink` line by line (a secret never spans lines), every secret masked.
+    After a failed write (a full disk) it reads on and drops the rest: a server whose output
+    nobody reads would block."""
+    writable = True
     for line in iter(source.readline, b""):
+        if not writable:
+            continue
         for secret in secrets:
             line = line.replace(secret, MASK)
-        sink.write(line)
-        sink.flush()
+        try:
+            sink.write(line)
+            sink.flush()
+        except OSError:
+            writable = False
 
 
 def start(cmd: list[str]) -> tuple[subprocess.Popen, threading.Thread | None]:
@@ -128,14 +143,12 @@ def main(argv: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
-    code = 0
+    code, relaying = 0, None
     try:
         if os.getppid() != parent:  # the parent died before the death signal was armed
             return 1
         child, relaying = start(cmd)
         code = child.wait()
-        if relaying is not None:
-            relaying.join(timeout=5.0)  # the last lines it printed
         code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
     except _Stop as stop:
         code = 128 + stop.signum
@@ -144,6 +157,10 @@ def main(argv: list[str]) -> int:
             end_group(grace_s)
         except _Stop:  # a signal as the server's own exit began the ending: now all are ignored
             end_group(grace_s)
+        if relaying is not None:  # what the group printed while it ended (its last lines) reaches the log
+            relaying.join(timeout=RELAY_DRAIN_S)
+            if relaying.is_alive():  # a process outside the group holds the pipe: leave without it
+                os._exit(code)
     return code
 
 
