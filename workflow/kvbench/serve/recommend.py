@@ -117,7 +117,7 @@ def candidates(
         levels = pd.MultiIndex.from_frame(table[LEVEL_KEY])
         ref = base.reindex(levels).to_numpy()
         # no ratio to a recompute that measured nothing, or none within the target (goodput 0 past capacity)
-        table[f"{column}_rel"] = np.where(ref > 0, table[column].to_numpy() / np.where(ref > 0, ref, 1.0), np.nan)
+        table[f"{column}_rel"] = table[column].to_numpy() / np.where(ref > 0, ref, np.nan)
     return table, draws
 
 

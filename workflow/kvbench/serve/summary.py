@@ -385,17 +385,12 @@ def load_table(requests: pd.DataFrame, metrics: pd.DataFrame, seed: int = 0) -> 
                 "tpot_p90_s": _quantile(group, "tpot_s", 0.9),
                 "round_s": float(spent),
                 "throughput_rps": int(group.error.isna().sum()) / spent if spent else np.nan,
-                "send_lag_max_s": _max(group, "send_lag_s"),
+                "send_lag_max_s": _quantile(group, "send_lag_s", 1.0),
                 "output_tok_s": group.output_tokens.sum() / spent if spent else np.nan,
                 "outputs_identical_share": _mean(hits.output_matches_recompute.astype("Float64")),
             }
         )
     return pd.DataFrame(rows)
-
-
-def _max(group: pd.DataFrame, column: str) -> float:
-    """A column's largest value (NaN where the table predates it or every value is null)."""
-    return float(group[column].astype(float).max()) if column in group else np.nan
 
 
 def _quantile(group: pd.DataFrame, column: str, q: float) -> float:
