@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from kvbench.corpus.synthetic import synthetic_corpus
-from kvbench.serve.documents import serve_documents
+from kvbench.serve.documents import exact_length, serve_documents
 
 
 def docs(texts, corpus):
@@ -45,3 +45,16 @@ def test_a_corpus_too_small_is_a_clear_error(tokenizer):
         serve_documents(docs(["short text"], "realistic"), 1, 5000, encode, tokenizer.decode)
     with pytest.raises(ValueError, match="has 1 documents; serve.docs_per_corpus is 2"):
         serve_documents(docs(["word " * 50], "realistic"), 2, 10, encode, tokenizer.decode)
+
+
+def test_a_cut_between_tokens_that_merge_still_gets_the_exact_length(tokenizer):
+    """In context "\\n" "\\n" are two tokens; a prefix ending between them re-encodes as one "\\n\\n":
+    no prefix of the text has that length, so a shorter one ends with a separator instead."""
+    encode = lambda t: tokenizer(t, add_special_tokens=False).input_ids  # noqa: E731
+    text = "The parties can create a non-disclosure agreement.\n\nThe purpose of this agreement is"
+    ids = encode(text)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    target = pieces.index("\n") + 2  # through the second "\n"
+    assert pieces[target - 1] == "\n" and len(encode(tokenizer.decode(ids[:target]))) != target
+    out = exact_length(text, target, encode, tokenizer.decode)
+    assert len(encode(out)) == target and out.startswith("The parties can create a non-disclosure agreement.")

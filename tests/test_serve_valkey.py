@@ -247,6 +247,50 @@ def test_background_stores_are_counted_in_the_store_and_visible_only_when_comple
     stores.close()
 
 
+@pytest.mark.parametrize("yielding", [True, False])
+def test_stores_that_yield_to_the_forward_pass_encode_only_between_steps(store, yielding):
+    """Yielding (a CPU server): a job submitted during a forward step encodes nothing until the
+    step ends, and its event counts the wait apart from encode_s; not yielding (a GPU server), it
+    stores during the step."""
+    client, _ = store
+    events, encoded = Events(), threading.Event()
+    inner = wire_format("lz4", SPEC)
+
+    class Watched:
+        name, lossless = "lz4", True
+
+        def encode(self, chunk):
+            encoded.set()
+            return inner.encode(chunk)
+
+    stores = AsyncStore(
+        lambda: another_client(client), SPEC, "t:pending", events.write, queue_bytes=2**30, yield_to_forward=yielding
+    )
+    stores.forward_started()
+    stores.submit(StoreJob("tag", "lz4", Watched(), keys_for(2, "lz4"), copy_out(paged_cache(), [0, 1])))
+    if yielding:
+        assert not encoded.wait(0.7) and pending(client, "t:pending") == 2
+    else:
+        assert stores.flush(30)  # stored during the step
+    stores.forward_ended()
+    assert stores.flush(30) and lookup(client, keys_for(2, "lz4"), "t:pending") == (2, 0)
+    (event,) = events
+    assert event["error"] is None and (event["yield_s"] > 0.5 if yielding else event["yield_s"] == 0)
+    stores.close()
+
+
+def test_close_stores_what_waits_for_a_step_that_never_ended(store):
+    client, _ = store
+    events = Events()
+    stores = AsyncStore(
+        lambda: another_client(client), SPEC, "t:pending", events.write, queue_bytes=2**30, yield_to_forward=True
+    )
+    stores.forward_started()  # the server stops in the middle of a step
+    stores.submit(StoreJob("tag", "none", wire_format("none", SPEC), keys_for(1, "none"), copy_out(paged_cache(), [0])))
+    stores.close(30)
+    assert stores.counts["stored"] == 1 and client.exists(keys_for(1, "none")[0])
+
+
 def test_a_full_queue_makes_the_next_submit_wait_and_close_flushes(store):
     """Room for one chunk copy: while a store encodes, nothing else is queued (the submits
     waited), and close() still stores every job."""

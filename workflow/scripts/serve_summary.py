@@ -16,7 +16,7 @@ with job_log(snakemake.log[0], snakemake.config):
     metrics = read_tables(inputs.metrics)
     requests = compare_outputs(join_transfers(read_tables(inputs.requests), transfers))
     kv = pd.read_parquet(inputs.kv)
-    offload = offload_table(requests, transfers, metrics, kv, seed)
+    offload = offload_table(requests, transfers, metrics, kv, seed, cfg["overhead_budget"])
     load = load_table(requests, metrics, seed)
     engine = engine_table(offload, requests, transfers, kv, seed)
     recommendations, candidates = recommend(

@@ -278,6 +278,7 @@ def _serve_vs_recompute(t: pd.DataFrame) -> pd.DataFrame:
                 )[0],
                 "pairs (recompute's requests)": f"{get('vs_recompute_n'):.0f} ({get('recompute_n'):.0f})",
                 "paired by": get("vs_recompute_paired_by"),
+                "budget": r.get("overhead_verdict", ""),
                 "hit TTFT median s [95 %]": "" if what == "warmup" else _interval(*hit)[0],
                 "hits": "" if what == "warmup" else r["query_hits"],
             }

@@ -13,8 +13,13 @@ stores asynchronously.
 - Failures counted: every job ends in one `store` event with its error (or none).
 - Flushed at shutdown: `close()` waits for the queue, then stops the threads; jobs it could not
   finish in time are recorded as failed.
-- Low priority: the threads run at nice 19 (Linux, per thread), so on a machine whose cores the
-  forward pass already uses, encoding yields to it.
+- Low priority: the threads run at nice 19 (Linux, per thread). Where the forward pass runs on
+  the same cores (a CPU server), they also yield to it: a chunk's encoding starts only between
+  forward steps (`forward_started` / `forward_ended`, called by the connector's worker half).
+  Nice alone leaves the encoders sharing the worker's GIL, caches and memory bandwidth with the
+  forward pass. An encoding that has started runs on into the next step; under back-to-back steps the stores
+  still advance a chunk per step, and a full queue never waits on a step (its submit comes
+  after the forward pass).
 """
 
 from __future__ import annotations
@@ -64,9 +69,13 @@ class AsyncStore:
         queue_bytes: int,
         threads: int = 1,
         secret: bytes = b"",
+        yield_to_forward: bool = False,
     ) -> None:
         self.spec, self.pending_key, self.write_event = spec, pending_key, write_event
         self.queue_bytes, self.secret = queue_bytes, secret
+        self.yield_to_forward = yield_to_forward
+        self._between_steps = threading.Event()
+        self._between_steps.set()
         self.client = make_client()  # submits' tally updates (the critical path's one round trip)
         self._jobs: queue.Queue[StoreJob | None] = queue.Queue()
         self._room = threading.Condition()
@@ -97,6 +106,20 @@ class AsyncStore:
         self._jobs.put(job)
         return waited
 
+    def forward_started(self) -> None:
+        self._between_steps.clear()
+
+    def forward_ended(self) -> None:
+        self._between_steps.set()
+
+    def _wait_between_steps(self) -> float:
+        """Wait until no forward step runs (only when yielding to it); the seconds waited."""
+        if not self.yield_to_forward or self._between_steps.is_set():
+            return 0.0
+        start = time.perf_counter()
+        self._between_steps.wait()
+        return time.perf_counter() - start
+
     def _run(self, client: valkey.Valkey) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
@@ -107,7 +130,16 @@ class AsyncStore:
             try:
                 job.copy.wait()
                 counted = None if "tally_error" in job.info else self.pending_key  # never below what was added
-                stats = store_chunks(client, job.wire, self.spec, job.keys, job.copy.chunks, self.secret, counted)
+                stats = store_chunks(
+                    client,
+                    job.wire,
+                    self.spec,
+                    job.keys,
+                    job.copy.chunks,
+                    self.secret,
+                    counted,
+                    self._wait_between_steps,
+                )
             except Exception as err:  # an encoder's bug must not kill the thread and strand the queue
                 stats = {"chunks": len(job.keys), "error": f"store: {type(err).__name__}: {err}"}
                 self._untally(client, job)
@@ -147,6 +179,7 @@ class AsyncStore:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Flush, stop the threads; jobs still queued after `timeout_s` are recorded as failed."""
+        self._between_steps.set()  # no more steps: a step that never ended must not hold the flush
         self.flush(timeout_s)
         while True:
             try:

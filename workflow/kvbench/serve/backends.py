@@ -125,7 +125,7 @@ def valkey_transfer(
 ) -> dict[str, Any]:
     """The --kv-transfer-config of a server with this connector; `codecs` maps each wire format
     name to its method entry (None for a kv-stage codec); `store` the background stores'
-    `queue_mb` and `threads`."""
+    `queue_mb`, `threads` and `yield` (to the forward pass: `auto` where the cache is on CPU)."""
     store = dict(store or {})
     return {
         "kv_connector": "ValkeyConnector",
@@ -142,6 +142,7 @@ def valkey_transfer(
             "seed": seed,
             "queue_mb": store.get("queue_mb", 512),
             "store_threads": store.get("threads", 1),
+            "store_yield": {"auto": None, "always": True, "never": False}[store.get("yield", "auto")],
         },
     }
 

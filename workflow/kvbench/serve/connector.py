@@ -106,6 +106,8 @@ class ValkeyConnector(KVConnectorBase_V1):
         self.seed = int(extra.get("seed", 0))
         self.queue_bytes = int(float(extra.get("queue_mb", QUEUE_MB)) * 2**20)
         self.store_threads = int(extra.get("store_threads", 1))
+        # None: yield where the forward pass runs on the encoders' cores (a CPU cache)
+        self.store_yield: bool | None = extra.get("store_yield")
         cache_dtype = vllm_config.cache_config.cache_dtype
         self.dtype = (
             str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
@@ -271,7 +273,13 @@ class ValkeyConnector(KVConnectorBase_V1):
         }
         self.spec = spec
         self._stores = AsyncStore(
-            self._client, spec, self.pending_key, self.events.write, self.queue_bytes, self.store_threads
+            self._client,
+            spec,
+            self.pending_key,
+            self.events.write,
+            self.queue_bytes,
+            self.store_threads,
+            yield_to_forward=first.device.type == "cpu" if self.store_yield is None else self.store_yield,
         )
 
     def _attention_isa(self, head_size: int) -> str:
@@ -289,6 +297,13 @@ class ValkeyConnector(KVConnectorBase_V1):
         if len(found) > 1:
             raise ValueError(f"ValkeyConnector: vLLM packs the layers' caches for different ISAs {sorted(found)}")
         return found.pop() if found else self.isa
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Called before every forward step (start_load_kv may run after it: vLLM starts a step's
+        loads after the forward pass when none of them is synchronous)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._stores is not None:
+            self._stores.forward_started()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -316,6 +331,8 @@ class ValkeyConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Copy each stored request's new chunks out of the cache (once, whatever the number of
         codecs) and queue their stores; the blocks are free for vLLM when this returns."""
+        if self._stores is not None:
+            self._stores.forward_ended()
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()

@@ -12,7 +12,8 @@ from kvbench.kv.study import pick_documents
 
 def exact_length(text: str, tokens: int, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]) -> str:
     """`text` cut to a prefix that encodes to exactly `tokens` tokens (decoding a token prefix can
-    re-encode to a different count, so adjust until it does not)."""
+    re-encode to a different count, so adjust until it does not), or a slightly shorter prefix
+    ended by a separator where no prefix has that length."""
     ids = encode(text)
     if len(ids) < tokens:
         raise ValueError(f"text has {len(ids)} tokens, fewer than {tokens}")
@@ -23,6 +24,13 @@ def exact_length(text: str, tokens: int, encode: Callable[[str], list[int]], dec
         if n == tokens:
             return out
         cut += tokens - n
+    # two tokens at the cut that re-encode as one leave no prefix of that length: end a shorter
+    # prefix with a separator instead
+    for cut in range(tokens - 1, max(0, tokens - 8), -1):
+        for end in ("\n", " ", ".", "\n\n"):
+            out = decode(ids[:cut]) + end
+            if len(encode(out)) == tokens:
+                return out
     raise ValueError(f"no prefix of the text encodes to exactly {tokens} tokens")
 
 

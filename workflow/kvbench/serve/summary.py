@@ -222,8 +222,25 @@ def tagged_events(transfers: pd.DataFrame, requests: pd.DataFrame, columns: list
     return transfers.merge(requests[keep], on="tag", how="inner")
 
 
+def overhead_verdict(ratio: float, low: float, high: float, n: int, budget: float) -> str:
+    """TTFT over recompute's against `budget` (a ratio), decided by the interval: `within` when it
+    lies at or under the budget, `over` when above, else undecided (no interval: too few pairs)."""
+    if ratio != ratio:
+        return ""
+    if low == low and high <= budget:
+        return f"within {budget:g}x"
+    if low == low and low > budget:
+        return f"over {budget:g}x"
+    return f"undecided at n={n}"
+
+
 def offload_table(
-    requests: pd.DataFrame, transfers: pd.DataFrame, metrics: pd.DataFrame, kv: pd.DataFrame, seed: int = 0
+    requests: pd.DataFrame,
+    transfers: pd.DataFrame,
+    metrics: pd.DataFrame,
+    kv: pd.DataFrame,
+    seed: int = 0,
+    overhead_budget: float = 1.15,
 ) -> pd.DataFrame:
     """One row per weights x backend x codec x corpus. The valkey warm-up stored every codec at
     once: its TTFT is one row of its own (codec `all`, with its ratio to recompute's), not any
@@ -283,6 +300,14 @@ def offload_table(
             measured, name = (warm, "warmup") if codec == "all" else (misses, "miss")
             versus = _versus_recompute(requests, measured, weights, corpus, seed, warmup=name == "warmup")
             row |= {f"{name}_{k}": v for k, v in versus.items()}
+            row["overhead_budget"] = overhead_budget
+            row["overhead_verdict"] = overhead_verdict(
+                versus["vs_recompute"],
+                versus["vs_recompute_ci_low"],
+                versus["vs_recompute_ci_high"],
+                versus["vs_recompute_n"],
+                overhead_budget,
+            )
             mine = events[
                 (events.backend == "valkey")
                 & (events.weights == weights)
