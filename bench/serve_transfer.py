@@ -5,11 +5,13 @@ vLLM's own kernel, 256-token chunks of all 30 layers. The raw client moves the c
 the connector's store is encode + SET, its load the scheduler's EXISTS lookup + MGET + decode +
 copy into the cache. A third side, `direct`, calls the same codec itself and moves its bytes with
 the raw client (encode + pipelined SET; MGET + decode): what a user pays for that codec without
-our connector. Every codec is reported against both, and the budget (connector >= 50 %) judged
-on each: against `direct`, the connector's own cost with a codec that transforms bytes (lookups,
-integrity seals and checks, copies out of and into the paged cache, the tally); against raw, the
-codec's cost as well (its encoding and decoding on the clock, one thread, as a request pays
-them) -- a slow codec misses that half whatever the connector does.
+our connector. The sides run in turn first per round; the first warms the store and is left out of
+the medians. The budget (connector >= 50 %) is judged per codec against both: against raw, as
+the issue states it (the codec's own cost on the clock, one thread, as a request pays it: a slow
+codec misses it whatever the connector does); against `direct`, the connector's added cost alone
+(the integrity seal on a store; the lookup, the check and the copy into the cache on a load).
+Not on any clock here: the copy out of the cache and the store's tally (the serve stage times
+those). The cache is fp32 here; a CPU server now serves bf16 (half the bytes per token).
 
     .venv/bin/python bench/serve_transfer.py [--rounds 5] [--codecs none zstd-3 kivi2]
 
@@ -88,7 +90,7 @@ def paged_cache(model_dir: str, tokens: int) -> tuple[list[torch.Tensor], ChunkS
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)  # a warm-up round + 2 rotations of 3 sides
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--codecs", nargs="+", default=["none", "zstd-3", "lz4+byteplane", "kivi2", "fp8"])
     parser.add_argument("--out", default="results/bench/serve_transfer.parquet")
@@ -219,8 +221,10 @@ def direct_load(client: valkey.Valkey, wire: WireFormat, keys: list[str]) -> flo
 
 
 def shares(table: pd.DataFrame) -> pd.DataFrame:
-    """Per codec, the medians over rounds and the connector's throughput as a share of raw."""
-    summary = table.groupby("codec", sort=False).median(numeric_only=True)
+    """Per codec, the medians over rounds after the first (it warms the store) and the
+    connector's throughput as a share of raw and of direct."""
+    timed = table[table["round"] > 0] if table["round"].nunique() > 1 else table
+    summary = timed.groupby("codec", sort=False).median(numeric_only=True)
     summary["store_vs_raw"] = summary.connector_store_mb_s / summary.raw_set_mb_s
     summary["load_vs_raw"] = summary.connector_load_mb_s / summary.raw_get_mb_s
     if "direct_store_mb_s" in summary:  # tables from before the direct side have none
@@ -230,18 +234,23 @@ def shares(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def budget(table: pd.DataFrame) -> str:
-    """The budget judged per codec against both baselines: the same codec called directly before
-    the raw client (the connector's own cost) and the raw client on raw bytes (the codec's too)."""
+    """The budget judged per codec against both baselines: the raw client on raw bytes (the
+    issue's: the codec's cost too) and the same codec called directly before the raw client (the
+    connector's added cost alone)."""
     summary = shares(table)
     parts = []
-    for side, what in (("direct", "the codec called directly + the raw client"), ("raw", "the raw client, raw bytes")):
+    for side, what in (
+        ("raw", "the raw client on raw bytes"),
+        ("direct", "the codec called directly + the raw client"),
+    ):
         if f"store_vs_{side}" not in summary:
             continue
         met = (summary[f"store_vs_{side}"] >= BUDGET) & (summary[f"load_vs_{side}"] >= BUDGET)
         met_by, missed_by = ", ".join(met.index[met]), ", ".join(met.index[~met])
         parts.append(f"vs {what}: met by {met_by or 'no codec'}, missed by {missed_by or 'no codec'}")
-    return f"budget (connector >= {BUDGET:.0%} in store and load, {table['round'].nunique()} rounds): " + "; ".join(
-        parts
+    return (
+        f"budget (connector >= {BUDGET:.0%} in store and load, medians of {table['round'].nunique() - 1} rounds after the first): "
+        + "; ".join(parts)
     )
 
 

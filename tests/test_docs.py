@@ -385,6 +385,38 @@ def test_the_wire_finding_counts_lossless_and_lossy_hits_separately():
     )
 
 
+def test_the_overhead_finding_reads_the_verdicts_of_real_weights():
+    def row(codec, corpus, ratio, low, high, verdict, weights="real"):
+        what = "warmup" if codec == "all" else "miss"
+        return {
+            "backend": "valkey",
+            "weights": weights,
+            "codec": codec,
+            "corpus": corpus,
+            f"{what}_vs_recompute": ratio,
+            f"{what}_vs_recompute_ci_low": low,
+            f"{what}_vs_recompute_ci_high": high,
+            "overhead_budget": 1.15,
+            "overhead_verdict": verdict,
+        }
+
+    rows = pd.DataFrame(
+        [
+            row("all", "realistic", 1.07, 0.98, 1.13, "within 1.15x at n=6"),
+            row("zstd-3", "realistic", 1.1, 1.02, 1.13, "within 1.15x at n=7"),
+            row("none", "realistic", 1.05, 1.01, 1.18, "undecided at n=7"),
+            row("fp8", "realistic", 1.3, 1.2, 1.4, "over 1.15x at n=7"),
+            row("zstd-3", "synthetic", 1.0, None, None, "undecided at n=3"),
+            row("all", "realistic", 1.5, 1.4, 1.6, "over 1.15x at n=6", weights="dummy"),
+        ]
+    )
+    assert say("finding-overhead", rows) == (
+        "TTFT with our connector over a recompute's, warm-up storing all 3 codecs in the background: realistic "
+        "1.07 [0.98, 1.13] (within 1.15x at n=6); misses on realistic documents (each storing its codec): over "
+        "1.15x for fp8; undecided for none; within 1.15x for zstd-3 (95 % intervals, budget 1.15×)"
+    )
+
+
 def test_a_finding_whose_rows_are_missing_says_so():
     assert say("finding-kv", summary_table(3.0).assign(dtype="fp16")).startswith("not measured in this snapshot")
 

@@ -475,8 +475,8 @@ def test_candidates_keep_each_rate_a_level_of_its_own_with_no_ratio_to_a_recompu
 def test_the_overhead_verdict_is_decided_by_the_interval():
     """Within or over the budget only when the whole interval is on one side; no interval (fewer
     than 5 pairs) or one straddling the budget is undecided, with its n."""
-    assert overhead_verdict(1.04, 0.98, 1.12, 6, 1.15) == "within 1.15x"
-    assert overhead_verdict(1.30, 1.20, 1.45, 6, 1.15) == "over 1.15x"
+    assert overhead_verdict(1.04, 0.98, 1.12, 6, 1.15) == "within 1.15x at n=6"
+    assert overhead_verdict(1.30, 1.20, 1.45, 6, 1.15) == "over 1.15x at n=6"
     assert overhead_verdict(1.10, 0.95, 1.25, 7, 1.15) == "undecided at n=7"
     assert overhead_verdict(1.05, float("nan"), float("nan"), 4, 1.15) == "undecided at n=4"
     assert overhead_verdict(float("nan"), float("nan"), float("nan"), 0, 1.15) == ""

@@ -2,8 +2,8 @@
 cache (fast) and hands them here; background threads encode, seal and SET them, as LMCache
 stores asynchronously.
 
-- Bounded: chunk copies waiting for their store hold at most `queue_bytes`; a full queue makes
-  the next submit wait (its wait is recorded), so memory stays bounded and no store is dropped.
+- Bounded: chunk copies waiting for their store hold at most `queue_bytes` (a copy counts once,
+  however many codecs store it); a full queue makes the next submit wait (its wait is recorded), so memory stays bounded and no store is dropped.
 - Counted in the store: each submit adds its chunks to a tally key (`pending_key`) in the same
   store, and each finished store takes them off in its SET round trip. The scheduler half and
   the benchmark client run in other processes: the tally is how they see that stores are still
@@ -15,11 +15,11 @@ stores asynchronously.
   finish in time are recorded as failed.
 - Low priority: the threads run at nice 19 (Linux, per thread). Where the forward pass runs on
   the same cores (a CPU server), they also yield to it: a chunk's encoding starts only between
-  forward steps (`forward_started` / `forward_ended`, called by the connector's worker half).
-  Nice alone leaves the encoders sharing the worker's GIL, caches and memory bandwidth with the
-  forward pass. An encoding that has started runs on into the next step; under back-to-back steps the stores
-  still advance a chunk per step, and a full queue never waits on a step (its submit comes
-  after the forward pass).
+  forward steps (`forward_started` / `forward_ended`, called by the connector's worker half),
+  or after YIELD_MAX_S (a step that never ends: an error between the two calls). This decides
+  when an encoding starts only: one that has started runs on into the next step. Under
+  back-to-back steps the stores still advance a chunk per step; `submit` comes after the step
+  (in wait_for_save), so a full queue never waits on a step.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from kvbench.serve.transfer import STORE_ERRORS, store_chunks
 from kvbench.serve.wire import ChunkSpec, WireFormat
 
 NICE = 19
+YIELD_MAX_S = 1.0  # the longest a chunk's encoding waits for a step to end
 
 
 @dataclass
@@ -80,6 +81,7 @@ class AsyncStore:
         self._jobs: queue.Queue[StoreJob | None] = queue.Queue()
         self._room = threading.Condition()
         self._queued = 0  # bytes of chunk copies waiting or being stored
+        self._jobs_of: dict[int, int] = {}  # id(copy) -> its jobs not finished (codecs share a copy)
         self.counts = {"submitted": 0, "stored": 0, "failed": 0}
         self._threads = [
             threading.Thread(target=self._run, args=(make_client(),), daemon=True, name=f"kvbench-store-{i}")
@@ -91,11 +93,13 @@ class AsyncStore:
     def submit(self, job: StoreJob) -> float:
         """Queue a job; returns the seconds it waited for room (0 unless the queue was full)."""
         start = time.perf_counter()
-        size = job.nbytes()
         with self._room:
+            # a copy counts once, however many codecs store it
+            size = 0 if id(job.copy) in self._jobs_of else job.nbytes()
             # a job larger than the whole queue still goes once the queue is empty
             self._room.wait_for(lambda: self._queued == 0 or self._queued + size <= self.queue_bytes)
             self._queued += size
+            self._jobs_of[id(job.copy)] = self._jobs_of.get(id(job.copy), 0) + 1
         waited = time.perf_counter() - start
         try:
             self.client.incrby(self.pending_key, len(job.keys))
@@ -117,7 +121,7 @@ class AsyncStore:
         if not self.yield_to_forward or self._between_steps.is_set():
             return 0.0
         start = time.perf_counter()
-        self._between_steps.wait()
+        self._between_steps.wait(YIELD_MAX_S)
         return time.perf_counter() - start
 
     def _run(self, client: valkey.Valkey) -> None:
@@ -168,7 +172,11 @@ class AsyncStore:
             time=time.time(),
         )
         with self._room:
-            self._queued -= job.nbytes()
+            left = self._jobs_of.pop(id(job.copy)) - 1
+            if left:
+                self._jobs_of[id(job.copy)] = left
+            else:
+                self._queued -= job.nbytes()
             self._room.notify_all()
 
     def flush(self, timeout_s: float) -> bool:

@@ -228,9 +228,9 @@ def overhead_verdict(ratio: float, low: float, high: float, n: int, budget: floa
     if ratio != ratio:
         return ""
     if low == low and high <= budget:
-        return f"within {budget:g}x"
+        return f"within {budget:g}x at n={n}"
     if low == low and low > budget:
-        return f"over {budget:g}x"
+        return f"over {budget:g}x at n={n}"
     return f"undecided at n={n}"
 
 
