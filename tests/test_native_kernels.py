@@ -1,5 +1,6 @@
-"""The compiled decode kernels (lut_kernels.c): every layout and width equals the unpacked formula,
-on this CPU's vector width and on AVX2; the torch fallback is taken where they cannot run."""
+"""The compiled kernels (lut_kernels.c): every decode layout and width equals the unpacked formula,
+on this CPU's vector width and on AVX2; the encode side's codes and packing equal the torch path;
+the torch fallback is taken where they cannot run."""
 
 import os
 import shutil
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.methods import native
-from kvbench.methods.packing import lut_dots, lut_sums, pack, pack_planes, pack_sign_magnitude
+from kvbench.methods import native, packing
+from kvbench.methods.packing import count_below, lut_dots, lut_sums, pack, pack_planes, pack_sign_magnitude
+from kvbench.methods.turboquant import MseQuantizer, TurboBlock
 
 CPU_FLAGS = set(
     next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
@@ -150,3 +152,51 @@ def test_shapes_the_vector_code_does_not_take_fall_back():
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 4, (2, 10, 12), generator=gen)  # 12 channels: not a whole vector
     assert lut_dots(pack(codes, 2).view(2, 10, -1), 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 12)) is None
+
+
+def torch_path(monkeypatch: pytest.MonkeyPatch, call):
+    """`call()` with the native kernels out of reach (the callers' torch path)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(packing, "_library_for", lambda x: None)
+        return call()
+
+
+def test_encode_kernels_equal_the_torch_path(monkeypatch):
+    """Packing and a quantizer's codes (count of edges below), natively and in torch: every width,
+    lengths that end mid-byte, values on an edge, signed zeros, infinities and NaN, one thread or two."""
+    if native.library() is None:
+        pytest.skip(native.status())
+    gen = torch.Generator().manual_seed(3)
+    for bits in (1, 2, 4):
+        for n in (1, 7, 9, 1001, 300_001):  # the last is past the kernel's threading threshold
+            codes = torch.randint(0, 2**bits, (n,), generator=gen, dtype=torch.uint8)
+            assert torch.equal(pack(codes, bits, check=False), torch_path(monkeypatch, lambda: pack(codes, bits)))
+    for bits in (1, 2, 3, 4):
+        mse = MseQuantizer(torch.linalg.qr(torch.randn(64, 64, generator=gen))[0], bits)
+        x = torch.randn(3, 300, 64, generator=gen) / 8
+        flat = x.view(-1)
+        flat[: len(mse.edge_values)] = mse.edges  # exactly on each edge: not below it
+        flat[20:26] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30])
+        expected = sum((x > edge).to(torch.uint8) for edge in mse.edge_values)
+        before = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                assert torch.equal(count_below(x, mse.edges, mse.edge_values), expected)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(mse.encode(x)[0], torch_path(monkeypatch, lambda: mse.encode(x)[0]))
+
+
+def test_turboquant_blocks_are_the_same_bytes_natively_and_in_torch(monkeypatch):
+    if native.library() is None:
+        pytest.skip(native.status())
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 256, 64, generator=gen)
+    sketch = torch.randn(64, 64, generator=gen)
+    for bits in (3, 4):  # 3: sign-magnitude planes of 2 and 1 bits; 4: whole nibbles
+        mse = MseQuantizer(torch.linalg.qr(torch.randn(64, 64, generator=gen))[0], bits)
+        ours, theirs = TurboBlock(x, mse, sketch), torch_path(monkeypatch, lambda: TurboBlock(x, mse, sketch))
+        for name in ("packed", "code_signs", "norms", "signs", "residual_norms"):
+            a, b = getattr(ours, name), getattr(theirs, name)
+            assert (a is None and b is None) or torch.equal(a, b), name

@@ -244,3 +244,43 @@ int level_sums(int64_t groups, int64_t tokens, int64_t rows, int64_t dim, int la
     return UNSUPPORTED;
 #endif
 }
+
+/* Encode side (plain C: the compiler vectorizes it for the host; results do not depend on it).
+ *
+ * out[i] = how many of the `n_edges` edges lie strictly below x[i] (NaN: 0): a scalar quantizer's
+ * code, as the torch path's `codes += x > edge` computes it, in one pass over x instead of one
+ * comparison pass and one conversion pass per edge. */
+int count_below(int64_t n, const float *x, const float *edges, int n_edges, uint8_t *out, int threads) {
+    if (n_edges < 0 || n_edges > 255) return UNSUPPORTED;
+    const int64_t blocks = (n + 4095) / 4096;
+#pragma omp parallel for schedule(static) num_threads(threads) if (blocks > 4)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t start = b * 4096, end = start + 4096 < n ? start + 4096 : n;
+        memset(out + start, 0, (size_t)(end - start));
+        for (int j = 0; j < n_edges; j++) {
+            const float e = edges[j];
+            for (int64_t i = start; i < end; i++) out[i] += x[i] > e;
+        }
+    }
+    return OK;
+}
+
+/* `pack` (FLAT, bits 1/2/4) of n codes already in [0, 2**bits): byte j holds codes j*per ..
+ * j*per+per-1, code k at bit k*bits; the last byte's missing codes are 0. */
+int pack_codes(int64_t n, const uint8_t *codes, int bits, uint8_t *out, int threads) {
+    if (bits != 1 && bits != 2 && bits != 4) return UNSUPPORTED;
+    const int per = 8 / bits;
+    const int64_t whole = n / per, bytes = (n + per - 1) / per;
+#pragma omp parallel for schedule(static) num_threads(threads) if (whole > (1 << 16))
+    for (int64_t j = 0; j < whole; j++) {
+        uint8_t byte = 0;
+        for (int k = 0; k < per; k++) byte |= (uint8_t)(codes[j * per + k] << (k * bits));
+        out[j] = byte;
+    }
+    if (bytes > whole) {
+        uint8_t byte = 0;
+        for (int64_t k = 0; whole * per + k < n; k++) byte |= (uint8_t)(codes[whole * per + k] << (k * bits));
+        out[whole] = byte;
+    }
+    return OK;
+}

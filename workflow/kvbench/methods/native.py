@@ -1,5 +1,5 @@
-"""The compiled decode kernels (`lut_kernels.c`): built on first use with the host's C compiler for
-the CPU it runs on, cached, loaded with ctypes. No torch import here: provenance reports `status()`.
+"""The compiled kernels (`lut_kernels.c`: decode, and the encode side's codes and packing): built
+on first use with the host's C compiler for the CPU it runs on, cached, loaded with ctypes. No torch import here: provenance reports `status()`.
 
 The build is keyed by the source, the compiler, its flags and the CPU's feature flags, so a cache
 directory shared between machines (a cluster's home) never hands one CPU another's binary.
@@ -26,6 +26,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # (groups, tokens, rows, dim, layout, bits, packed, signs, values, query|weights, span|cols, out, threads)
 SIGNATURE = [_I64, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _INT]
+ENCODE_SIGNATURES = (
+    ("count_below", [_I64, _PTR, _PTR, _INT, _PTR, _INT]),  # (n, x, edges, n_edges, out, threads)
+    ("pack_codes", [_I64, _PTR, _INT, _PTR, _INT]),  # (n, codes, bits, out, threads)
+)
 UNSUPPORTED, NO_MEMORY = -1, -2  # the kernels' return codes besides 0
 # What the kernel calls of this process did: "native", or the reason they ran in torch instead.
 CALLS: Counter[str] = Counter()
@@ -116,9 +120,9 @@ def _load() -> tuple[ctypes.CDLL | None, str, bool]:
     isa = library.kernel_isa()
     if not isa:
         return None, "torch (native kernels need AVX2 or AVX-512; this CPU has neither)", False
-    for name in ("level_dots", "level_sums"):
+    for name, signature in (*((name, SIGNATURE) for name in ("level_dots", "level_sums")), *ENCODE_SIGNATURES):
         function = getattr(library, name)
-        function.argtypes, function.restype = SIGNATURE, _INT
+        function.argtypes, function.restype = signature, _INT
     shared = _shares_torch_openmp(library)
     threads = "torch's threads" if shared else "1 thread: its OpenMP runtime is not torch's"
     flags = " ".join(_flags()[:3] + _flags()[5:])

@@ -30,6 +30,7 @@ from kvbench.methods.base import MethodCache, MethodLayer, ModelShape, register,
 from kvbench.methods.kinds import TurboQuantSettings
 from kvbench.methods.packing import (
     byte_scores,
+    count_below,
     lut_dots,
     lut_sums,
     pack,
@@ -90,9 +91,11 @@ class MseQuantizer:
         norms = x.norm(dim=-1, keepdim=True)
         unit = x / norms.clamp_min(1e-12)
         rotated = unit @ self.rotation.T
-        # The code is the number of edges below: for a prompt, a few vectorized comparisons beat
-        # bucketize's per-element binary search several times over; a decode step's few vectors
-        # take one op.
+        # The code is the number of edges below: the native kernel counts them in one pass; in
+        # torch, for a prompt, a few vectorized comparisons beat bucketize's per-element binary
+        # search several times over, and a decode step's few vectors take one op.
+        if (codes := count_below(rotated, self.edges, self.edge_values)) is not None:
+            return codes, norms.to(torch.float16)
         if rotated.numel() < 1 << 14:
             return torch.bucketize(rotated, self.edges).to(torch.uint8), norms.to(torch.float16)
         codes = torch.zeros(rotated.shape, dtype=torch.uint8, device=rotated.device)
