@@ -122,7 +122,7 @@ def test_a_query_that_does_not_match_the_codes_is_refused():
 
 @pytest.mark.skipif("avx512f" not in CPU_FLAGS or "avx2" not in CPU_FLAGS, reason="AVX2 is the only path here")
 def test_the_avx2_build_equals_the_formula_too(tmp_path):
-    """Built without AVX-512 (as on the AVX2 machines), in a process of its own."""
+    """Built without AVX-512 (as on the AVX2 machines), in a process of its own: decode and encode."""
     script = (
         f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import test_native_kernels as t\n"
         "from kvbench.methods import native\n"
@@ -130,6 +130,7 @@ def test_the_avx2_build_equals_the_formula_too(tmp_path):
         "for layout, bits in t.CASES + [('planes', 1)]:\n"
         "    t.check_against_formula(layout, bits)\n"
         "    t.check_against_formula(layout, bits, dim=128, rows=17)\n"
+        "t.check_encode()\n"
     )
     in_own_process(script, tmp_path, KVBENCH_KERNEL_FLAGS="-mno-avx512f")
 
@@ -154,49 +155,99 @@ def test_shapes_the_vector_code_does_not_take_fall_back():
     assert lut_dots(pack(codes, 2).view(2, 10, -1), 2, (0.0, 1.0, 2.0, 3.0), torch.ones(2, 1, 12)) is None
 
 
-def torch_path(monkeypatch: pytest.MonkeyPatch, call):
+def torch_path(call):
     """`call()` with the native kernels out of reach (the callers' torch path)."""
-    with monkeypatch.context() as patch:
-        patch.setattr(packing, "_library_for", lambda x: None)
+    saved, packing._encoder = packing._encoder, lambda x: None
+    try:
         return call()
+    finally:
+        packing._encoder = saved
 
 
-def test_encode_kernels_equal_the_torch_path(monkeypatch):
-    """Packing and a quantizer's codes (count of edges below), natively and in torch: every width,
-    lengths that end mid-byte, values on an edge, signed zeros, infinities and NaN, one thread or two."""
+def with_threads(threads: int, call):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return call()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_encode_kernels_equal_the_torch_path():
     if native.library() is None:
         pytest.skip(native.status())
+    check_encode()
+
+
+def check_encode() -> None:
+    """Packing and a quantizer's codes (count of edges below), natively and in torch: every width,
+    lengths that end mid-byte, codes as uint8/int64/bool or a strided view, values on an edge and its
+    float32 neighbours, signed zeros, infinities and NaN, on one thread and on two."""
+    threads = (1, 2) if native.threads(2) == 2 else (1,)  # two only where the kernels share torch's pool
     gen = torch.Generator().manual_seed(3)
     for bits in (1, 2, 4):
-        for n in (1, 7, 9, 1001, 300_001):  # the last is past the kernel's threading threshold
-            codes = torch.randint(0, 2**bits, (n,), generator=gen, dtype=torch.uint8)
-            assert torch.equal(pack(codes, bits, check=False), torch_path(monkeypatch, lambda: pack(codes, bits)))
+        for n in (0, 1, 7, 9, 1001, 600_001):  # the last is past the kernel's threading threshold
+            codes = torch.randint(0, 2**bits, (n,), generator=gen)
+            expected = torch_path(lambda: pack(codes, bits))
+            for view in (codes, codes.to(torch.uint8), codes.repeat_interleave(2)[::2]):
+                for t in threads:
+                    assert torch.equal(with_threads(t, lambda: pack(view, bits, check=False)), expected), (bits, n)
+    signs = torch.rand(1001, generator=gen) > 0.5
+    assert torch.equal(pack(signs, 1), torch_path(lambda: pack(signs, 1)))
     for bits in (1, 2, 3, 4):
         mse = MseQuantizer(torch.linalg.qr(torch.randn(64, 64, generator=gen))[0], bits)
         x = torch.randn(3, 300, 64, generator=gen) / 8
+        planted = torch.cat(
+            [mse.edges, mse.edges.nextafter(torch.tensor(1.0)), mse.edges.nextafter(torch.tensor(-1.0))]
+        )
         flat = x.view(-1)
-        flat[: len(mse.edge_values)] = mse.edges  # exactly on each edge: not below it
-        flat[20:26] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30])
+        flat[: len(planted)] = planted  # on each edge (not below it) and one float32 step either side
+        flat[100:106] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30])
         expected = sum((x > edge).to(torch.uint8) for edge in mse.edge_values)
-        before = torch.get_num_threads()
-        try:
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                assert torch.equal(count_below(x, mse.edges, mse.edge_values), expected)
-        finally:
-            torch.set_num_threads(before)
-        assert torch.equal(mse.encode(x)[0], torch_path(monkeypatch, lambda: mse.encode(x)[0]))
+        for t in threads:
+            assert torch.equal(with_threads(t, lambda: count_below(x, mse.edges, mse.edge_values)), expected)
+        # whole encodes, a prompt's size and a decode step's (torch's bucketize path), a NaN in each
+        for rows in (x, x[0, :2].clone()):
+            rows.view(-1)[5] = float("nan")
+            assert torch.equal(mse.encode(rows)[0], torch_path(lambda: mse.encode(rows)[0]))
 
 
-def test_turboquant_blocks_are_the_same_bytes_natively_and_in_torch(monkeypatch):
+def test_turboquant_blocks_are_the_same_bytes_natively_and_in_torch():
     if native.library() is None:
         pytest.skip(native.status())
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(3, 256, 64, generator=gen)
     sketch = torch.randn(64, 64, generator=gen)
-    for bits in (3, 4):  # 3: sign-magnitude planes of 2 and 1 bits; 4: whole nibbles
-        mse = MseQuantizer(torch.linalg.qr(torch.randn(64, 64, generator=gen))[0], bits)
-        ours, theirs = TurboBlock(x, mse, sketch), torch_path(monkeypatch, lambda: TurboBlock(x, mse, sketch))
-        for name in ("packed", "code_signs", "norms", "signs", "residual_norms"):
-            a, b = getattr(ours, name), getattr(theirs, name)
-            assert (a is None and b is None) or torch.equal(a, b), name
+    for x in (torch.randn(3, 256, 64, generator=gen), torch.randn(3, 1, 64, generator=gen)):  # a prompt, a step
+        for bits in (3, 4):  # 3: sign-magnitude planes of 2 and 1 bits; 4: whole nibbles
+            mse = MseQuantizer(torch.linalg.qr(torch.randn(64, 64, generator=gen))[0], bits)
+            ours, theirs = TurboBlock(x, mse, sketch), torch_path(lambda: TurboBlock(x, mse, sketch))
+            for name in ("packed", "code_signs", "norms", "signs", "residual_norms"):
+                a, b = getattr(ours, name), getattr(theirs, name)
+                assert (a is None and b is None) or torch.equal(a, b), name
+
+
+ENCODE_SCRIPT = (
+    "import hashlib, torch\n"
+    "from kvbench.methods import native\n"
+    "from kvbench.methods.turboquant import MseQuantizer, TurboBlock\n"
+    "gen = torch.Generator().manual_seed(5)\n"
+    "x, sketch = torch.randn(3, 256, 64, generator=gen), torch.randn(64, 64, generator=gen)\n"
+    "mse = MseQuantizer(torch.linalg.qr(torch.randn(64, 64, generator=gen))[0], 3)\n"
+    "block = TurboBlock(x, mse, sketch)\n"
+    "parts = [block.packed, block.code_signs, block.norms, block.signs, block.residual_norms]\n"
+    "print(native.status().split(' ')[0], hashlib.sha256(b''.join(p.numpy().tobytes() for p in parts)).hexdigest())\n"
+)
+
+
+def test_an_encode_with_the_kernels_switched_off_writes_the_same_bytes(tmp_path):
+    """The encode side in a process of its own with KVBENCH_NATIVE_KERNELS=0 against one with the
+    kernels: the same TurboQuant block, byte for byte (`torch_path` above only hides them)."""
+    if native.library() is None:
+        pytest.skip(native.status())
+    env = os.environ | {"KVBENCH_KERNEL_CACHE": str(tmp_path)}
+    run = [sys.executable, "-c", ENCODE_SCRIPT]
+    on = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300, check=True).stdout.split()
+    off = subprocess.run(
+        run, env=env | {"KVBENCH_NATIVE_KERNELS": "0"}, capture_output=True, text=True, timeout=300, check=True
+    ).stdout.split()
+    assert (on[0], off[0]) == ("native", "torch") and on[1] == off[1]

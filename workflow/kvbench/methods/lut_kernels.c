@@ -1,5 +1,6 @@
 /* Decode-time kernels for caches that hold packed low-bit codes (TurboQuant, KIVI): dot products
- * with, and weighted sums of, each token's code values, read straight from the packed bytes.
+ * with, and weighted sums of, each token's code values, read straight from the packed bytes; and,
+ * at the end, two encode-side helpers (a quantizer's codes, bit packing).
  *
  * The torch path unpacks every code of the cache to an fp32 tensor each step (megabytes per layer
  * at 4K tokens), then a matmul reads it back. Here W codes at a time (16 with AVX-512, 8 with AVX2)

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
@@ -30,7 +31,7 @@ ENCODE_SIGNATURES = (
     ("count_below", [_I64, _PTR, _PTR, _INT, _PTR, _INT]),  # (n, x, edges, n_edges, out, threads)
     ("pack_codes", [_I64, _PTR, _INT, _PTR, _INT]),  # (n, codes, bits, out, threads)
 )
-UNSUPPORTED, NO_MEMORY = -1, -2  # the kernels' return codes besides 0
+OK, UNSUPPORTED, NO_MEMORY = 0, -1, -2  # the kernels' return codes
 # What the kernel calls of this process did: "native", or the reason they ran in torch instead.
 CALLS: Counter[str] = Counter()
 
@@ -104,8 +105,16 @@ def _shares_torch_openmp(library: ctypes.CDLL) -> bool:
     return ours is not None and torch_dir is not None and Path(ours).parent == torch_dir
 
 
-@lru_cache(maxsize=1)
+_LOADING = threading.Lock()  # background threads (the serve stage's stores) may load them first
+
+
 def _load() -> tuple[ctypes.CDLL | None, str, bool]:
+    with _LOADING:
+        return _load_once()
+
+
+@lru_cache(maxsize=1)
+def _load_once() -> tuple[ctypes.CDLL | None, str, bool]:
     if os.environ.get("KVBENCH_NATIVE_KERNELS", "1") == "0":
         return None, "torch (native kernels off: KVBENCH_NATIVE_KERNELS=0)", False
     try:
@@ -115,7 +124,7 @@ def _load() -> tuple[ctypes.CDLL | None, str, bool]:
         ).hexdigest()[:16]
         library = ctypes.CDLL(str(_build(cc, key)))
     except (OSError, subprocess.SubprocessError) as error:
-        print(f"kvbench: native decode kernels unavailable, using the torch path: {error}", file=sys.stderr)
+        print(f"kvbench: native kernels unavailable, using the torch path: {error}", file=sys.stderr)
         return None, f"torch (native kernels unavailable: {str(error)[:200]})", False
     isa = library.kernel_isa()
     if not isa:
@@ -140,7 +149,7 @@ def threads(wanted: int) -> int:
 
 
 def status() -> str:
-    """Which decode kernels this process has, and what its kernel calls did, for provenance."""
+    """Which kernels this process has, and what its decode kernel calls did, for provenance."""
     if not CALLS:
         return f"{_load()[1]}; no kernel calls"
     return f"{_load()[1]}; kernel calls: " + ", ".join(f"{n} {what}" for what, n in sorted(CALLS.items()))

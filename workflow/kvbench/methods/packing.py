@@ -28,14 +28,15 @@ def pack(codes: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:
     the caller's codes are in range by construction; skips two reductions per call)."""
     if bits not in (1, 2, 3, 4, 8):
         raise ValueError(f"cannot pack {bits}-bit codes")
+    flat = codes.reshape(-1).to(torch.int32)
     if check:
-        _check_range(codes.reshape(-1).to(torch.int32), bits)
-    if bits in (1, 2, 4) and (library := _library_for(codes)) is not None:
+        _check_range(flat, bits)
+    if bits in (1, 2, 4) and (library := _encoder(codes)) is not None:
+        # in range (checked, or by the caller's construction), so uint8 loses nothing
         small = codes.reshape(-1).to(torch.uint8).contiguous()
         out = torch.empty(packed_bytes(small.numel(), bits), dtype=torch.uint8)
-        library.pack_codes(small.numel(), small.data_ptr(), bits, out.data_ptr(), _threads())
-        return out
-    flat = codes.reshape(-1).to(torch.int32)
+        if library.pack_codes(small.numel(), small.data_ptr(), bits, out.data_ptr(), _threads()) == native.OK:
+            return out
     per_group = 8 if bits == 3 else 8 // bits  # codes per packing group
     group_bytes = 3 if bits == 3 else 1
     pad = (-flat.numel()) % per_group
@@ -201,15 +202,10 @@ def _row_codes(packed: torch.Tensor, bits: int, signs: torch.Tensor | None) -> i
     return packed.shape[-1] * 4 if signs is not None else packed.shape[-1] * 8 // bits
 
 
-def _library_for(x: torch.Tensor) -> ctypes.CDLL | None:
-    """The native kernels for a call on `x`, or None (its reason counted in `native.CALLS`) where
-    the torch path runs."""
-    if x.device.type != "cpu":  # checked first: a GPU host builds nothing
-        native.CALLS["torch (not on the CPU)"] += 1
-        return None
-    library = native.library()
-    native.CALLS["native" if library is not None else "torch (no native kernels)"] += 1
-    return library
+def _encoder(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The native kernels for an encode-side call on `x` (CPU only), or None: the torch path runs.
+    Not counted in `native.CALLS`, which tells the decode kernels' calls (provenance)."""
+    return native.library() if x.device.type == "cpu" else None
 
 
 def _threads() -> int:
@@ -218,15 +214,16 @@ def _threads() -> int:
 
 def count_below(x: torch.Tensor, edges: torch.Tensor, edge_values: tuple[float, ...]) -> torch.Tensor | None:
     """uint8 codes of a scalar quantizer: how many of the sorted `edges` lie strictly below each
-    element of x, by the native kernel; None where the torch path runs."""
-    library = _library_for(x)
+    element of float32 `x` (NaN: none), by the native kernel; None where the torch path runs
+    (another dtype included: torch compares in x's dtype)."""
+    library = _encoder(x) if x.dtype == torch.float32 else None
     if library is None:
         return None
-    x = x.to(torch.float32).contiguous()
+    x = x.contiguous()
     edges = edges.to(device="cpu", dtype=torch.float32).contiguous()
     out = torch.empty(x.shape, dtype=torch.uint8)
-    library.count_below(x.numel(), x.data_ptr(), edges.data_ptr(), len(edge_values), out.data_ptr(), _threads())
-    return out
+    code = library.count_below(x.numel(), x.data_ptr(), edges.data_ptr(), len(edge_values), out.data_ptr(), _threads())
+    return out if code == native.OK else None
 
 
 def _native(

@@ -96,8 +96,9 @@ class MseQuantizer:
         # search several times over, and a decode step's few vectors take one op.
         if (codes := count_below(rotated, self.edges, self.edge_values)) is not None:
             return codes, norms.to(torch.float16)
-        if rotated.numel() < 1 << 14:
-            return torch.bucketize(rotated, self.edges).to(torch.uint8), norms.to(torch.float16)
+        if rotated.numel() < 1 << 14:  # NaN codes to 0 as in the comparisons (bucketize puts it last)
+            codes = torch.bucketize(rotated, self.edges).masked_fill_(rotated.isnan(), 0)
+            return codes.to(torch.uint8), norms.to(torch.float16)
         codes = torch.zeros(rotated.shape, dtype=torch.uint8, device=rotated.device)
         for edge in self.edge_values:
             codes += rotated > edge
