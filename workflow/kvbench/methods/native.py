@@ -1,5 +1,6 @@
 """The compiled kernels (`lut_kernels.c`: decode, and the encode side's codes and packing): built
-on first use with the host's C compiler for the CPU it runs on, cached, loaded with ctypes. No torch import here: provenance reports `status()`.
+on first use with the host's C compiler for the CPU it runs on, cached, loaded with ctypes. No
+torch import here: provenance reports `status()`.
 
 The build is keyed by the source, the compiler, its flags and the CPU's feature flags, so a cache
 directory shared between machines (a cluster's home) never hands one CPU another's binary.
@@ -26,11 +27,13 @@ SOURCE = Path(__file__).with_name("lut_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # (groups, tokens, rows, dim, layout, bits, packed, signs, values, query|weights, span|cols, out, threads)
-SIGNATURE = [_I64, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _INT]
-ENCODE_SIGNATURES = (
-    ("count_below", [_I64, _PTR, _PTR, _INT, _PTR, _INT]),  # (n, x, edges, n_edges, out, threads)
-    ("pack_codes", [_I64, _PTR, _INT, _PTR, _INT]),  # (n, codes, bits, out, threads)
-)
+_DECODE = [_I64, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _INT]
+SIGNATURES = {
+    "level_dots": _DECODE,
+    "level_sums": _DECODE,
+    "count_below": [_I64, _PTR, _PTR, _INT, _PTR, _INT],  # (n, x, edges, n_edges, out, threads)
+    "pack_codes": [_I64, _PTR, _INT, _PTR, _INT],  # (n, codes, bits, out, threads)
+}
 OK, UNSUPPORTED, NO_MEMORY = 0, -1, -2  # the kernels' return codes
 # What the kernel calls of this process did: "native", or the reason they ran in torch instead.
 CALLS: Counter[str] = Counter()
@@ -129,7 +132,7 @@ def _load_once() -> tuple[ctypes.CDLL | None, str, bool]:
     isa = library.kernel_isa()
     if not isa:
         return None, "torch (native kernels need AVX2 or AVX-512; this CPU has neither)", False
-    for name, signature in (*((name, SIGNATURE) for name in ("level_dots", "level_sums")), *ENCODE_SIGNATURES):
+    for name, signature in SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = signature, _INT
     shared = _shares_torch_openmp(library)

@@ -28,15 +28,15 @@ def pack(codes: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:
     the caller's codes are in range by construction; skips two reductions per call)."""
     if bits not in (1, 2, 3, 4, 8):
         raise ValueError(f"cannot pack {bits}-bit codes")
-    flat = codes.reshape(-1).to(torch.int32)
     if check:
-        _check_range(flat, bits)
+        _check_range(codes, bits)
     if bits in (1, 2, 4) and (library := _encoder(codes)) is not None:
         # in range (checked, or by the caller's construction), so uint8 loses nothing
         small = codes.reshape(-1).to(torch.uint8).contiguous()
         out = torch.empty(packed_bytes(small.numel(), bits), dtype=torch.uint8)
         if library.pack_codes(small.numel(), small.data_ptr(), bits, out.data_ptr(), _threads()) == native.OK:
             return out
+    flat = codes.reshape(-1).to(torch.int32)
     per_group = 8 if bits == 3 else 8 // bits  # codes per packing group
     group_bytes = 3 if bits == 3 else 1
     pad = (-flat.numel()) % per_group
@@ -212,7 +212,7 @@ def _threads() -> int:
     return native.threads(torch.get_num_threads())
 
 
-def count_below(x: torch.Tensor, edges: torch.Tensor, edge_values: tuple[float, ...]) -> torch.Tensor | None:
+def count_below(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor | None:
     """uint8 codes of a scalar quantizer: how many of the sorted `edges` lie strictly below each
     element of float32 `x` (NaN: none), by the native kernel; None where the torch path runs
     (another dtype included: torch compares in x's dtype)."""
@@ -222,7 +222,7 @@ def count_below(x: torch.Tensor, edges: torch.Tensor, edge_values: tuple[float, 
     x = x.contiguous()
     edges = edges.to(device="cpu", dtype=torch.float32).contiguous()
     out = torch.empty(x.shape, dtype=torch.uint8)
-    code = library.count_below(x.numel(), x.data_ptr(), edges.data_ptr(), len(edge_values), out.data_ptr(), _threads())
+    code = library.count_below(x.numel(), x.data_ptr(), edges.data_ptr(), edges.numel(), out.data_ptr(), _threads())
     return out if code == native.OK else None
 
 

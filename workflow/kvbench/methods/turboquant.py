@@ -94,7 +94,7 @@ class MseQuantizer:
         # The code is the number of edges below: the native kernel counts them in one pass; in
         # torch, for a prompt, a few vectorized comparisons beat bucketize's per-element binary
         # search several times over, and a decode step's few vectors take one op.
-        if (codes := count_below(rotated, self.edges, self.edge_values)) is not None:
+        if (codes := count_below(rotated, self.edges)) is not None:
             return codes, norms.to(torch.float16)
         if rotated.numel() < 1 << 14:  # NaN codes to 0 as in the comparisons (bucketize puts it last)
             codes = torch.bucketize(rotated, self.edges).masked_fill_(rotated.isnan(), 0)
