@@ -354,13 +354,15 @@ def test_a_cluster_config_is_whole_and_the_default_is_not_merged_under_it_from_t
     assert "config/config.yaml is extended" not in dry.stdout + dry.stderr
 
 
-def test_an_overlay_names_the_default_first_and_is_valid_over_it():
+@pytest.mark.parametrize("overlay", ["evidence.yaml", "avx2.yaml"])
+def test_an_overlay_names_the_default_first_and_is_valid_over_it(overlay):
     from snakemake.utils import update_config
 
     merged = default_config()
-    update_config(merged, yaml.safe_load((REPO / "config" / "evidence.yaml").read_text()))
+    update_config(merged, yaml.safe_load((REPO / "config" / overlay).read_text()))
     check_config(merged, SCHEMA)
-    both = ["--configfile", "config/config.yaml", "config/evidence.yaml"]  # as config/evidence.yaml says
+    both = ["--configfile", "config/config.yaml", f"config/{overlay}"]  # as the overlay's header says
+    assert " ".join(both) in (REPO / "config" / overlay).read_text()
     dry = subprocess.run(
         [SNAKEMAKE, "-n", "--quiet", "rules", *both], cwd=REPO, capture_output=True, text=True, timeout=600
     )
