@@ -29,13 +29,17 @@ $(STAMP): envs/cpu.txt pyproject.toml Makefile
 run: report
 
 # The config files of the default run on this CPU: config/avx2.yaml over the default where the
-# CPU lacks AVX-512 BF16 (kvbench.sizing); `make run SIZING=` runs the default as it is.
-SIZING ?= $(shell $(BIN)/python -m kvbench.sizing)
+# CPU lacks AVX-512 BF16 (kvbench.sizing, run in the recipe so that its failure stops make);
+# `make run SIZING=` runs the default as it is, `SIZING='--configfile …'` names the files.
+ifeq ($(origin SIZING),undefined)
+SIZED := $$($(BIN)/python -m kvbench.sizing)
+else
+SIZED := $(SIZING)
+endif
 
 # Brings every stage up to date (the report stage last), then the self-contained HTML report.
 report: setup
-	$(BIN)/snakemake --cores $(CORES) $(SIZING)
-	$(BIN)/snakemake --report $(REPORT_HTML) $(SIZING)
+	sized="$(SIZED)" && $(BIN)/snakemake --cores $(CORES) $$sized && $(BIN)/snakemake --report $(REPORT_HTML) $$sized
 
 # Snapshots the tables the docs quote from results/ into docs/data/, then rewrites every generated
 # region of the docs from it (no figure in the docs is typed by hand: docs/README.md).
@@ -97,7 +101,7 @@ bench-prefill: setup
 	$(BIN)/python bench/shared_prefill.py
 
 bench-core: setup
-	$(BIN)/snakemake --cores $(CORES) results/kv/memory_probe.parquet
+	sized="$(SIZED)" && $(BIN)/snakemake --cores $(CORES) results/kv/memory_probe.parquet $$sized
 	$(BIN)/python bench/codec_overhead.py
 	$(BIN)/python bench/serve_transfer.py
 	$(BIN)/python bench/turboquant_scores.py

