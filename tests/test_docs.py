@@ -411,9 +411,10 @@ def test_the_overhead_finding_reads_the_verdicts_of_real_weights():
         ]
     )
     assert say("finding-overhead", rows) == (
-        "TTFT with our connector over a recompute's, warm-up storing all 3 codecs in the background: realistic "
-        "1.07 [0.98, 1.13] (within 1.15x at n=6); misses on realistic documents (each storing its codec): over "
-        "1.15x for fp8; undecided for none; within 1.15x for zstd-3 (95 % intervals, budget 1.15×)"
+        "TTFT with our connector over a recompute's (geometric mean of paired ratios), warm-up storing all 3 codecs "
+        "in the background: realistic 1.07 [0.98, 1.13] (within 1.15x at n=6); misses on realistic documents (each "
+        "storing its codec): over 1.15x for fp8 1.3 [1.2, 1.4] (n=7); undecided for none 1.05 [1.01, 1.18] (n=7); "
+        "within 1.15x for zstd-3 1.1 [1.02, 1.13] (n=7) (95 % intervals, budget 1.15×)"
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -502,7 +503,11 @@ def main_cells(
             # prefixes per level
             level_seed = seed + 1000 * c + level_index
             planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, level_seed)
-            for backend, codec in _query_cells(backends, s, swept, level_index):
+            order = _query_cells(backends, s, swept, level_index)
+            # a seeded order per level: drift over the level's rounds lands on no cell systematically
+            # (recompute, the pairs' reference, is not always first; the last codec not always last)
+            random.Random(level_seed).shuffle(order)
+            for backend, codec in order:
                 load = codec if backend == "valkey" else None
                 cell = Cell(backend, codec, corpus, planned, load, (load,) if load else (), 0)
                 cells.append(level_cell(cell, in_flight, rate, ARRIVAL_SEED + level_seed))

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.kv.summary import pooled_ratios
-from kvbench.serve.intervals import LEVEL, RESAMPLES, bootstrap, paired_ratio_of_medians
+from kvbench.serve.intervals import LEVEL, RESAMPLES, bootstrap, paired_log_ratio
 from kvbench.serve.stage import DTYPE_BYTES
 
 # vLLM's cache dtype names -> the kv stage's storage dtype names
@@ -172,17 +172,17 @@ def _first_level(group: pd.DataFrame) -> pd.DataFrame:
     return query[query.concurrency == query.concurrency.min()] if len(query) else query
 
 
-def _versus_recompute(
-    requests: pd.DataFrame, rows: pd.DataFrame, weights: str, corpus: str, seed: int, warmup: bool
-) -> dict:
-    """median TTFT of `rows` / a recompute's median TTFT, paired. A query-round request pairs with
+def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, corpus: str, warmup: bool) -> dict:
+    """TTFT of `rows` over a recompute's, paired: the geometric mean of the pairs' ratios with its
+    t-interval (kvbench.serve.intervals.paired_log_ratio). A query-round request pairs with
     recompute's request at the same place of the same round plan (every cell of a level runs the
     same plan, at the same concurrency). A warm-up request pairs by document with the prefix
     warm-up, where the server ran one: the same cold prefill of the same document with nothing
     stored outside vLLM, in the round just before (the query rounds run minutes later); else with
-    recompute's median on the document (taken as exact). The interval resamples the pairs. The
-    pairs share their prompts, not their time: rounds run one after another, so drift between
-    them is in the ratio and not in its interval. Both n: pairs, the reference's requests."""
+    recompute's median on the document (taken as exact). The
+    pairs share their prompts, not their time: a level's rounds run one after another (in a seeded
+    order), so drift between them is in the ratio and not in its interval. Both n: pairs, the
+    reference's requests."""
     level = rows.concurrency.min() if len(rows) else None
     requests = with_rate(requests)
     mine = (requests.weights == weights) & (requests.corpus == corpus)
@@ -202,7 +202,7 @@ def _versus_recompute(
     # one request per index in a round (the median of one); several per document
     measured, theirs = rows.groupby(by).ttft_s.median(), ref.groupby(by).ttft_s.median()
     pairs = pd.concat([measured.rename("a"), theirs.rename("b")], axis=1, join="inner")
-    ratio, low, high, n = paired_ratio_of_medians(pairs.a.to_numpy(), pairs.b.to_numpy(), seed)
+    ratio, low, high, n = paired_log_ratio(pairs.a.to_numpy(), pairs.b.to_numpy())
     return {
         "vs_recompute": ratio,
         "vs_recompute_ci_low": low,
@@ -298,7 +298,7 @@ def offload_table(
         }
         if backend == "valkey":
             measured, name = (warm, "warmup") if codec == "all" else (misses, "miss")
-            versus = _versus_recompute(requests, measured, weights, corpus, seed, warmup=name == "warmup")
+            versus = _versus_recompute(requests, measured, weights, corpus, warmup=name == "warmup")
             row |= {f"{name}_{k}": v for k, v in versus.items()}
             row["overhead_budget"] = overhead_budget
             row["overhead_verdict"] = overhead_verdict(
