@@ -378,8 +378,15 @@ def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
         for d in range(4)
     ]
     requests = compare_outputs(join_transfers(pd.DataFrame(rows + prefix), transfers))
-    warm = offload_table(requests, transfers, pd.DataFrame(), KV).set_index("codec").loc["all"]
+    table = offload_table(requests, transfers, pd.DataFrame(), KV).set_index("codec")
+    warm = table.loc["all"]
     assert warm.warmup_vs_recompute == pytest.approx(0.5) and warm.warmup_recompute_n == 4
+    # the prefix backend's query misses pair with recompute's as the no-effect control, with no verdict
+    rows = table.reset_index()
+    control = rows[(rows.backend == "prefix") & (rows.corpus == "realistic")].iloc[0]
+    assert control.miss_vs_recompute == pytest.approx(math.exp(np.mean(np.log([100 / t for t in ttfts[:4]]))))
+    assert (control.miss_vs_recompute_n, control.miss_vs_recompute_paired_by) == (4, "request")
+    assert pd.isna(control.overhead_verdict)
     assert warm.warmup_vs_recompute_paired_by == "document (prefix warm-up)"
 
 

@@ -138,6 +138,13 @@ def overhead(t: pd.DataFrame) -> str:
         )
         for verdict, group in misses.groupby("verdict", sort=True)
     )
+    control = t[(t.backend == "prefix") & (t.weights == "real") & (t.corpus == "realistic")]
+    if "miss_vs_recompute" in control and control.miss_vs_recompute.notna().any():
+        c = control.iloc[0]
+        tally += (
+            f"; the control, vLLM's prefix-cache misses (nothing offloaded: the rounds' drift and noise), "
+            f"{fmt(c.miss_vs_recompute)}{interval(c, 'miss_vs_recompute')} (n={c.miss_vs_recompute_n:.0f})"
+        )
     return (
         f"TTFT with our connector over a recompute's (geometric mean of paired ratios), warm-up storing all "
         f"{codecs} codecs in the background: {', '.join(shown)}; misses on realistic documents (each storing "

@@ -296,6 +296,11 @@ def offload_table(
             "integrity_failures": int(group.integrity_failure.notna().sum()),
             "lookups_with_queued_stores": int((group.queued_chunks.fillna(0) > 0).sum()),
         }
+        if backend == "prefix" and len(misses):
+            # the no-effect control: a prefix-cache miss is recompute's full prefill with nothing
+            # offloaded, so its ratio is the rounds' drift and noise that the verdicts face
+            versus = _versus_recompute(requests, misses, weights, corpus, warmup=False)
+            row |= {f"miss_{k}": v for k, v in versus.items()}
         if backend == "valkey":
             measured, name = (warm, "warmup") if codec == "all" else (misses, "miss")
             versus = _versus_recompute(requests, measured, weights, corpus, warmup=name == "warmup")
