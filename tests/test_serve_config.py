@@ -131,32 +131,73 @@ def test_a_vllm_native_cache_runs_the_load_sweep_and_an_example_server_one_level
     assert {c.concurrency for c in example} == {s.max_inflight} and {c.codec for c in example} == {"safetensors"}
 
 
-def test_a_levels_rounds_run_in_an_order_shuffled_by_the_seed():
-    """Drift over a level's rounds must not land on one cell systematically: recompute (every pair's
-    reference) is not always the first round, the order is the seed's, and every cell still runs."""
+def _default_cells(seed: int, blocks: int | None = None):
     from kvbench.serve.stage import ServeSettings, main_cells
 
     config = default_config()
+    if blocks is not None:
+        config["serve"]["interleave_blocks"] = blocks
     check_config(config, SCHEMA)
     s = ServeSettings.of(config["serve"])
     docs = {c: {f"{c}{i}": f"text {c} {i}" for i in range(s.docs_per_corpus)} for c in s.corpora}
+    return s, main_cells("main", ["recompute", "prefix", "valkey"], s, docs, seed)
 
-    def orders(seed):
-        cells = [
-            c
-            for c in main_cells("main", ["recompute", "prefix", "valkey"], s, docs, seed)
-            if c.planned[0].round == "query"
-        ]
-        by_level = {}
-        for c in cells:
-            by_level.setdefault((c.corpus, c.concurrency), []).append((c.backend, c.codec))
-        return by_level
 
-    first, again, other = orders(3), orders(3), orders(4)
-    assert first == again and first != other
-    assert {order[0] for order in first.values()} != {("recompute", "-")}
-    level = first[("realistic", 1)]
-    assert sorted(level) == sorted([("recompute", "-"), ("prefix", "-")] + [("valkey", c) for c in s.codecs])
+def test_the_first_level_runs_interleaved_blocks_of_one_plan_in_an_order_shuffled_by_the_seed():
+    """The verdicts' pairs must not sit rounds apart: at a corpus's first level every cell asks
+    each slice of the one plan before any cell asks the next, in a seeded order per block
+    (recompute, every pair's reference, not always first); the slices cover the plan once per cell."""
+    s, cells = _default_cells(3)
+    assert s.interleave_blocks > 1
+    level = [c for c in cells if c.corpus == "realistic" and c.planned[0].round == "query" and c.concurrency == 1]
+    kinds = sorted({(c.backend, c.codec) for c in level})
+    assert kinds == sorted([("recompute", "-"), ("prefix", "-")] + [("valkey", c) for c in s.codecs])
+    runs = [level[i : i + len(kinds)] for i in range(0, len(level), len(kinds))]
+    assert len(runs) == s.interleave_blocks
+    orders = []
+    for block in runs:
+        assert sorted((c.backend, c.codec) for c in block) == kinds  # every cell once per block
+        assert len({tuple(p.index for p in c.planned) for c in block}) == 1  # the same slice
+        orders.append([(c.backend, c.codec) for c in block])
+    assert len({tuple(o) for o in orders}) > 1 and {o[0] for o in orders} != {("recompute", "-")}
+    for kind in kinds:
+        asked = [p.index for c in level if (c.backend, c.codec) == kind for p in c.planned]
+        assert asked == list(range(len(asked)))  # the plan in order, once
+    again, other = _default_cells(3)[1], _default_cells(4)[1]
+    assert [(c.backend, c.codec) for c in again] == [(c.backend, c.codec) for c in cells]
+    assert [(c.backend, c.codec) for c in other] != [(c.backend, c.codec) for c in cells]
+    # off the first level, each cell's round is whole; a whole prefix round asks its documents first
+    whole = [
+        c for c in cells if c.planned[0].round == "rewarm" or (c.planned[0].round == "query" and c.concurrency != 1)
+    ]
+    planned = sum(len(c.planned) for c in level) // len(kinds)
+    assert all(len(c.planned) == planned for c in whole if c.planned[0].round == "query")
+    warmup = next(c for c in cells if c.backend == "valkey" and c.planned[0].round == "warmup")
+    prefix_rounds = [i for i, c in enumerate(whole) if c.backend == "prefix" and c.planned[0].round == "query"]
+    assert prefix_rounds
+    for i in prefix_rounds:
+        before = whole[i - 1]
+        assert before.backend == "prefix" and before.planned[0].round == "rewarm"
+        assert [(p.doc_id, p.prompt) for p in before.planned] == [(p.doc_id, p.prompt) for p in warmup.planned]
+    assert not any(c.planned[0].round == "rewarm" for c in level)  # interleaved blocks keep them fresh
+
+
+def test_the_prefix_warm_up_runs_in_halves_either_side_of_the_valkey_warm_up():
+    """The warm-up pairs' reference brackets Valkey's warm-up in time (A-B-A), each document once;
+    with interleaving off the query rounds run whole, one per cell and level, in a seeded order."""
+    s, cells = _default_cells(3)
+    for corpus in s.corpora:
+        warm = [c for c in cells if c.corpus == corpus and c.planned[0].round == "warmup"]
+        assert [c.backend for c in warm] == ["prefix", "valkey", "prefix"]
+        prefix_docs = [p.doc_id for c in warm if c.backend == "prefix" for p in c.planned]
+        assert prefix_docs == [p.doc_id for p in warm[1].planned]
+        assert len(warm[0].planned) == len(warm[2].planned) == s.docs_per_corpus // 2
+        # a corpus's warm-ups come right before its query rounds (its prefix documents still cached)
+        first = cells.index(warm[0])
+        assert all(c.corpus == corpus for c in cells[first : first + 4])
+    _, plain = _default_cells(3, blocks=1)
+    query = [c for c in plain if c.planned[0].round == "query" and c.corpus == "realistic" and c.concurrency == 1]
+    assert len(query) == 2 + len(s.codecs) and len({len(c.planned) for c in query}) == 1
 
 
 def test_open_loop_levels_follow_the_closed_ones_with_one_plan_and_its_arrivals_per_level():

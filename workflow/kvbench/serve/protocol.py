@@ -13,7 +13,9 @@ REPEAT_MODES = ("random", "tile", "interleave")
 
 @dataclass(frozen=True)
 class Planned:
-    round: str  # warmup | query | fault
+    round: (
+        str  # warmup | rewarm (a whole prefix round's documents asked again first; no figure reads it) | query | fault
+    )
     index: int  # position in the round
     doc_id: str
     prompt: str

@@ -2,13 +2,14 @@
 return the request rows, the server's metric deltas per round and the connector's transfers.
 
 Every server gets the same pre-warm (long_doc_qa's five "hi" prompts) before any measured round.
-The main server (real weights) then runs, per corpus, the warm-ups (vLLM's prefix cache; Valkey
-storing every codec at once), and the query rounds: on the load corpora a concurrency sweep (each
-backend x codec a round per level, with enough requests for `hits_per_cell` hits) and then, at
-each `load.rates` level, the same kind of round sent open loop (Poisson arrivals), elsewhere one
-round per backend at `max_inflight` (Valkey with the first codec). After every Valkey round the
-stage waits until the store's tally of queued chunks is 0, so background stores never overlap the
-next round. The dummy-weights server runs the Valkey warm-up and query rounds; the fault round
+The main server (real weights) then runs, per corpus, the warm-ups (Valkey storing every codec at
+once, between the two halves of vLLM's prefix-cache warm-up), and the query rounds: on the load
+corpora a concurrency sweep (each backend x codec a round per level, with enough requests for
+`hits_per_cell` hits; the first level interleaved in blocks) and then, at each `load.rates` level,
+the same kind of round sent open loop (Poisson arrivals), elsewhere one round per backend at
+`max_inflight` (Valkey with the first codec), interleaved likewise. After every Valkey round (or
+block) the stage waits until the store's tally of queued chunks is 0, so background stores never
+overlap another cell's requests. The dummy-weights server runs the Valkey warm-up and query rounds; the fault round
 (main server) kills Valkey in the middle of a pass, while a request streams, and starts it again.
 """
 
@@ -82,6 +83,7 @@ class ServeSettings:
     store: Mapping[str, Any]
     fault_round: bool
     valkey: Mapping[str, Any]
+    interleave_blocks: int = 1
 
     @classmethod
     def of(cls, cfg: Mapping[str, Any]) -> "ServeSettings":
@@ -482,35 +484,65 @@ def level_cell(cell: Cell, in_flight: int, rate: float, seed: int) -> Cell:
     return replace(cell, concurrency=0, rate_rps=rate, arrivals=tuple(poisson_arrivals(len(cell.planned), rate, seed)))
 
 
+def warmup_cells(backends: list[str], s: ServeSettings, prompts: dict[str, str], corpus: str) -> list[Cell]:
+    """A corpus's warm-ups: Valkey storing every codec, and vLLM's prefix cache, the reference its
+    requests pair with by document, in halves either side of it (A-B-A: a drift that is linear
+    over the warm-ups cancels in the pairs' mean instead of landing on one side)."""
+    planned = warmup_round(prompts)
+    valkey = (
+        [Cell("valkey", ALL_CODECS, corpus, planned, None, s.codecs, s.max_inflight)] if "valkey" in backends else []
+    )
+    if "prefix" not in backends:
+        return valkey
+    half = len(planned) // 2 if valkey else 0
+    parts = [planned[:half], planned[half:]] if half else [planned]
+    before, *after = [Cell("prefix", NO_CODEC, corpus, part, None, (), s.max_inflight) for part in parts]
+    return [before, *valkey, *after]
+
+
+def plan_blocks(planned: list[Planned], count: int) -> list[list[Planned]]:
+    """`planned` cut into `count` consecutive slices of near-equal size (no empty one)."""
+    count = max(1, min(count, len(planned)))
+    size, extra = divmod(len(planned), count)
+    bounds = [i * size + min(i, extra) for i in range(count + 1)]
+    return [planned[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def main_cells(
     server: str, backends: list[str], s: ServeSettings, docs: dict[str, dict[str, str]], seed: int
 ) -> list[Cell]:
-    """The main server's rounds in order (the fault round after them): warm-ups, then query rounds
-    per corpus, concurrency level and cell (kvbench.resources counts them for the cluster profile)."""
+    """The main server's rounds in order (the fault round after them), per corpus: its warm-ups,
+    then its query rounds per level and cell (kvbench.resources counts them for the cluster
+    profile). The first closed-loop level, whose pairs decide the overhead verdicts, runs in
+    `interleave_blocks` blocks, each a slice of the level's plan asked by every cell in a seeded
+    order, so a request and the recompute request it pairs with run seconds apart, not rounds
+    apart; the other levels run each cell's round whole, in a seeded order. A whole prefix round
+    starts with the warm-up's requests again (round `rewarm`): the rounds before it, other
+    backends' requests under their own salts, may have evicted its documents from vLLM's cache."""
     cells = []
-    for corpus in s.corpora:
-        if "prefix" in backends:
-            cells.append(Cell("prefix", NO_CODEC, corpus, warmup_round(docs[corpus]), None, (), s.max_inflight))
-        if "valkey" in backends:
-            cells.append(Cell("valkey", ALL_CODECS, corpus, warmup_round(docs[corpus]), None, s.codecs, s.max_inflight))
     for c, corpus in enumerate(s.corpora):
+        cells += warmup_cells(backends, s, docs[corpus], corpus)
         swept = corpus in s.load["corpora"] and server == "main"
         count = s.repeat_count
         if swept:
             count = max(count, repeats_for_hits(len(docs[corpus]), s.hit_miss_ratio, int(s.load["hits_per_cell"])))
+        rewarm = [replace(p, round="rewarm") for p in warmup_round(docs[corpus])]
         for level_index, (in_flight, rate) in enumerate(sweep_levels(s, swept)):
             # one plan (and arrival times) per level, the same for every cell (paired), other miss
             # prefixes per level
             level_seed = seed + 1000 * c + level_index
             planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, level_seed)
-            order = _query_cells(backends, s, swept, level_index)
-            # a seeded order per level: drift over the level's rounds lands on no cell systematically
-            # (recompute, the pairs' reference, is not always first; the last codec not always last)
-            random.Random(level_seed).shuffle(order)
-            for backend, codec in order:
-                load = codec if backend == "valkey" else None
-                cell = Cell(backend, codec, corpus, planned, load, (load,) if load else (), 0)
-                cells.append(level_cell(cell, in_flight, rate, ARRIVAL_SEED + level_seed))
+            parts = plan_blocks(planned, s.interleave_blocks if level_index == 0 and not rate else 1)
+            rng = random.Random(level_seed)
+            for part in parts:
+                order = _query_cells(backends, s, swept, level_index)
+                rng.shuffle(order)
+                for backend, codec in order:
+                    if backend == "prefix" and len(parts) == 1:
+                        cells.append(Cell("prefix", NO_CODEC, corpus, rewarm, None, (), s.max_inflight))
+                    load = codec if backend == "valkey" else None
+                    cell = Cell(backend, codec, corpus, part, load, (load,) if load else (), 0)
+                    cells.append(level_cell(cell, in_flight, rate, ARRIVAL_SEED + level_seed))
     return cells
 
 
