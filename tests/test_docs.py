@@ -416,7 +416,7 @@ def test_the_overhead_finding_reads_the_verdicts_of_real_weights():
         "in the background: realistic 1.07 [0.98, 1.13] (within 1.15x at n=6); misses on realistic documents (each "
         "storing its codec): over 1.15x for fp8 1.3 [1.2, 1.4] (n=7); undecided for none 1.05 [1.01, 1.18] (n=7); "
         "within 1.15x for zstd-3 1.1 [1.02, 1.13] (n=7); the control, vLLM's prefix-cache misses (nothing "
-        "offloaded: the rounds' drift and noise), 1.01 [0.97, 1.06] (n=7) (95 % intervals, budget 1.15×)"
+        "offloaded: the drift and noise left), 1.01 [0.97, 1.06] (n=7) (95 % intervals, budget 1.15×)"
     )
 
 

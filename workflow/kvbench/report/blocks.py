@@ -260,7 +260,8 @@ def _serve_engine(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _serve_vs_recompute(t: pd.DataFrame) -> pd.DataFrame:
-    """TTFT with our connector over recompute's (medians, same weights, corpus and concurrency): the
+    """TTFT with our connector over recompute's (geometric mean of paired ratios, same weights, corpus
+    and concurrency): the
     warm-up that stores every codec, and each codec's misses; each codec's hit TTFT."""
     out = []
     rows = t[(t.backend == "valkey") & t.status.eq("ok")].sort_values(["weights", "corpus", "codec"])

@@ -140,9 +140,9 @@ def overhead(t: pd.DataFrame) -> str:
     )
     control = t[(t.backend == "prefix") & (t.weights == "real") & (t.corpus == "realistic")]
     if "miss_vs_recompute" in control and control.miss_vs_recompute.notna().any():
-        c = control.iloc[0]
+        c = control[control.miss_vs_recompute.notna()].iloc[0]
         tally += (
-            f"; the control, vLLM's prefix-cache misses (nothing offloaded: the rounds' drift and noise), "
+            f"; the control, vLLM's prefix-cache misses (nothing offloaded: the drift and noise left), "
             f"{fmt(c.miss_vs_recompute)}{interval(c, 'miss_vs_recompute')} (n={c.miss_vs_recompute_n:.0f})"
         )
     return (

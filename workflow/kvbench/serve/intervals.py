@@ -52,14 +52,14 @@ def paired_ratio_of_medians(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tupl
 
 
 def paired_log_ratio(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int]:
-    """The geometric mean of a[i] / b[i] over whole pairs, its t-interval (the pairs' log ratios'
+    """The geometric mean of a[i] / b[i] over whole pairs of positive times, its t-interval (the pairs' log ratios'
     mean, Student's t with n - 1 degrees of freedom, back-transformed) and the pairs' n. A ratio of
     paired times is log-symmetric, and at the n a round gives (5-15 pairs) a bootstrap of medians
     has a handful of distinct values and under-covers. Below MIN_UNITS pairs, the point alone."""
     from scipy.stats import t
 
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    keep = ~(np.isnan(a) | np.isnan(b))
+    keep = (a > 0) & (b > 0)  # a NaN compares false: its pair is left out too
     logs = np.log(a[keep] / b[keep])
     n = len(logs)
     if n == 0:
