@@ -512,6 +512,28 @@ def test_candidates_keep_each_rate_a_level_of_its_own_with_no_ratio_to_a_recompu
     assert math.isnan(table.loc[("valkey", 4.0), "goodput_rps_rel"])
 
 
+def test_goodput_counts_a_cells_own_rounds_not_the_other_cells_between_its_blocks():
+    """An interleaved level asks a cell's plan in blocks with other cells' requests between them:
+    its goodput divides by its blocks' own spans (2 x 3 s here), not by first start to last end."""
+    from kvbench.serve.recommend import candidates
+
+    rows = []
+    for block, offset in ((0, 0.0), (1, 100.0)):  # 97 s of other cells' requests between the blocks
+        for i in range(3):
+            index = 3 * block + i
+            rows.append(
+                request("recompute", "-", "query", index, False, "a", f"r{index}", ttft=0.5)
+                | {"rate_rps": 0.0, "block": block, "start": offset + i, "end": offset + i + 1.0}
+                | {"kv_loaded": True, "output_matches_recompute": True}
+            )
+    offload = pd.DataFrame(columns=["backend", "codec", "weights", "corpus", "wire_bytes", "stored_chunks"])
+    table, _ = candidates(pd.DataFrame(rows), offload, ["realistic"], 128, 2.0, seed=0)
+    assert table.goodput_rps.tolist() == pytest.approx([6 / 6.0])
+    # a table from before blocks (no column): one round, first start to last end
+    old, _ = candidates(pd.DataFrame(rows).drop(columns="block"), offload, ["realistic"], 128, 2.0, seed=0)
+    assert old.goodput_rps.tolist() == pytest.approx([6 / 103.0])
+
+
 def test_the_overhead_verdict_is_decided_by_the_interval():
     """Within or over the budget only when the whole interval is on one side; no interval (fewer
     than 5 pairs) or one straddling the budget is undecided, with its n."""

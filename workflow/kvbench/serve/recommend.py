@@ -57,6 +57,15 @@ def _draws(values: np.ndarray, statistic, rng: np.random.Generator) -> np.ndarra
     return np.array([statistic(values[rng.integers(0, len(values), len(values))]) for _ in range(RESAMPLES)])
 
 
+def busy_s(group: pd.DataFrame) -> float:
+    """Seconds a cell's requests took: each of its rounds' first start to last end, summed (an
+    interleaved level asks a cell's plan in several rounds, other cells' between them)."""
+    if group.empty:
+        return math.nan
+    rounds = group.groupby("block") if "block" in group else [(0, group)]
+    return float(sum(r.end.max() - r.start.min() for _, r in rounds))
+
+
 def candidates(
     requests: pd.DataFrame, offload: pd.DataFrame, corpora: list[str], block_size: int, slo: float, seed: int
 ) -> tuple[pd.DataFrame, dict[tuple, dict[str, np.ndarray]]]:
@@ -74,7 +83,7 @@ def candidates(
     rows, draws = [], {}
     for (backend, codec, level, rate), group in query.groupby(["backend", "codec", *LEVEL_KEY], sort=False):
         hits = group[effective_hits(group, backend)]
-        span = (group.end.max() - group.start.min()) if len(group) else math.nan
+        span = busy_s(group)
         good = (group.ttft_s <= slo_s).to_numpy(float)
         ttft = hits.ttft_s.dropna().to_numpy(float)
         same = hits.output_matches_recompute.astype("Float64").dropna().to_numpy(float)

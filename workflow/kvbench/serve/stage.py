@@ -131,10 +131,12 @@ class Rounds:
         fault: "MidRoundKill | None" = None,
         arrivals: Sequence[float] | None = None,
         rate_rps: float = 0.0,
+        block: int = 0,
         **extra: Any,
     ) -> None:
         """One round at `concurrency` requests in flight, or open loop (`arrivals`: each request's
-        send time, at `rate_rps`); Valkey rounds end when their stores have. `fault`: kills Valkey
+        send time, at `rate_rps`); Valkey rounds end when their stores have. `block`: which slice of
+        an interleaved level's plan this round asks (0: a whole round). `fault`: kills Valkey
         during the round and starts it again (what it did goes in the round's metrics)."""
         level = f"r{rate_rps:g}" if arrivals is not None else f"c{concurrency}"
         tags = [
@@ -162,6 +164,7 @@ class Rounds:
             "round": planned[0].round,
             "concurrency": concurrency,
             "rate_rps": float(rate_rps),
+            "block": block,
         }
         for p, tag, body, result in zip(planned, tags, bodies, results):
             self.requests.append(
@@ -208,6 +211,7 @@ class Rounds:
             cell.concurrency,
             arrivals=cell.arrivals,
             rate_rps=cell.rate_rps,
+            block=cell.block,
         )
 
     def flush(self) -> float:
@@ -465,6 +469,7 @@ class Cell:
     concurrency: int
     rate_rps: float = 0.0
     arrivals: tuple[float, ...] | None = None
+    block: int = 0  # the slice of an interleaved level's plan (0: a whole round)
 
 
 def sweep_levels(s: ServeSettings, swept: bool) -> list[tuple[int, float]]:
@@ -534,14 +539,14 @@ def main_cells(
             planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, level_seed)
             parts = plan_blocks(planned, s.interleave_blocks if level_index == 0 and not rate else 1)
             rng = random.Random(level_seed)
-            for part in parts:
+            for block, part in enumerate(parts):
                 order = _query_cells(backends, s, swept, level_index)
                 rng.shuffle(order)
                 for backend, codec in order:
                     if backend == "prefix" and len(parts) == 1:
                         cells.append(Cell("prefix", NO_CODEC, corpus, rewarm, None, (), s.max_inflight))
                     load = codec if backend == "valkey" else None
-                    cell = Cell(backend, codec, corpus, part, load, (load,) if load else (), 0)
+                    cell = Cell(backend, codec, corpus, part, load, (load,) if load else (), 0, block=block)
                     cells.append(level_cell(cell, in_flight, rate, ARRIVAL_SEED + level_seed))
     return cells
 
