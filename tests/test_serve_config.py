@@ -1,6 +1,7 @@
 """Serve settings the schema cannot judge are refused at parse time, naming the key."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -28,6 +29,7 @@ SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
             "serve.fault_round: it kills Valkey",
         ),
         (lambda c: c["serve"]["load"].update(corpora=["imported"]), "serve.load.corpora: 'imported' is not one of"),
+        (lambda c: c["serve"]["load"].update(concurrency=[2, 1]), "serve.load.concurrency: .2, 1. must be strictly"),
         (
             lambda c: c["serve"]["load"].update(codecs=["zstd-9"]),
             "serve.load.codecs: 'zstd-9' is not one of serve.codecs",
@@ -149,7 +151,7 @@ def test_the_first_level_runs_interleaved_blocks_of_one_plan_in_an_order_shuffle
     (recompute, every pair's reference, not always first); the slices cover the plan once per cell."""
     s, cells = _default_cells(3)
     assert s.interleave_blocks > 1
-    level = [c for c in cells if c.corpus == "realistic" and c.planned[0].round == "query" and c.concurrency == 1]
+    level = [c for c in cells if c.corpus == "realistic" and c.planned[-1].round == "query" and c.concurrency == 1]
     kinds = sorted({(c.backend, c.codec) for c in level})
     assert kinds == sorted([("recompute", "-"), ("prefix", "-")] + [("valkey", c) for c in s.codecs])
     runs = [level[i : i + len(kinds)] for i in range(0, len(level), len(kinds))]
@@ -157,11 +159,11 @@ def test_the_first_level_runs_interleaved_blocks_of_one_plan_in_an_order_shuffle
     orders = []
     for block in runs:
         assert sorted((c.backend, c.codec) for c in block) == kinds  # every cell once per block
-        assert len({tuple(p.index for p in c.planned) for c in block}) == 1  # the same slice
+        assert len({tuple((p.index, p.prompt) for p in c.planned) for c in block}) == 1  # the same slice
         orders.append([(c.backend, c.codec) for c in block])
     assert len({tuple(o) for o in orders}) > 1 and {o[0] for o in orders} != {("recompute", "-")}
     for kind in kinds:
-        asked = [p.index for c in level if (c.backend, c.codec) == kind for p in c.planned]
+        asked = [p.index for c in level if (c.backend, c.codec) == kind for p in c.planned if p.round == "query"]
         assert asked == list(range(len(asked)))  # the plan in order, once
     again, other = _default_cells(3)[1], _default_cells(4)[1]
     assert [(c.backend, c.codec) for c in again] == [(c.backend, c.codec) for c in cells]
@@ -170,7 +172,7 @@ def test_the_first_level_runs_interleaved_blocks_of_one_plan_in_an_order_shuffle
     whole = [
         c for c in cells if c.planned[0].round == "rewarm" or (c.planned[0].round == "query" and c.concurrency != 1)
     ]
-    planned = sum(len(c.planned) for c in level) // len(kinds)
+    planned = sum(p.round == "query" for c in level for p in c.planned) // len(kinds)
     assert all(len(c.planned) == planned for c in whole if c.planned[0].round == "query")
     warmup = next(c for c in cells if c.backend == "valkey" and c.planned[0].round == "warmup")
     prefix_rounds = [i for i, c in enumerate(whole) if c.backend == "prefix" and c.planned[0].round == "query"]
@@ -179,25 +181,102 @@ def test_the_first_level_runs_interleaved_blocks_of_one_plan_in_an_order_shuffle
         before = whole[i - 1]
         assert before.backend == "prefix" and before.planned[0].round == "rewarm"
         assert [(p.doc_id, p.prompt) for p in before.planned] == [(p.doc_id, p.prompt) for p in warmup.planned]
-    assert not any(c.planned[0].round == "rewarm" for c in level)  # interleaved blocks keep them fresh
+    # interleaved blocks keep the prefix documents fresh: no rewarm between the level's first cell and its last
+    span = cells[cells.index(level[0]) : cells.index(level[-1]) + 1]
+    assert len(span) == len(level) and not any(p.round == "rewarm" for c in span for p in c.planned)
 
 
-def test_the_prefix_warm_up_runs_in_halves_either_side_of_the_valkey_warm_up():
-    """The warm-up pairs' reference brackets Valkey's warm-up in time (A-B-A), each document once;
+def test_each_block_after_the_first_starts_behind_its_predecessor_in_the_plan():
+    """A block's first request follows the plan's previous request (asked again, a miss under a new
+    prefix so that it stores again), not an idle server after the previous cell's flush; every cell
+    of the block gets the same lead-in, and no figure reads it (round `leadin`)."""
+    from kvbench.serve.protocol import Planned, lead_in
+
+    s, cells = _default_cells(3)
+    level = [c for c in cells if c.corpus == "realistic" and c.planned[-1].round == "query" and c.concurrency == 1]
+    by_block: dict[int, list] = {}
+    for c in level:
+        by_block.setdefault(c.block, []).append(c)
+    assert sorted(by_block) == list(range(s.interleave_blocks))
+    plan = {p.index: p for c in level if c.backend == "recompute" for p in c.planned if p.round == "query"}
+    assert all(p.round == "query" for c in by_block[0] for p in c.planned)
+    leadin_misses = 0
+    for block, group in by_block.items():
+        if not block:
+            continue
+        heads = {c.planned[0] for c in group}
+        assert len(heads) == 1  # the same lead-in for every cell
+        head = heads.pop()
+        first = group[0].planned[1]
+        previous = plan[first.index - 1]
+        assert head.round == "leadin" and sum(p.round == "leadin" for p in group[0].planned) == 1
+        assert (head.index, head.doc_id, head.miss) == (previous.index, previous.doc_id, previous.miss)
+        if head.miss:  # a prefix of its own: what the previous block stored under the old one cannot hit
+            leadin_misses += 1
+            assert head.prompt != previous.prompt and head.prompt.endswith(previous.prompt.split(" ", 1)[1])
+        else:
+            assert head.prompt == previous.prompt
+    miss = Planned("query", 7, "d", "123 text", True)
+    assert lead_in(miss, {"d": "text"}, 1) == lead_in(miss, {"d": "text"}, 1) != lead_in(miss, {"d": "text"}, 2)
+    assert lead_in(replace(miss, miss=False, prompt="text"), {"d": "text"}, 1).prompt == "text"
+
+
+def test_the_prefix_warm_up_runs_before_and_after_the_valkey_warm_up_each_pass_every_document():
+    """The warm-up pairs' reference brackets Valkey's warm-up in time (A-B-A): each document cold in
+    both passes (the pass before under a salt of its own, so that the pass after prefills too);
     with interleaving off the query rounds run whole, one per cell and level, in a seeded order."""
     s, cells = _default_cells(3)
     for corpus in s.corpora:
         warm = [c for c in cells if c.corpus == corpus and c.planned[0].round == "warmup"]
         assert [c.backend for c in warm] == ["prefix", "valkey", "prefix"]
-        prefix_docs = [p.doc_id for c in warm if c.backend == "prefix" for p in c.planned]
-        assert prefix_docs == [p.doc_id for p in warm[1].planned]
-        assert len(warm[0].planned) == len(warm[2].planned) == s.docs_per_corpus // 2
+        docs = [p.doc_id for p in warm[1].planned]
+        for cell, phase in ((warm[0], "before"), (warm[2], "after")):
+            assert [p.doc_id for p in cell.planned] == docs and {p.phase for p in cell.planned} == {phase}
         # a corpus's warm-ups come right before its query rounds (its prefix documents still cached)
         first = cells.index(warm[0])
         assert all(c.corpus == corpus for c in cells[first : first + 4])
     _, plain = _default_cells(3, blocks=1)
     query = [c for c in plain if c.planned[0].round == "query" and c.corpus == "realistic" and c.concurrency == 1]
     assert len(query) == 2 + len(s.codecs) and len({len(c.planned) for c in query}) == 1
+    assert not any(p.round == "leadin" for c in plain for p in c.planned)
+
+
+def test_the_prefix_warm_ups_passes_have_salts_of_their_own_and_the_pass_after_is_the_queries():
+    from kvbench.serve.protocol import Planned
+    from kvbench.serve.stage import Rounds
+
+    rounds = Rounds.__new__(Rounds)
+    rounds.run_id, rounds.connector = "r1", False
+    make = rounds.params("prefix", None, [])
+    salt = {
+        phase: make(Planned("warmup", 0, "d", "x", False, phase), "tag", "realistic")["cache_salt"]
+        for phase in ("before", "after", None)
+    }
+    assert salt["before"] != salt["after"] == salt[None]
+
+
+def test_a_level_with_one_cell_runs_whole():
+    """Interleaving one cell buys nothing and costs a flush and a lead-in per block."""
+    from kvbench.serve.stage import main_cells
+
+    s, _ = _default_cells(3)
+    docs = {c: {f"{c}{i}": f"text {c} {i}" for i in range(s.docs_per_corpus)} for c in s.corpora}
+    dummy = main_cells("dummy", ["valkey"], s, docs, 3)
+    query = [c for c in dummy if c.planned[-1].round == "query"]
+    assert len(query) == len(s.corpora) and {c.block for c in query} == {0}
+    assert not any(p.round == "leadin" for c in dummy for p in c.planned)
+
+
+def test_plan_blocks_cover_the_plan_once_without_empty_slices():
+    from kvbench.serve.protocol import Planned
+    from kvbench.serve.stage import plan_blocks
+
+    plan = [Planned("query", i, "d", "x", False) for i in range(7)]
+    for count in (1, 3, 6, 7, 9):
+        parts = plan_blocks(plan, count)
+        assert [p for part in parts for p in part] == plan and all(parts)
+        assert len(parts) == min(count, 7) and max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert plan_blocks([], 6) == []
 
 
 def test_open_loop_levels_follow_the_closed_ones_with_one_plan_and_its_arrivals_per_level():

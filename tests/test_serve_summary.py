@@ -364,11 +364,13 @@ def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
     assert pd.isna(warm.warmup_vs_recompute_ci_low) and pd.isna(warm.warmup_vs_recompute_ci_high)  # < 5 pairs
     assert (warm.warmup_vs_recompute_n, warm.warmup_vs_recompute_paired_by) == (4, "document (recompute)")
     assert warm.overhead_verdict == "undecided at n=4"
-    # with a prefix warm-up (the same cold prefill, the round before) the warm-up pairs with it instead
+    # with a prefix warm-up (the same cold prefill, a pass before Valkey's and a pass after) the
+    # warm-up pairs with the geometric mean of its document's two: 2x and 8x the median, so 4x
     prefix = [
-        request("prefix", "-", "warmup", d, False, "p", f"p{d}", ttft=4 * (ttfts[d] + ttfts[d + 4]) / 2)
-        | {"doc_id": f"d{d}"}
+        request("prefix", "-", "warmup", d, False, "p", f"p{phase}{d}", ttft=k * (ttfts[d] + ttfts[d + 4]) / 2)
+        | {"doc_id": f"d{d}", "phase": phase}
         for d in range(4)
+        for phase, k in (("before", 2), ("after", 8))
     ]
     # neither the prefix backend's query round nor another corpus's warm-up is the reference
     prefix += [
@@ -381,7 +383,7 @@ def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
     requests = compare_outputs(join_transfers(pd.DataFrame(rows + prefix), transfers))
     table = offload_table(requests, transfers, pd.DataFrame(), KV).set_index("codec")
     warm = table.loc["all"]
-    assert warm.warmup_vs_recompute == pytest.approx(0.5) and warm.warmup_recompute_n == 4
+    assert warm.warmup_vs_recompute == pytest.approx(0.5) and warm.warmup_recompute_n == 8
     # the prefix backend's query misses pair with recompute's as the no-effect control, with no verdict
     rows = table.reset_index()
     control = rows[(rows.backend == "prefix") & (rows.corpus == "realistic")].iloc[0]
@@ -393,7 +395,39 @@ def test_versus_recompute_pairs_requests_by_their_place_in_the_round():
     )
     assert (control.miss_vs_recompute_n, control.miss_vs_recompute_paired_by) == (8, "request")
     assert pd.isna(control.overhead_verdict)
-    assert warm.warmup_vs_recompute_paired_by == "document (prefix warm-up)"
+    assert warm.warmup_vs_recompute_paired_by == "document (prefix warm-up, both passes)"
+
+
+def test_an_interleaved_levels_misses_pair_within_blocks_and_lead_ins_count_nowhere():
+    """Misses in 6 blocks of 2, each block's pair ratio 1.2 or 1.0 in turn: the interval's units are
+    the 6 blocks (the verdict names both counts); a block's lead-in (round `leadin`, a miss at
+    100x) is in no figure."""
+    rows = []
+    for i in range(12):
+        block = i // 2 + 1
+        for backend, codec, k in (("recompute", "-", 1.0), ("valkey", "zstd-3", 1.2 if block % 2 else 1.0)):
+            rows.append(
+                request(backend, codec, "query", i, True, "o", f"{codec}{i}", ttft=k * (1 + i)) | {"block": block}
+            )
+            if i % 2 == 0 and block > 1:
+                lead = request(backend, codec, "leadin", i - 1, True, "o", f"{codec}l{i}", ttft=100.0 * k)
+                rows.append(lead | {"block": block})
+    transfers = pd.DataFrame([{**TRANSFERS.iloc[2].to_dict(), "tag": "zstd-31"}])  # a zstd-3 store event
+    requests = compare_outputs(join_transfers(pd.DataFrame(rows), transfers))
+    table = offload_table(requests, transfers, pd.DataFrame(), KV).set_index("codec")
+    miss = table.loc["zstd-3"]
+    logs = np.log([1.2, 1.0] * 3)
+    assert miss.miss_vs_recompute == pytest.approx(math.exp(logs.mean()))
+    half = scipy.stats.t.ppf(0.975, 5) * logs.std(ddof=1) / math.sqrt(6)
+    assert (miss.miss_vs_recompute_ci_low, miss.miss_vs_recompute_ci_high) == pytest.approx(
+        (math.exp(logs.mean() - half), math.exp(logs.mean() + half))
+    )
+    assert (miss.miss_vs_recompute_n, miss.miss_vs_recompute_units) == (12, 6)
+    assert miss.miss_vs_recompute_paired_by == "request (units: blocks)"
+    assert miss.overhead_verdict.endswith("at n=12 in 6 blocks") and miss.query_misses == 12
+    assert miss.ttft_miss_mean_s == pytest.approx(
+        np.mean([(1.2 if (i // 2 + 1) % 2 else 1.0) * (1 + i) for i in range(12)])
+    )
 
 
 def test_a_level_that_ran_fewer_codecs_says_its_pick_is_among_those(monkeypatch):
@@ -444,18 +478,42 @@ def test_the_paired_log_ratio_interval_covers_the_true_ratio_95_percent_of_the_t
     for _ in range(4000):
         b = rng.uniform(0.1, 1.0, 10)
         a = b * np.exp(np.log(1.1) + rng.normal(0, 0.1, 10))
-        _, low, high, n = paired_log_ratio(a, b)
+        _, low, high, n, units = paired_log_ratio(a, b)
         covered += low <= 1.1 <= high
-    assert n == 10 and 0.94 <= covered / 4000 <= 0.96
+    assert n == units == 10 and 0.94 <= covered / 4000 <= 0.96
+
+
+def test_pairs_of_one_block_share_its_noise_and_the_interval_counts_blocks_not_pairs():
+    """Six blocks of two pairs, each block's pairs sharing a shift (sd 0.1) beside their own noise
+    (sd 0.03): the interval over blocks covers the true 1.1 in 95 % of 4,000 draws; taking the 12
+    pairs as independent covers far less. The point is every pair's mean either way."""
+    rng = np.random.default_rng(11)
+    blocks = np.repeat(np.arange(6), 2)
+    covered = {"blocks": 0, "pairs": 0}
+    for _ in range(4000):
+        b = rng.uniform(0.1, 1.0, 12)
+        shift = rng.normal(0, 0.1, 6)[blocks]
+        a = b * np.exp(np.log(1.1) + shift + rng.normal(0, 0.03, 12))
+        ratio, low, high, n, units = paired_log_ratio(a, b, blocks)
+        covered["blocks"] += low <= 1.1 <= high
+        assert (n, units) == (12, 6) and ratio == pytest.approx(paired_log_ratio(a, b)[0])
+        _, low, high, _, _ = paired_log_ratio(a, b)
+        covered["pairs"] += low <= 1.1 <= high
+    assert 0.94 <= covered["blocks"] / 4000 <= 0.96 and covered["pairs"] / 4000 < 0.85
+    # one pair a block is the plain paired interval; a broken pair leaves its block's count
+    a, b = np.array([1.1, 1.3, 1.2, 1.0, 1.25, np.nan]), np.ones(6)
+    assert paired_log_ratio(a, b, np.arange(6)) == pytest.approx(paired_log_ratio(a, b))
+    assert paired_log_ratio(a, b, np.arange(6))[3:] == (5, 5)
+    assert np.isnan(paired_log_ratio(a, b, np.array([0, 0, 1, 1, 2, 2]))[1])  # 3 blocks: no interval
 
 
 def test_the_paired_log_ratio_counts_whole_pairs_is_symmetric_and_gives_no_interval_below_min_units():
     a = np.array([2.0, 4.0, 6.5, np.nan, 8.0, 100.0, 11.0])
     b = np.array([1.0, 2.0, 3.0, 0.1, 4.0, np.nan, 6.0])
-    ratio, low, high, n = paired_log_ratio(a, b)
-    assert n == 5 and low < ratio < high
+    ratio, low, high, n, units = paired_log_ratio(a, b)
+    assert n == units == 5 and low < ratio < high
     assert ratio == pytest.approx(math.exp(np.mean(np.log([2.0, 2.0, 6.5 / 3, 2.0, 11 / 6]))))
-    assert paired_log_ratio(b, a) == pytest.approx((1 / ratio, 1 / high, 1 / low, 5))
+    assert paired_log_ratio(b, a) == pytest.approx((1 / ratio, 1 / high, 1 / low, 5, 5))
     few = paired_log_ratio(a[: MIN_UNITS - 1], b[: MIN_UNITS - 1])
     assert few[3] == MIN_UNITS - 2 and math.isnan(few[1]) and math.isnan(few[2])
 
@@ -538,6 +596,8 @@ def test_the_overhead_verdict_is_decided_by_the_interval():
     """Within or over the budget only when the whole interval is on one side; no interval (fewer
     than 5 pairs) or one straddling the budget is undecided, with its n."""
     assert overhead_verdict(1.04, 0.98, 1.12, 6, 1.15) == "within 1.15x at n=6"
+    assert overhead_verdict(1.04, 0.98, 1.12, 12, 1.15, 6) == "within 1.15x at n=12 in 6 blocks"
+    assert overhead_verdict(1.04, 0.98, 1.12, 6, 1.15, 6) == "within 1.15x at n=6"
     assert overhead_verdict(1.30, 1.20, 1.45, 6, 1.15) == "over 1.15x at n=6"
     assert overhead_verdict(1.10, 0.95, 1.25, 7, 1.15) == "undecided at n=7"
     assert overhead_verdict(1.05, float("nan"), float("nan"), 4, 1.15) == "undecided at n=4"

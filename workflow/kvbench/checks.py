@@ -59,6 +59,10 @@ def _serve_problems(config: Mapping[str, Any]) -> list[str]:
     for corpus in serve["load"]["corpora"]:
         if corpus not in serve["corpora"]:
             found.append(f"serve.load.corpora: {corpus!r} is not one of serve.corpora {serve['corpora']}")
+    levels = list(serve["load"]["concurrency"])
+    if levels != sorted(set(levels)):
+        # the first level is the interleaved one the overhead verdicts read as the lowest
+        found.append(f"serve.load.concurrency: {levels} must be strictly ascending (the first level is the lowest)")
     for name in serve["load"].get("codecs") or []:
         if name not in serve["codecs"]:
             found.append(f"serve.load.codecs: {name!r} is not one of serve.codecs {serve['codecs']}")

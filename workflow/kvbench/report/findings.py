@@ -141,9 +141,11 @@ def overhead(t: pd.DataFrame) -> str:
     control = t[(t.backend == "prefix") & (t.weights == "real") & (t.corpus == "realistic")]
     if "miss_vs_recompute" in control and control.miss_vs_recompute.notna().any():
         c = control[control.miss_vs_recompute.notna()].iloc[0]
+        units = c.get("miss_vs_recompute_units", c.miss_vs_recompute_n)
+        blocks = f" in {units:.0f} blocks" if units == units and units != c.miss_vs_recompute_n else ""
         tally += (
             f"; the control, vLLM's prefix-cache misses (nothing offloaded: the drift and noise left), "
-            f"{fmt(c.miss_vs_recompute)}{interval(c, 'miss_vs_recompute')} (n={c.miss_vs_recompute_n:.0f})"
+            f"{fmt(c.miss_vs_recompute)}{interval(c, 'miss_vs_recompute')} (n={c.miss_vs_recompute_n:.0f}{blocks})"
         )
     return (
         f"TTFT with our connector over a recompute's (geometric mean of paired ratios), warm-up storing all "

@@ -51,11 +51,17 @@ def paired_ratio_of_medians(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tupl
     return float(np.median(a) / np.median(b)), float(low), float(high), len(a)
 
 
-def paired_log_ratio(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int]:
-    """The geometric mean of a[i] / b[i] over whole pairs of positive times, its t-interval (the pairs' log ratios'
-    mean, Student's t with n - 1 degrees of freedom, back-transformed) and the pairs' n. A ratio of
-    paired times is log-symmetric, and at the n a round gives (5-15 pairs) a bootstrap of medians
-    has a handful of distinct values and under-covers. Below MIN_UNITS pairs, the point alone."""
+def paired_log_ratio(
+    a: np.ndarray, b: np.ndarray, groups: np.ndarray | None = None
+) -> tuple[float, float, float, int, int]:
+    """The geometric mean of a[i] / b[i] over whole pairs of positive times, its t-interval, the
+    pairs' n and the interval's units. A ratio of paired times is log-symmetric, and at the n a
+    round gives (5-15 pairs) a bootstrap of medians has a handful of distinct values and
+    under-covers. The units are the pairs, or with `groups` (a label per pair) the groups: pairs
+    that ran in the same stretch of time share its noise, so the mean log ratio's standard error is
+    the cluster-robust one (each group's summed residuals, the CR1 factor G / (G - 1)) with
+    Student's t at G - 1 degrees of freedom; one pair a group is the plain paired t-interval.
+    Back-transformed. Below MIN_UNITS units, the point alone."""
     from scipy.stats import t
 
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
@@ -63,9 +69,13 @@ def paired_log_ratio(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float,
     logs = np.log(a[keep] / b[keep])
     n = len(logs)
     if n == 0:
-        return math.nan, math.nan, math.nan, 0
+        return math.nan, math.nan, math.nan, 0, 0
     mean = float(logs.mean())
-    if n < MIN_UNITS:
-        return math.exp(mean), math.nan, math.nan, n
-    half = float(t.ppf(0.5 + LEVEL / 2, n - 1) * logs.std(ddof=1) / math.sqrt(n))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half), n
+    labels = np.arange(n) if groups is None else np.unique(np.asarray(groups)[keep], return_inverse=True)[1]
+    units = int(labels.max()) + 1
+    if units < MIN_UNITS:
+        return math.exp(mean), math.nan, math.nan, n, units
+    residuals = np.bincount(labels, weights=logs - mean)
+    se = math.sqrt(units / (units - 1) * float((residuals**2).sum())) / n
+    half = float(t.ppf(0.5 + LEVEL / 2, units - 1)) * se
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half), n, units

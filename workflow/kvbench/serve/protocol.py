@@ -14,13 +14,18 @@ REPEAT_MODES = ("random", "tile", "interleave")
 @dataclass(frozen=True)
 class Planned:
     round: (
-        str  # warmup | rewarm (a whole prefix round's documents asked again first; no figure reads it) | query | fault
+        # warmup | rewarm (a whole prefix round's documents asked again first) | leadin (an interleaved
+        # block's first request's predecessor in the plan, asked again first) | query | fault; no
+        # figure reads rewarm or leadin rows
+        str
     )
     index: int  # position in the round
     doc_id: str
     prompt: str
     miss: bool  # a query-round request with a unique prefix
-    phase: str | None = None  # fault round: before, during (killed and restarted), reloaded
+    # fault round: before, during (killed and restarted), reloaded; the prefix warm-up: before and
+    # after Valkey's warm-up
+    phase: str | None = None
 
 
 def parse_ratio(text: str) -> tuple[int, int]:
@@ -80,6 +85,17 @@ def query_round(
         prompt = f"{rng.randint(-10_000_000, 10_000_000)} {prompts[doc]}" if is_miss else prompts[doc]
         planned.append(Planned(name, i, doc, prompt, is_miss))
     return planned
+
+
+def lead_in(previous: Planned, prompts: dict[str, str], seed: int) -> Planned:
+    """`previous` asked again first, as round `leadin`: a block of an interleaved level then starts
+    behind the request that precedes it in the plan (a miss again a miss, under a prefix of its own,
+    so that its stores are queued as they were), not behind another cell's requests and an empty
+    store queue."""
+    prompt = prompts[previous.doc_id]
+    if previous.miss:
+        prompt = f"{random.Random(seed).randint(-10_000_000, 10_000_000)} {prompt}"
+    return Planned("leadin", previous.index, previous.doc_id, prompt, previous.miss)
 
 
 def poisson_arrivals(n: int, rate_rps: float, seed: int) -> list[float]:

@@ -3,14 +3,15 @@ return the request rows, the server's metric deltas per round and the connector'
 
 Every server gets the same pre-warm (long_doc_qa's five "hi" prompts) before any measured round.
 The main server (real weights) then runs, per corpus, the warm-ups (Valkey storing every codec at
-once, between the two halves of vLLM's prefix-cache warm-up), and the query rounds: on the load
+once, between two passes of vLLM's prefix-cache warm-up), and the query rounds: on the load
 corpora a concurrency sweep (each backend x codec a round per level, with enough requests for
-`hits_per_cell` hits; the first level interleaved in blocks) and then, at each `load.rates` level,
-the same kind of round sent open loop (Poisson arrivals), elsewhere one round per backend at
-`max_inflight` (Valkey with the first codec), interleaved likewise. After every Valkey round (or
-block) the stage waits until the store's tally of queued chunks is 0, so background stores never
-overlap another cell's requests. The dummy-weights server runs the Valkey warm-up and query rounds; the fault round
-(main server) kills Valkey in the middle of a pass, while a request streams, and starts it again.
+`hits_per_cell` hits; the first level interleaved in blocks, each block after the first behind a
+lead-in) and then, at each `load.rates` level, the same kind of round sent open loop (Poisson
+arrivals), elsewhere one round per backend at `max_inflight` (Valkey with the first codec),
+interleaved likewise. After every Valkey round (or block) the stage waits until the store's tally
+of queued chunks is 0, so background stores never overlap another cell's requests. The
+dummy-weights server runs the Valkey warm-up and query rounds; the fault round (main server) kills
+Valkey in the middle of a pass, while a request streams, and starts it again.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvbench.serve.metrics import delta, scrape
 from kvbench.serve.names import is_lossless
 from kvbench.serve.protocol import (
     Planned,
+    lead_in,
     parse_ratio,
     poisson_arrivals,
     prewarm_prompts,
@@ -57,6 +59,7 @@ ALL_CODECS = "all"  # the valkey warm-up stores every codec at once
 SHARED_SALT = ("prefix", *bk.NATIVE)  # backends measured through vLLM's own prefix cache
 FLUSH_TIMEOUT_S = 300.0
 ARRIVAL_SEED = 500_000  # added to a level's plan seed: its arrival times draw from another stream
+LEADIN_SEED = 700_000  # likewise for the lead-ins' miss prefixes (a block's seed: its level's plus its index)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
 
 
@@ -83,7 +86,7 @@ class ServeSettings:
     store: Mapping[str, Any]
     fault_round: bool
     valkey: Mapping[str, Any]
-    interleave_blocks: int = 1
+    interleave_blocks: int
 
     @classmethod
     def of(cls, cfg: Mapping[str, Any]) -> "ServeSettings":
@@ -119,6 +122,7 @@ class Rounds:
         self.served, self.store = served, store
         self.requests: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
+        self.runs = 0
 
     def run(
         self,
@@ -139,8 +143,10 @@ class Rounds:
         an interleaved level's plan this round asks (0: a whole round). `fault`: kills Valkey
         during the round and starts it again (what it did goes in the round's metrics)."""
         level = f"r{rate_rps:g}" if arrivals is not None else f"c{concurrency}"
+        self.runs += 1  # in the tags: a round asked again at another level (rewarm) keeps its tags apart
         tags = [
-            f"{self.run_id}.{backend}.{codec}.{corpus}.{p.round}.{level}.{p.phase or ''}.{p.index}" for p in planned
+            f"{self.run_id}.{self.runs}.{backend}.{codec}.{corpus}.{p.round}.{level}.{p.phase or ''}.{p.index}"
+            for p in planned
         ]
         bodies = [chat_body(p.prompt, self.s.max_tokens, **params(p, tag, corpus)) for p, tag in zip(planned, tags)]
         before = scrape(self.base_url)
@@ -149,6 +155,10 @@ class Rounds:
         in_flight = concurrency or len(bodies)  # 0: open loop, no cap
         results = send_all(self.base_url, bodies, in_flight, api_key=self.api_key, arrivals=arrivals, **hooks)
         round_s = time.monotonic() - start
+        # a block's lead-in is not the round's work: its time until the first measured request starts
+        measured = [r["start"] for p, r in zip(planned, results) if p.round != "leadin"]
+        lead_s = min(measured) - min(r["start"] for r in results) if len(measured) < len(results) else 0.0
+        round_s -= lead_s
         extra |= fault.info if fault is not None else {}
         flush_s = self.flush() if backend == "valkey" else 0.0
         server = delta(before, scrape(self.base_url))
@@ -161,7 +171,7 @@ class Rounds:
             "backend": backend,
             "codec": codec,
             "corpus": corpus,
-            "round": planned[0].round,
+            "round": planned[-1].round,  # a lead-in comes first
             "concurrency": concurrency,
             "rate_rps": float(rate_rps),
             "block": block,
@@ -170,6 +180,7 @@ class Rounds:
             self.requests.append(
                 {
                     **key,
+                    "round": p.round,
                     "index": p.index,
                     "phase": p.phase,
                     "doc_id": p.doc_id,
@@ -180,12 +191,14 @@ class Rounds:
                     **result,
                 }
             )
-        ok = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+        ok = [r["ttft_s"] for p, r in zip(planned, results) if r["ttft_s"] is not None and p.round != "leadin"]
         self.metrics.append(
             {
                 **key,
-                "phase": planned[0].phase,
+                "phase": planned[-1].phase,
                 "requests": len(planned),
+                "leadin_requests": len(planned) - len(measured),
+                "leadin_s": lead_s,
                 "round_s": round_s,
                 "flush_s": flush_s,
                 "client_ttft_mean_s": sum(ok) / len(ok) if ok else float("nan"),
@@ -195,7 +208,7 @@ class Rounds:
         )
         errors = sum(r["error"] is not None for r in results)
         note(
-            f"{backend:<9} {codec:<17} {corpus:<9} {planned[0].round:<6} {level} {len(planned)} requests in "
+            f"{backend:<9} {codec:<17} {corpus:<9} {planned[-1].round:<6} {level} {len(planned)} requests in "
             f"{round_s:6.1f} s (+{flush_s:.1f} s stores), client TTFT {self.metrics[-1]['client_ttft_mean_s']:.2f} s"
             + (f", {errors} errors" if errors else "")
         )
@@ -230,15 +243,16 @@ class Rounds:
     def params(
         self, backend: str, load: str | None, store: list[str], salted: bool = True
     ) -> Callable[[Planned, str, str], dict[str, Any]]:
-        """cache_salt: one per corpus where a backend reuses vLLM's prefix cache, else one per
-        request (so only the backend's own store can hit); the connector's choice per request."""
+        """cache_salt: one per corpus where a backend reuses vLLM's prefix cache (the prefix
+        warm-up's pass before Valkey's another, so that the pass after it prefills cold too and is
+        the one the query rounds reuse), else one per request (so only the backend's own store can
+        hit); the connector's choice per request."""
 
         def make(p: Planned, tag: str, corpus: str) -> dict[str, Any]:
             out: dict[str, Any] = {}
             if salted:
-                out["cache_salt"] = (
-                    f"{backend}-{self.run_id}-{corpus}" if backend in SHARED_SALT else f"{backend}-{tag}"
-                )
+                shared = f"{backend}-{self.run_id}-{corpus}" + ("-before" if p.phase == "before" else "")
+                out["cache_salt"] = shared if backend in SHARED_SALT else f"{backend}-{tag}"
             if self.connector:
                 out["kv_transfer_params"] = {"tag": tag, "load": load, "store": store}
             return out
@@ -491,26 +505,31 @@ def level_cell(cell: Cell, in_flight: int, rate: float, seed: int) -> Cell:
 
 def warmup_cells(backends: list[str], s: ServeSettings, prompts: dict[str, str], corpus: str) -> list[Cell]:
     """A corpus's warm-ups: Valkey storing every codec, and vLLM's prefix cache, the reference its
-    requests pair with by document, in halves either side of it (A-B-A: a drift that is linear
-    over the warm-ups cancels in the pairs' mean instead of landing on one side)."""
+    requests pair with by document, asked in a pass before it and again after it (phases `before`
+    and `after`, each every document, cold: the before pass under a salt of its own). A request
+    pairs with the geometric mean of its document's two, so a drift over the warm-ups, or the calm
+    after Valkey's stores have flushed, falls on both sides of the reference alike."""
     planned = warmup_round(prompts)
     valkey = (
         [Cell("valkey", ALL_CODECS, corpus, planned, None, s.codecs, s.max_inflight)] if "valkey" in backends else []
     )
     if "prefix" not in backends:
         return valkey
-    half = len(planned) // 2 if valkey else 0
-    parts = [planned[:half], planned[half:]] if half else [planned]
-    before, *after = [Cell("prefix", NO_CODEC, corpus, part, None, (), s.max_inflight) for part in parts]
+    phases = ["before", "after"] if valkey else [None]
+    before, *after = [
+        Cell("prefix", NO_CODEC, corpus, [replace(p, phase=phase) for p in planned], None, (), s.max_inflight)
+        for phase in phases
+    ]
     return [before, *valkey, *after]
 
 
 def plan_blocks(planned: list[Planned], count: int) -> list[list[Planned]]:
-    """`planned` cut into `count` consecutive slices of near-equal size (no empty one)."""
+    """`planned` cut into `count` consecutive slices of near-equal size (no empty one; none of
+    an empty plan)."""
     count = max(1, min(count, len(planned)))
     size, extra = divmod(len(planned), count)
     bounds = [i * size + min(i, extra) for i in range(count + 1)]
-    return [planned[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [planned[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def main_cells(
@@ -519,11 +538,15 @@ def main_cells(
     """The main server's rounds in order (the fault round after them), per corpus: its warm-ups,
     then its query rounds per level and cell (kvbench.resources counts them for the cluster
     profile). The first closed-loop level, whose pairs decide the overhead verdicts, runs in
-    `interleave_blocks` blocks, each a slice of the level's plan asked by every cell in a seeded
-    order, so a request and the recompute request it pairs with run seconds apart, not rounds
-    apart; the other levels run each cell's round whole, in a seeded order. A whole prefix round
-    starts with the warm-up's requests again (round `rewarm`): the rounds before it, other
-    backends' requests under their own salts, may have evicted its documents from vLLM's cache."""
+    `interleave_blocks` blocks where it has more than one cell, each a slice of the level's plan
+    asked by every cell in a seeded order, so a request and the recompute request it pairs with
+    run within one block's time (tens of seconds), not rounds apart. Each block after the first
+    starts with a lead-in (protocol.lead_in): the request before its slice in the plan, asked
+    again, so that its first request follows what it follows in a whole round (a miss's queued
+    stores included) and not an idle server after the previous cell's flush. The other levels run
+    each cell's round whole, in a seeded order. A whole prefix round starts with the warm-up's
+    requests again (round `rewarm`): the rounds before it, other backends' requests under their
+    own salts, may have evicted its documents from vLLM's cache."""
     cells = []
     for c, corpus in enumerate(s.corpora):
         cells += warmup_cells(backends, s, docs[corpus], corpus)
@@ -537,10 +560,14 @@ def main_cells(
             # prefixes per level
             level_seed = seed + 1000 * c + level_index
             planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, level_seed)
-            parts = plan_blocks(planned, s.interleave_blocks if level_index == 0 and not rate else 1)
+            kinds = _query_cells(backends, s, swept, level_index)
+            interleaved = level_index == 0 and not rate and len(kinds) > 1
+            parts = plan_blocks(planned, s.interleave_blocks if interleaved else 1)
             rng = random.Random(level_seed)
             for block, part in enumerate(parts):
-                order = _query_cells(backends, s, swept, level_index)
+                if block:  # the same lead-in for every cell of the block (paired)
+                    part = [lead_in(planned[part[0].index - 1], docs[corpus], LEADIN_SEED + level_seed + block)] + part
+                order = list(kinds)
                 rng.shuffle(order)
                 for backend, codec in order:
                     if backend == "prefix" and len(parts) == 1:

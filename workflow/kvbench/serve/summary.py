@@ -176,19 +176,18 @@ def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, 
     """TTFT of `rows` over a recompute's, paired: the geometric mean of the pairs' ratios with its
     t-interval (kvbench.serve.intervals.paired_log_ratio). A query-round request pairs with
     recompute's request at the same place of the same round plan (every cell of a level runs the
-    same plan, at the same concurrency). A warm-up request pairs by document with the prefix
-    warm-up, where the server ran one: the same cold prefill of the same document with nothing
-    stored outside vLLM, in the round just before (the query rounds run minutes later); else with
-    recompute's median on the document (taken as exact). The
-    pairs share their prompts, not their time: a level's rounds run one after another (in a seeded
-    order), so drift between them is in the ratio and not in its interval. Both n: pairs, the
-    reference's requests."""
+    same plan, at the same concurrency); at an interleaved level both ran in the same block, and
+    the interval's units are the blocks (pairs of one block share its stretch of time). A warm-up
+    request pairs by document with the prefix warm-up, where the server ran one: the same cold
+    prefill of the same document with nothing stored outside vLLM, the geometric mean of its pass
+    before Valkey's warm-up and its pass after (stage.warmup_cells); else with recompute's median
+    on the document (taken as exact). n: pairs, the interval's units, the reference's requests."""
     level = rows.concurrency.min() if len(rows) else None
     requests = with_rate(requests)
     mine = (requests.weights == weights) & (requests.corpus == corpus)
     prefix = requests[mine & (requests.backend == "prefix") & (requests["round"] == "warmup")]
     if warmup and len(prefix):
-        ref, paired_by = prefix, "document (prefix warm-up)"
+        ref, paired_by = prefix, "document (prefix warm-up, both passes)"
     else:
         ref = requests[
             mine
@@ -199,18 +198,33 @@ def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, 
         ]
         paired_by = "document (recompute)" if warmup else "request"
     by = "doc_id" if warmup else "index"
-    # one request per index in a round (the median of one); several per document
-    measured, theirs = rows.groupby(by).ttft_s.median(), ref.groupby(by).ttft_s.median()
+    # one request per index in a round; a document's two prefix passes: their geometric mean
+    # (a NaN where either failed: that pair is left out)
+    measured = rows.groupby(by).ttft_s.median()
+    theirs = ref.groupby(by).ttft_s.agg(_geometric_mean if ref is prefix else "median")
     pairs = pd.concat([measured.rename("a"), theirs.rename("b")], axis=1, join="inner")
-    ratio, low, high, n = paired_log_ratio(pairs.a.to_numpy(), pairs.b.to_numpy())
+    blocks = rows.groupby(by).block.first().reindex(pairs.index) if "block" in rows and not warmup else None
+    if blocks is not None and blocks.nunique() > 1:
+        paired_by += " (units: blocks)"
+    else:
+        blocks = None
+    ratio, low, high, n, units = paired_log_ratio(
+        pairs.a.to_numpy(), pairs.b.to_numpy(), None if blocks is None else blocks.to_numpy()
+    )
     return {
         "vs_recompute": ratio,
         "vs_recompute_ci_low": low,
         "vs_recompute_ci_high": high,
         "vs_recompute_n": n,
+        "vs_recompute_units": units,
         "vs_recompute_paired_by": paired_by,
         "recompute_n": len(ref),
     }
+
+
+def _geometric_mean(times: pd.Series) -> float:
+    values = times.to_numpy(dtype=float)
+    return float(np.exp(np.log(values).mean())) if len(values) and (values > 0).all() else np.nan
 
 
 def tagged_events(transfers: pd.DataFrame, requests: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
@@ -222,16 +236,18 @@ def tagged_events(transfers: pd.DataFrame, requests: pd.DataFrame, columns: list
     return transfers.merge(requests[keep], on="tag", how="inner")
 
 
-def overhead_verdict(ratio: float, low: float, high: float, n: int, budget: float) -> str:
+def overhead_verdict(ratio: float, low: float, high: float, n: int, budget: float, units: int | None = None) -> str:
     """TTFT over recompute's against `budget` (a ratio), decided by the interval: `within` when it
-    lies at or under the budget, `over` when above, else undecided (no interval: too few pairs)."""
+    lies at or under the budget, `over` when above, else undecided (no interval: too few units).
+    `units`: the interval's, where they are not the n pairs (blocks)."""
     if ratio != ratio:
         return ""
+    at = f"n={n}" + (f" in {units} blocks" if units is not None and units != n else "")
     if low == low and high <= budget:
-        return f"within {budget:g}x at n={n}"
+        return f"within {budget:g}x at {at}"
     if low == low and low > budget:
-        return f"over {budget:g}x at n={n}"
-    return f"undecided at n={n}"
+        return f"over {budget:g}x at {at}"
+    return f"undecided at {at}"
 
 
 def offload_table(
@@ -312,6 +328,7 @@ def offload_table(
                 versus["vs_recompute_ci_high"],
                 versus["vs_recompute_n"],
                 overhead_budget,
+                versus["vs_recompute_units"],
             )
             mine = events[
                 (events.backend == "valkey")
