@@ -216,6 +216,13 @@ def test_each_block_after_the_first_starts_behind_its_predecessor_in_the_plan():
             assert head.prompt != previous.prompt and head.prompt.endswith(previous.prompt.split(" ", 1)[1])
         else:
             assert head.prompt == previous.prompt
+    # Valkey's bound has room for the lead-ins that miss, each stored by every codec
+    from kvbench.serve.stage import store_bound_mb
+
+    whole, _ = _default_cells(3, blocks=1)
+    assert leadin_misses and store_bound_mb(s, 10**6) - store_bound_mb(whole, 10**6) == pytest.approx(
+        leadin_misses * len(s.codecs) * (s.doc_tokens // s.block_size + 1) * 1.1 * 10**6 / 2**20, abs=1
+    )
     miss = Planned("query", 7, "d", "123 text", True)
     assert lead_in(miss, {"d": "text"}, 1) == lead_in(miss, {"d": "text"}, 1) != lead_in(miss, {"d": "text"}, 2)
     assert lead_in(replace(miss, miss=False, prompt="text"), {"d": "text"}, 1).prompt == "text"

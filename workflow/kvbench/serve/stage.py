@@ -288,10 +288,14 @@ def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
         settings.repeat_count, repeats_for_hits(docs, settings.hit_miss_ratio, settings.load["hits_per_cell"])
     )
     misses = sum(i % (hit + miss) >= hit for i in range(per_sweep))
+    # the first level's blocks' lead-ins that ask a miss again (the miss places do not depend on the seed)
+    starts = [part[0] for part in plan_blocks(list(range(per_sweep)), settings.interleave_blocks)[1:]]
+    leadin_misses = sum((i - 1) % (hit + miss) >= hit for i in starts)
     stored_docs = (
         len(settings.corpora) * docs * n_codecs  # warm-ups
         # the sweep's lowest level stores every codec's misses, the levels above load.codecs' only
         + len(swept) * misses * (n_codecs + (len(sweep_levels(settings, True)) - 1) * n_above)
+        + len(swept) * leadin_misses * n_codecs
         + (len(settings.corpora) - len(swept)) * misses
         + fault_repeats(docs) * docs
     )  # other corpora, fault round
@@ -523,7 +527,7 @@ def warmup_cells(backends: list[str], s: ServeSettings, prompts: dict[str, str],
     return [before, *valkey, *after]
 
 
-def plan_blocks(planned: list[Planned], count: int) -> list[list[Planned]]:
+def plan_blocks(planned: list[Any], count: int) -> list[list[Any]]:
     """`planned` cut into `count` consecutive slices of near-equal size (no empty one; none of
     an empty plan)."""
     count = max(1, min(count, len(planned)))
