@@ -30,6 +30,7 @@ SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
         ),
         (lambda c: c["serve"]["load"].update(corpora=["imported"]), "serve.load.corpora: 'imported' is not one of"),
         (lambda c: c["serve"]["load"].update(concurrency=[2, 1]), "serve.load.concurrency: .2, 1. must be strictly"),
+        (lambda c: c["serve"].update(interleave_blocks=3), "serve.interleave_blocks: 3 blocks give no interval"),
         (
             lambda c: c["serve"]["load"].update(codecs=["zstd-9"]),
             "serve.load.codecs: 'zstd-9' is not one of serve.codecs",
@@ -197,12 +198,12 @@ def test_each_block_after_the_first_starts_behind_its_predecessor_in_the_plan():
     by_block: dict[int, list] = {}
     for c in level:
         by_block.setdefault(c.block, []).append(c)
-    assert sorted(by_block) == list(range(s.interleave_blocks))
+    assert sorted(by_block) == list(range(1, s.interleave_blocks + 1))  # 0: a whole round
     plan = {p.index: p for c in level if c.backend == "recompute" for p in c.planned if p.round == "query"}
-    assert all(p.round == "query" for c in by_block[0] for p in c.planned)
+    assert all(p.round == "query" for c in by_block[1] for p in c.planned)
     leadin_misses = 0
     for block, group in by_block.items():
-        if not block:
+        if block == 1:
             continue
         heads = {c.planned[0] for c in group}
         assert len(heads) == 1  # the same lead-in for every cell
@@ -216,10 +217,11 @@ def test_each_block_after_the_first_starts_behind_its_predecessor_in_the_plan():
             assert head.prompt != previous.prompt and head.prompt.endswith(previous.prompt.split(" ", 1)[1])
         else:
             assert head.prompt == previous.prompt
-    # Valkey's bound has room for the lead-ins that miss, each stored by every codec
+    # Valkey's bound has room for the lead-ins that miss (the swept corpus's only), each stored by every codec
     from kvbench.serve.stage import store_bound_mb
 
     whole, _ = _default_cells(3, blocks=1)
+    assert s.load["corpora"] == ["realistic"]
     assert leadin_misses and store_bound_mb(s, 10**6) - store_bound_mb(whole, 10**6) == pytest.approx(
         leadin_misses * len(s.codecs) * (s.doc_tokens // s.block_size + 1) * 1.1 * 10**6 / 2**20, abs=1
     )
@@ -228,10 +230,36 @@ def test_each_block_after_the_first_starts_behind_its_predecessor_in_the_plan():
     assert lead_in(replace(miss, miss=False, prompt="text"), {"d": "text"}, 1).prompt == "text"
 
 
+def test_lead_ins_fill_every_slot_of_a_level_above_one_in_flight():
+    """At K in flight a block starts behind the plan's K requests before it, so that its first
+    request starts as one of them frees a slot, as in a whole round."""
+    config = default_config()
+    config["serve"]["load"]["concurrency"] = [2, 4]
+    check_config(config, SCHEMA)
+    from kvbench.serve.stage import ServeSettings, main_cells
+
+    s = ServeSettings.of(config["serve"])
+    docs = {c: {f"{c}{i}": f"text {c} {i}" for i in range(s.docs_per_corpus)} for c in s.corpora}
+    cells = main_cells("main", ["recompute", "prefix", "valkey"], s, docs, 3)
+    level = [c for c in cells if c.corpus == "realistic" and c.planned[-1].round == "query" and c.concurrency == 2]
+    for cell in level:
+        leads = [p for p in cell.planned if p.round == "leadin"]
+        first = next(p for p in cell.planned if p.round == "query")
+        assert [p.index for p in leads] == ([] if cell.block == 1 else [first.index - 2, first.index - 1])
+
+
+def test_only_the_load_sweeps_first_level_is_interleaved():
+    """Off the sweep a corpus's level has too few misses for an interval: its cells run whole."""
+    s, cells = _default_cells(3)
+    other = [c for c in cells if c.corpus not in s.load["corpora"] and c.planned[-1].round == "query"]
+    assert other and {c.block for c in other} == {0}
+    assert not any(p.round == "leadin" for c in other for p in c.planned)
+
+
 def test_the_prefix_warm_up_runs_before_and_after_the_valkey_warm_up_each_pass_every_document():
-    """The warm-up pairs' reference brackets Valkey's warm-up in time (A-B-A): each document cold in
-    both passes (the pass before under a salt of its own, so that the pass after prefills too);
-    with interleaving off the query rounds run whole, one per cell and level, in a seeded order."""
+    """The warm-up pairs' reference brackets Valkey's warm-up in time: each document cold in both
+    passes (the pass before under a salt of its own, so that the pass after prefills too); with
+    interleaving off the query rounds run whole, one per cell and level, in a seeded order."""
     s, cells = _default_cells(3)
     for corpus in s.corpora:
         warm = [c for c in cells if c.corpus == corpus and c.planned[0].round == "warmup"]

@@ -412,7 +412,8 @@ def test_an_interleaved_levels_misses_pair_within_blocks_and_lead_ins_count_nowh
             if i % 2 == 0 and block > 1:
                 lead = request(backend, codec, "leadin", i - 1, True, "o", f"{codec}l{i}", ttft=100.0 * k)
                 rows.append(lead | {"block": block})
-    transfers = pd.DataFrame([{**TRANSFERS.iloc[2].to_dict(), "tag": "zstd-31"}])  # a zstd-3 store event
+    # a zstd-3 store event of a miss and one of a lead-in (not counted)
+    transfers = pd.DataFrame([{**TRANSFERS.iloc[2].to_dict(), "tag": tag} for tag in ("zstd-31", "zstd-3l2")])
     requests = compare_outputs(join_transfers(pd.DataFrame(rows), transfers))
     table = offload_table(requests, transfers, pd.DataFrame(), KV).set_index("codec")
     miss = table.loc["zstd-3"]
@@ -425,9 +426,41 @@ def test_an_interleaved_levels_misses_pair_within_blocks_and_lead_ins_count_nowh
     assert (miss.miss_vs_recompute_n, miss.miss_vs_recompute_units) == (12, 6)
     assert miss.miss_vs_recompute_paired_by == "request (units: blocks)"
     assert miss.overhead_verdict.endswith("at n=12 in 6 blocks") and miss.query_misses == 12
+    assert miss.stored_chunks == TRANSFERS.iloc[2].chunks and miss.raw_bytes == TRANSFERS.iloc[2].raw_bytes
     assert miss.ttft_miss_mean_s == pytest.approx(
         np.mean([(1.2 if (i // 2 + 1) % 2 else 1.0) * (1 + i) for i in range(12)])
     )
+
+
+def test_a_step_between_the_prefix_warm_ups_passes_is_shown_and_holds_the_warm_up_verdict():
+    """The reference is the geometric mean of a pass before Valkey's warm-up and a pass after: a
+    drift cancels, a step only halves. The step is in the row; one the interval can see leaves the
+    verdict undecided, whatever the ratio says."""
+
+    def table(after: float):
+        rows = []
+        for d in range(6):
+            doc = {"doc_id": f"d{d}"}
+            base = 1.0 + 0.1 * d
+            rows.append(request("valkey", "all", "warmup", d, False, "o", f"w{d}", ttft=base) | doc)
+            for phase, k in (("before", 1.0), ("after", after * (1 + 0.01 * (-1) ** d))):
+                rows.append(
+                    request("prefix", "-", "warmup", d, False, "o", f"p{phase}{d}", ttft=k * base)
+                    | doc
+                    | {"phase": phase}
+                )
+        transfers = pd.DataFrame([{**TRANSFERS.iloc[2].to_dict(), "tag": "w0"}])
+        out = offload_table(
+            compare_outputs(join_transfers(pd.DataFrame(rows), transfers)), transfers, pd.DataFrame(), KV
+        )
+        return out.set_index("codec").loc["all"]
+
+    steady, stepped = table(1.0), table(0.8)
+    assert steady.warmup_reference_step == pytest.approx(1.0, abs=1e-3)
+    assert steady.overhead_verdict == "within 1.15x at n=6"
+    assert stepped.warmup_reference_step == pytest.approx(0.8, abs=1e-2) and stepped.warmup_reference_step_n == 6
+    assert stepped.warmup_reference_step_ci_high < 1
+    assert stepped.overhead_verdict.startswith("undecided at n=6: the reference's passes differ (after/before 0.80")
 
 
 def test_a_level_that_ran_fewer_codecs_says_its_pick_is_among_those(monkeypatch):

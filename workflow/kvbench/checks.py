@@ -25,6 +25,7 @@ from kvbench.config import (
 from kvbench.corpus.factsheets import vocabulary  # each domain's document types
 from kvbench.methods.kinds import settings_of, spec_problems
 from kvbench.quality.kinds import quality_problems
+from kvbench.report.bootstrap import MIN_UNITS
 from kvbench.serve.backends import servers, unsupported
 from kvbench.serve.names import check_codec
 from kvbench.serve.protocol import parse_ratio
@@ -63,6 +64,11 @@ def _serve_problems(config: Mapping[str, Any]) -> list[str]:
     if levels != sorted(set(levels)):
         # the first level is the interleaved one the overhead verdicts read as the lowest
         found.append(f"serve.load.concurrency: {levels} must be strictly ascending (the first level is the lowest)")
+    if 1 < serve["interleave_blocks"] < MIN_UNITS:
+        found.append(
+            f"serve.interleave_blocks: {serve['interleave_blocks']} blocks give no interval (the verdicts' "
+            f"units are the blocks: 1, or {MIN_UNITS} or more)"
+        )
     for name in serve["load"].get("codecs") or []:
         if name not in serve["codecs"]:
             found.append(f"serve.load.codecs: {name!r} is not one of serve.codecs {serve['codecs']}")

@@ -44,7 +44,6 @@ from kvbench.serve.names import is_lossless
 from kvbench.serve.protocol import (
     Planned,
     lead_in,
-    parse_ratio,
     poisson_arrivals,
     prewarm_prompts,
     query_round,
@@ -191,7 +190,7 @@ class Rounds:
                     **result,
                 }
             )
-        ok = [r["ttft_s"] for p, r in zip(planned, results) if r["ttft_s"] is not None and p.round != "leadin"]
+        ok = [r["ttft_s"] for r in results if r["ttft_s"] is not None]  # lead-ins too, as the server's counters
         self.metrics.append(
             {
                 **key,
@@ -277,28 +276,18 @@ def fault_repeats(docs: int) -> int:
 
 
 def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
-    """Valkey's memory cap: every chunk the run can store, each at raw size (lossless codecs stay
-    within it, lossy ones far below), plus room for the server itself."""
+    """Valkey's memory cap: every chunk the main server's plan can store (main_cells: the warm-up
+    every codec, each miss and lead-in miss its codec; the fault round), each at raw size (lossless
+    codecs stay within it, lossy ones far below), plus room for the server itself."""
     chunks_per_doc = settings.doc_tokens // settings.block_size + 1  # the question may complete one more
-    hit, miss = parse_ratio(settings.hit_miss_ratio)
-    docs, n_codecs = settings.docs_per_corpus, len(settings.codecs)
-    n_above = len([c for c in settings.codecs if c in (settings.load.get("codecs") or settings.codecs)])
-    swept = [c for c in settings.corpora if c in settings.load["corpora"]]
-    per_sweep = docs * max(
-        settings.repeat_count, repeats_for_hits(docs, settings.hit_miss_ratio, settings.load["hits_per_cell"])
-    )
-    misses = sum(i % (hit + miss) >= hit for i in range(per_sweep))
-    # the first level's blocks' lead-ins that ask a miss again (the miss places do not depend on the seed)
-    starts = [part[0] for part in plan_blocks(list(range(per_sweep)), settings.interleave_blocks)[1:]]
-    leadin_misses = sum((i - 1) % (hit + miss) >= hit for i in starts)
-    stored_docs = (
-        len(settings.corpora) * docs * n_codecs  # warm-ups
-        # the sweep's lowest level stores every codec's misses, the levels above load.codecs' only
-        + len(swept) * misses * (n_codecs + (len(sweep_levels(settings, True)) - 1) * n_above)
-        + len(swept) * leadin_misses * n_codecs
-        + (len(settings.corpora) - len(swept)) * misses
-        + fault_repeats(docs) * docs
-    )  # other corpora, fault round
+    docs = {c: {f"{c}{i}": "" for i in range(settings.docs_per_corpus)} for c in settings.corpora}
+    backends = [b for b in settings.backends if b in ("recompute", "prefix", "valkey")]
+    stored_docs = fault_repeats(settings.docs_per_corpus) * settings.docs_per_corpus
+    for cell in main_cells("main", backends, settings, docs, seed=0):  # the miss places do not depend on it
+        if cell.backend == "valkey":
+            stored_docs += (
+                len(cell.planned) * len(cell.store) if cell.codec == ALL_CODECS else sum(p.miss for p in cell.planned)
+            )
     return int(stored_docs * chunks_per_doc * chunk_bytes * 1.1 / 2**20) + 128
 
 
@@ -541,16 +530,16 @@ def main_cells(
 ) -> list[Cell]:
     """The main server's rounds in order (the fault round after them), per corpus: its warm-ups,
     then its query rounds per level and cell (kvbench.resources counts them for the cluster
-    profile). The first closed-loop level, whose pairs decide the overhead verdicts, runs in
-    `interleave_blocks` blocks where it has more than one cell, each a slice of the level's plan
+    profile). The load sweep's first level, whose pairs decide the overhead verdicts, runs in
+    `interleave_blocks` blocks (numbered from 1; 0: a whole round), each a slice of the level's plan
     asked by every cell in a seeded order, so a request and the recompute request it pairs with
     run within one block's time (tens of seconds), not rounds apart. Each block after the first
-    starts with a lead-in (protocol.lead_in): the request before its slice in the plan, asked
-    again, so that its first request follows what it follows in a whole round (a miss's queued
-    stores included) and not an idle server after the previous cell's flush. The other levels run
-    each cell's round whole, in a seeded order. A whole prefix round starts with the warm-up's
-    requests again (round `rewarm`): the rounds before it, other backends' requests under their
-    own salts, may have evicted its documents from vLLM's cache."""
+    starts with lead-ins (protocol.lead_in): the plan's requests before its slice, one per request
+    in flight, asked again, so that its first request follows its predecessor as in a whole round
+    (a miss's queued stores included) and not an idle server after the previous cell's flush. The
+    other levels and corpora run each cell's round whole, in a seeded order. A whole prefix round
+    starts with the warm-up's requests again (round `rewarm`): the rounds before it, other
+    backends' requests under their own salts, may have evicted its documents from vLLM's cache."""
     cells = []
     for c, corpus in enumerate(s.corpora):
         cells += warmup_cells(backends, s, docs[corpus], corpus)
@@ -565,18 +554,22 @@ def main_cells(
             level_seed = seed + 1000 * c + level_index
             planned = query_round(docs[corpus], count, s.repeat_mode, s.hit_miss_ratio, level_seed)
             kinds = _query_cells(backends, s, swept, level_index)
-            interleaved = level_index == 0 and not rate and len(kinds) > 1
+            interleaved = swept and level_index == 0 and not rate and len(kinds) > 1
             parts = plan_blocks(planned, s.interleave_blocks if interleaved else 1)
             rng = random.Random(level_seed)
-            for block, part in enumerate(parts):
-                if block:  # the same lead-in for every cell of the block (paired)
-                    part = [lead_in(planned[part[0].index - 1], docs[corpus], LEADIN_SEED + level_seed + block)] + part
+            for b, part in enumerate(parts):
+                # the same lead-ins for every cell of the block (paired): the plan's requests before
+                # its slice, one a slot, so its first request starts as the others free up
+                start = part[0].index
+                before = planned[max(0, start - max(1, in_flight)) : start] if b else []
+                part = [lead_in(p, docs[corpus], LEADIN_SEED + level_seed + p.index) for p in before] + part
                 order = list(kinds)
                 rng.shuffle(order)
                 for backend, codec in order:
-                    if backend == "prefix" and len(parts) == 1:
+                    if backend == "prefix" and not interleaved:
                         cells.append(Cell("prefix", NO_CODEC, corpus, rewarm, None, (), s.max_inflight))
                     load = codec if backend == "valkey" else None
+                    block = b + 1 if interleaved else 0
                     cell = Cell(backend, codec, corpus, part, load, (load,) if load else (), 0, block=block)
                     cells.append(level_cell(cell, in_flight, rate, ARRIVAL_SEED + level_seed))
     return cells

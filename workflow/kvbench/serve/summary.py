@@ -129,8 +129,9 @@ def effective_hits(query: pd.DataFrame, backend: str) -> pd.Series:
 
 
 def _wire(events: pd.DataFrame, hits: pd.DataFrame) -> dict:
-    """Stored bytes and throughput of one codec (the warm-up's stores of every codec included),
-    loads of the query rounds, the warm-up's store cost of this codec, and the mean hit path."""
+    """Stored bytes and throughput of one codec (the warm-up's stores of every codec, the misses' and
+    the fault round's included, lead-ins' not), loads of the query rounds, the warm-up's store cost
+    of this codec, and the mean hit path."""
     stores = events[(events.event == "store") & events.error.isna()]
     failed = events[(events.event == "store") & events.error.notna()]
     warm = stores[stores["round"] == "warmup"]
@@ -211,7 +212,7 @@ def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, 
     ratio, low, high, n, units = paired_log_ratio(
         pairs.a.to_numpy(), pairs.b.to_numpy(), None if blocks is None else blocks.to_numpy()
     )
-    return {
+    out = {
         "vs_recompute": ratio,
         "vs_recompute_ci_low": low,
         "vs_recompute_ci_high": high,
@@ -220,6 +221,15 @@ def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, 
         "vs_recompute_paired_by": paired_by,
         "recompute_n": len(ref),
     }
+    if ref is prefix and "phase" in prefix:
+        # the reference's own step between its passes: a drift cancels in their mean, a step
+        # (e.g. a calm right after Valkey's flush) only halves
+        passes = prefix.pivot_table(index="doc_id", columns="phase", values="ttft_s", aggfunc="median")
+        if {"before", "after"} <= set(passes):
+            step, step_low, step_high, step_n, _ = paired_log_ratio(passes["after"], passes["before"])
+            out |= {"reference_step": step, "reference_step_ci_low": step_low, "reference_step_ci_high": step_high}
+            out["reference_step_n"] = step_n
+    return out
 
 
 def _geometric_mean(times: pd.Series) -> float:
@@ -229,9 +239,11 @@ def _geometric_mean(times: pd.Series) -> float:
 
 def tagged_events(transfers: pd.DataFrame, requests: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
     """Each connector event with `columns` of the request it served (joined by tag; an event of no
-    request is left out), or an empty frame with those columns."""
+    request, or of a lead-in, is left out), or an empty frame with those columns."""
     if transfers.empty or "event" not in transfers:
         return pd.DataFrame(columns=["event", "codec", "error", "tag", *columns])
+    if "round" in requests:  # a lead-in's stores and loads are the block's set-up, in no figure
+        requests = requests[requests["round"] != "leadin"]
     keep = ["tag", *[c for c in columns if c in requests]]
     return transfers.merge(requests[keep], on="tag", how="inner")
 
@@ -330,6 +342,12 @@ def offload_table(
                 overhead_budget,
                 versus["vs_recompute_units"],
             )
+            step = (versus.get("reference_step_ci_low", np.nan), versus.get("reference_step_ci_high", np.nan))
+            if row["overhead_verdict"] and (step[0] > 1 or step[1] < 1):  # a step the data can see
+                row["overhead_verdict"] = (
+                    f"undecided at n={versus['vs_recompute_n']}: the reference's passes differ (after/before "
+                    f"{versus['reference_step']:.2f} [{step[0]:.2f}, {step[1]:.2f}])"
+                )
             mine = events[
                 (events.backend == "valkey")
                 & (events.weights == weights)
