@@ -19,7 +19,7 @@ class Planned:
         # figure reads rewarm or leadin rows
         str
     )
-    index: int  # position in the round
+    index: int  # position in the round's plan (a lead-in: the position of the request it asks again)
     doc_id: str
     prompt: str
     miss: bool  # a query-round request with a unique prefix

@@ -8,7 +8,7 @@ corpora a concurrency sweep (each backend x codec a round per level, with enough
 `hits_per_cell` hits; the first level interleaved in blocks, each block after the first behind a
 lead-in) and then, at each `load.rates` level, the same kind of round sent open loop (Poisson
 arrivals), elsewhere one round per backend at `max_inflight` (Valkey with the first codec),
-interleaved likewise. After every Valkey round (or block) the stage waits until the store's tally
+each whole. After every Valkey round (or block) the stage waits until the store's tally
 of queued chunks is 0, so background stores never overlap another cell's requests. The
 dummy-weights server runs the Valkey warm-up and query rounds; the fault round (main server) kills
 Valkey in the middle of a pass, while a request streams, and starts it again.
