@@ -432,10 +432,10 @@ def test_an_interleaved_levels_misses_pair_within_blocks_and_lead_ins_count_nowh
     )
 
 
-def test_a_step_between_the_prefix_warm_ups_passes_is_shown_and_holds_the_warm_up_verdict():
+def test_a_step_between_the_prefix_warm_ups_passes_is_shown_and_widens_the_warm_up_verdicts_interval():
     """The reference is the geometric mean of a pass before Valkey's warm-up and a pass after: a
-    drift cancels, a step only halves. The step is in the row; one the interval can see leaves the
-    verdict undecided, whatever the ratio says."""
+    drift cancels, a step only halves. The step is in the row, and the verdict reads the ratio's
+    interval widened by half the step's largest log (the reference could have been either pass)."""
 
     def table(after: float):
         rows = []
@@ -459,8 +459,12 @@ def test_a_step_between_the_prefix_warm_ups_passes_is_shown_and_holds_the_warm_u
     assert steady.warmup_reference_step == pytest.approx(1.0, abs=1e-3)
     assert steady.overhead_verdict == "within 1.15x at n=6"
     assert stepped.warmup_reference_step == pytest.approx(0.8, abs=1e-2) and stepped.warmup_reference_step_n == 6
-    assert stepped.warmup_reference_step_ci_high < 1
-    assert stepped.overhead_verdict.startswith("undecided at n=6: the reference's passes differ (after/before 0.80")
+    assert stepped.warmup_vs_recompute == pytest.approx(1 / math.sqrt(0.8), rel=1e-2)  # its interval under 1.15
+    assert stepped.warmup_vs_recompute_ci_high < 1.15 and stepped.overhead_verdict == "undecided at n=6"
+    widen = max(abs(math.log(stepped[f"warmup_reference_step_ci_{s}"])) for s in ("low", "high")) / 2
+    assert (stepped.verdict_ci_low, stepped.verdict_ci_high) == pytest.approx(
+        (stepped.warmup_vs_recompute_ci_low * math.exp(-widen), stepped.warmup_vs_recompute_ci_high * math.exp(widen))
+    )
 
 
 def test_a_level_that_ran_fewer_codecs_says_its_pick_is_among_those(monkeypatch):
