@@ -269,6 +269,7 @@ def _serve_vs_recompute(t: pd.DataFrame) -> pd.DataFrame:
         what = "warmup" if r["codec"] == "all" else "miss"
         get = lambda key: r.get(f"{what}_{key}", float("nan"))  # noqa: E731
         hit = [r["ttft_hit_median_s"]], [r["ttft_hit_ci_low"]], [r["ttft_hit_ci_high"]]
+        low, high = r.get("verdict_ci_low", float("nan")), r.get("verdict_ci_high", float("nan"))
         out.append(
             {
                 "weights": r["weights"],
@@ -280,6 +281,7 @@ def _serve_vs_recompute(t: pd.DataFrame) -> pd.DataFrame:
                 "pairs (recompute's requests)": f"{get('vs_recompute_n'):.0f} ({get('recompute_n'):.0f})",
                 "paired by": get("vs_recompute_paired_by"),
                 "budget": r.get("overhead_verdict", ""),
+                "verdict reads": f"[{low:.3g}, {high:.3g}]" if low == low else "",
                 "hit TTFT median s [95 %]": "" if what == "warmup" else _interval(*hit)[0],
                 "hits": "" if what == "warmup" else r["query_hits"],
             }

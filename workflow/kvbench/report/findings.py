@@ -9,7 +9,7 @@ finding reads gives a sentence that says so, not a guess.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import pandas as pd
 
@@ -124,7 +124,8 @@ def overhead(t: pd.DataFrame) -> str:
     if warm.empty or misses.empty:
         return "not measured in this snapshot (no real-weights warm-up or realistic misses in `serve/offload.parquet`)"
     shown = [
-        f"{r.corpus} {fmt(r.warmup_vs_recompute)}{interval(r._asdict(), 'warmup_vs_recompute')} ({r.overhead_verdict})"
+        f"{r.corpus} {fmt(r.warmup_vs_recompute)}{interval(r._asdict(), 'warmup_vs_recompute')} ({r.overhead_verdict}"
+        + (f", on [{fmt(r.verdict_ci_low)}, {fmt(r.verdict_ci_high)}] against either prefix pass)" if _hull(r) else ")")
         for r in warm.itertuples(index=False)
     ]
     codecs = t[(t.backend == "valkey") & (t.weights == "real") & (t.codec != "all")].codec.nunique()
@@ -151,6 +152,14 @@ def overhead(t: pd.DataFrame) -> str:
         f"TTFT with our connector over a recompute's (geometric mean of paired ratios), warm-up storing all "
         f"{codecs} codecs in the background: {', '.join(shown)}; misses on realistic documents (each storing "
         f"its codec): {tally} (95 % intervals, budget {fmt(rows.overhead_budget.iloc[0])}×)"
+    )
+
+
+def _hull(r: Any) -> bool:
+    """The warm-up's verdict read an interval of its own (the hull over the prefix warm-up's passes)."""
+    low, high = getattr(r, "verdict_ci_low", None), getattr(r, "verdict_ci_high", None)
+    return (
+        low is not None and low == low and (low, high) != (r.warmup_vs_recompute_ci_low, r.warmup_vs_recompute_ci_high)
     )
 
 

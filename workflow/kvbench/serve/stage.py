@@ -5,8 +5,8 @@ Every server gets the same pre-warm (long_doc_qa's five "hi" prompts) before any
 The main server (real weights) then runs, per corpus, the warm-ups (Valkey storing every codec at
 once, between two passes of vLLM's prefix-cache warm-up), and the query rounds: on the load
 corpora a concurrency sweep (each backend x codec a round per level, with enough requests for
-`hits_per_cell` hits; the first level interleaved in blocks, each block after the first behind a
-lead-in) and then, at each `load.rates` level, the same kind of round sent open loop (Poisson
+`hits_per_cell` hits; the first level interleaved in blocks, each block after the first behind
+lead-ins) and then, at each `load.rates` level, the same kind of round sent open loop (Poisson
 arrivals), elsewhere one round per backend at `max_inflight` (Valkey with the first codec),
 each whole. After every Valkey round (or block) the stage waits until the store's tally
 of queued chunks is 0, so background stores never overlap another cell's requests. The
@@ -500,8 +500,9 @@ def warmup_cells(backends: list[str], s: ServeSettings, prompts: dict[str, str],
     """A corpus's warm-ups: Valkey storing every codec, and vLLM's prefix cache, the reference its
     requests pair with by document, asked in a pass before it and again after it (phases `before`
     and `after`, each every document, cold: the before pass under a salt of its own). A request
-    pairs with the geometric mean of its document's two, so a drift over the warm-ups, or the calm
-    after Valkey's stores have flushed, falls on both sides of the reference alike."""
+    pairs with the geometric mean of its document's two: a drift over the warm-ups cancels, a step
+    between the passes (the calm after Valkey's flush) halves, and the summary reports it
+    (summary._versus_recompute)."""
     planned = warmup_round(prompts)
     valkey = (
         [Cell("valkey", ALL_CODECS, corpus, planned, None, s.codecs, s.max_inflight)] if "valkey" in backends else []

@@ -5,8 +5,6 @@ weights x corpus (the blog's comparison)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pandas as pd
 
@@ -175,7 +173,9 @@ def _first_level(group: pd.DataFrame) -> pd.DataFrame:
     return query[query.concurrency == query.concurrency.min()] if len(query) else query
 
 
-def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, corpus: str, warmup: bool) -> dict:
+def _versus_recompute(
+    requests: pd.DataFrame, rows: pd.DataFrame, weights: str, corpus: str, warmup: bool
+) -> tuple[dict, dict]:
     """TTFT of `rows` over a recompute's, paired: the geometric mean of the pairs' ratios with its
     t-interval (kvbench.serve.intervals.paired_log_ratio). A query-round request pairs with
     recompute's request at the same place of the same round plan (every cell of a level runs the
@@ -223,27 +223,23 @@ def _versus_recompute(requests: pd.DataFrame, rows: pd.DataFrame, weights: str, 
         "vs_recompute_paired_by": paired_by,
         "recompute_n": len(ref),
     }
+    verdict = {"low": low, "high": high, "whole_rounds": blocks is None and not warmup}
     if ref is prefix and "phase" in prefix:
         # the reference's own step between its passes: a drift cancels in their mean, a step
-        # (e.g. a calm right after Valkey's flush) only halves
+        # (e.g. a calm right after Valkey's flush) only halves; the verdict reads the hull of the
+        # ratio's intervals against each pass alone, so that it holds whichever pass was right
         passes = prefix.pivot_table(index="doc_id", columns="phase", values="ttft_s", aggfunc="median")
         if {"before", "after"} <= set(passes):
             step, step_low, step_high, step_n, _ = paired_log_ratio(passes["after"], passes["before"])
             out |= {"reference_step": step, "reference_step_ci_low": step_low, "reference_step_ci_high": step_high}
             out["reference_step_n"] = step_n
-    return out
-
-
-def _widened(versus: dict) -> tuple[float, float]:
-    """The interval a verdict reads: the ratio's, widened where its reference is the mean of two
-    passes by half the largest log of their step's interval (the reference could have been either
-    pass: against one alone the ratio moves by the square root of the step)."""
-    low, high = versus["vs_recompute_ci_low"], versus["vs_recompute_ci_high"]
-    step = [versus.get(f"reference_step_ci_{side}", np.nan) for side in ("low", "high")]
-    if any(math.isnan(x) for x in step):
-        return low, high
-    widen = max(abs(math.log(x)) for x in step) / 2
-    return low * math.exp(-widen), high * math.exp(widen)
+            alone = [
+                pd.concat([measured.rename("a"), passes[p].rename("b")], axis=1, join="inner")
+                for p in ("before", "after")
+            ]
+            bounds = [paired_log_ratio(x.a.to_numpy(), x.b.to_numpy())[1:3] for x in alone]
+            verdict |= {"low": min(b[0] for b in bounds), "high": max(b[1] for b in bounds)}
+    return out, verdict
 
 
 def _geometric_mean(times: pd.Series) -> float:
@@ -341,13 +337,13 @@ def offload_table(
         if backend == "prefix" and len(misses):
             # the no-effect control: a prefix-cache miss is recompute's full prefill with nothing
             # offloaded, so its ratio is the rounds' drift and noise that the verdicts face
-            versus = _versus_recompute(requests, misses, weights, corpus, warmup=False)
+            versus, _ = _versus_recompute(requests, misses, weights, corpus, warmup=False)
             row |= {f"miss_{k}": v for k, v in versus.items()}
         if backend == "valkey":
             measured, name = (warm, "warmup") if codec == "all" else (misses, "miss")
-            versus = _versus_recompute(requests, measured, weights, corpus, warmup=name == "warmup")
+            versus, verdict = _versus_recompute(requests, measured, weights, corpus, warmup=name == "warmup")
             row |= {f"{name}_{k}": v for k, v in versus.items()}
-            low, high = _widened(versus)
+            low, high = verdict["low"], verdict["high"]
             row |= {"overhead_budget": overhead_budget, "verdict_ci_low": low, "verdict_ci_high": high}
             row["overhead_verdict"] = overhead_verdict(
                 versus["vs_recompute"],
@@ -357,6 +353,8 @@ def offload_table(
                 overhead_budget,
                 versus["vs_recompute_units"],
             )
+            if verdict["whole_rounds"] and row["overhead_verdict"]:  # drift between rounds: as large as the margin
+                row["overhead_verdict"] = f"undecided at n={versus['vs_recompute_n']}: whole rounds, not interleaved"
             mine = events[
                 (events.backend == "valkey")
                 & (events.weights == weights)
