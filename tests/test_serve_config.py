@@ -222,7 +222,9 @@ def test_each_block_after_the_first_starts_behind_its_predecessor_in_the_plan():
 
     whole, _ = _default_cells(3, blocks=1)
     assert s.load["corpora"] == ["realistic"]
-    assert leadin_misses and store_bound_mb(s, 10**6) - store_bound_mb(whole, 10**6) == pytest.approx(
+    # by hand: 42 requests in 6 blocks of 7 start at 7, 14, 21, 28, 35; of their predecessors only 27 misses (3:1)
+    assert (len(plan), s.hit_miss_ratio, leadin_misses) == (42, "3:1", 1)
+    assert store_bound_mb(s, 10**6) - store_bound_mb(whole, 10**6) == pytest.approx(
         leadin_misses * len(s.codecs) * (s.doc_tokens // s.block_size + 1) * 1.1 * 10**6 / 2**20, abs=1
     )
     miss = Planned("query", 7, "d", "123 text", True)

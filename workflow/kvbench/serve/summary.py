@@ -300,6 +300,7 @@ def offload_table(
             rows.append({**row, "status": group.error.iloc[0]})
             continue
         warm = group[group["round"] == "warmup"]
+        measured = group[group["round"] != "leadin"]  # a lead-in is a block's set-up
         query = _first_level(group)
         hit = effective_hits(query, backend)
         hits, misses = query[hit], query[query.miss.astype(bool)]
@@ -332,7 +333,7 @@ def offload_table(
             "lookup_errors": int(group.lookup_failed.sum()),
             "load_failures": int(group.load_failed.sum()),
             "integrity_failures": int(group.integrity_failure.notna().sum()),
-            "lookups_with_queued_stores": int((group.queued_chunks.fillna(0) > 0).sum()),
+            "lookups_with_queued_stores": int((measured.queued_chunks.fillna(0) > 0).sum()),
         }
         if backend == "prefix" and len(misses):
             # the no-effect control: a prefix-cache miss is recompute's full prefill with nothing
