@@ -15,8 +15,8 @@ REPEAT_MODES = ("random", "tile", "interleave")
 class Planned:
     round: (
         # warmup | rewarm (a whole prefix round's documents asked again first) | leadin (an interleaved
-        # block's first request's predecessor in the plan, asked again first) | query | fault; no
-        # figure reads rewarm or leadin rows
+        # block's predecessors in the plan, asked again first) | query | fault; no TTFT figure
+        # reads rewarm or leadin rows
         str
     )
     index: int  # position in the round's plan (a lead-in: the position of the request it asks again)
@@ -82,7 +82,7 @@ def query_round(
     planned = []
     for i, doc in enumerate(order):
         is_miss = i % (hit + miss) >= hit
-        prompt = f"{rng.randint(-10_000_000, 10_000_000)} {prompts[doc]}" if is_miss else prompts[doc]
+        prompt = miss_prompt(prompts[doc], rng) if is_miss else prompts[doc]
         planned.append(Planned(name, i, doc, prompt, is_miss))
     return planned
 
@@ -94,8 +94,13 @@ def lead_in(previous: Planned, prompts: dict[str, str], seed: int) -> Planned:
     store queue."""
     prompt = prompts[previous.doc_id]
     if previous.miss:
-        prompt = f"{random.Random(seed).randint(-10_000_000, 10_000_000)} {prompt}"
+        prompt = miss_prompt(prompt, random.Random(seed))
     return Planned("leadin", previous.index, previous.doc_id, prompt, previous.miss)
+
+
+def miss_prompt(text: str, rng: random.Random) -> str:
+    """long_doc_qa's miss: a random integer and a space in front, so no cache holds any block."""
+    return f"{rng.randint(-10_000_000, 10_000_000)} {text}"
 
 
 def poisson_arrivals(n: int, rate_rps: float, seed: int) -> list[float]:

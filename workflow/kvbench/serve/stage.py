@@ -58,7 +58,7 @@ ALL_CODECS = "all"  # the valkey warm-up stores every codec at once
 SHARED_SALT = ("prefix", *bk.NATIVE)  # backends measured through vLLM's own prefix cache
 FLUSH_TIMEOUT_S = 300.0
 ARRIVAL_SEED = 500_000  # added to a level's plan seed: its arrival times draw from another stream
-LEADIN_SEED = 700_000  # likewise for the lead-ins' miss prefixes (a block's seed: its level's plus its index)
+LEADIN_SEED = 700_000  # likewise for a lead-in's miss prefix (plus the plan index of the request it repeats)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 2}
 
 
@@ -281,7 +281,7 @@ def store_bound_mb(settings: ServeSettings, chunk_bytes: int) -> int:
     codecs stay within it, lossy ones far below), plus room for the server itself."""
     chunks_per_doc = settings.doc_tokens // settings.block_size + 1  # the question may complete one more
     docs = {c: {f"{c}{i}": "" for i in range(settings.docs_per_corpus)} for c in settings.corpora}
-    backends = [b for b in settings.backends if b in ("recompute", "prefix", "valkey")]
+    backends = bk.server_backends("main", list(settings.backends))
     stored_docs = fault_repeats(settings.docs_per_corpus) * settings.docs_per_corpus
     for cell in main_cells("main", backends, settings, docs, seed=0):  # the miss places do not depend on it
         if cell.backend == "valkey":
@@ -517,7 +517,7 @@ def warmup_cells(backends: list[str], s: ServeSettings, prompts: dict[str, str],
     return [before, *valkey, *after]
 
 
-def plan_blocks(planned: list[Any], count: int) -> list[list[Any]]:
+def plan_blocks(planned: list[Planned], count: int) -> list[list[Planned]]:
     """`planned` cut into `count` consecutive slices of near-equal size (no empty one; none of
     an empty plan)."""
     count = max(1, min(count, len(planned)))

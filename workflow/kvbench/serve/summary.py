@@ -205,7 +205,7 @@ def _versus_recompute(
     # (a NaN where either failed: that pair is left out)
     measured = rows.groupby(by).ttft_s.median()
     theirs = ref.groupby(by).ttft_s.agg(_geometric_mean if ref is prefix else "median")
-    pairs = pd.concat([measured.rename("a"), theirs.rename("b")], axis=1, join="inner")
+    pairs = _pairs(measured, theirs)
     blocks = rows.groupby(by).block.first().reindex(pairs.index) if "block" in rows and not warmup else None
     if blocks is not None and blocks.nunique() > 1:
         paired_by += " (units: blocks)"
@@ -233,13 +233,15 @@ def _versus_recompute(
             step, step_low, step_high, step_n, _ = paired_log_ratio(passes["after"], passes["before"])
             out |= {"reference_step": step, "reference_step_ci_low": step_low, "reference_step_ci_high": step_high}
             out["reference_step_n"] = step_n
-            alone = [
-                pd.concat([measured.rename("a"), passes[p].rename("b")], axis=1, join="inner")
-                for p in ("before", "after")
-            ]
+            alone = [_pairs(measured, passes[p]) for p in ("before", "after")]
             bounds = [paired_log_ratio(x.a.to_numpy(), x.b.to_numpy())[1:3] for x in alone]
             verdict |= {"low": min(b[0] for b in bounds), "high": max(b[1] for b in bounds)}
     return out, verdict
+
+
+def _pairs(a: pd.Series, b: pd.Series) -> pd.DataFrame:
+    """Columns a and b on the keys both have."""
+    return pd.concat([a.rename("a"), b.rename("b")], axis=1, join="inner")
 
 
 def _geometric_mean(times: pd.Series) -> float:
@@ -300,7 +302,7 @@ def offload_table(
             rows.append({**row, "status": group.error.iloc[0]})
             continue
         warm = group[group["round"] == "warmup"]
-        measured = group[group["round"] != "leadin"]  # a lead-in is a block's set-up
+        asked = group[group["round"] != "leadin"]  # a lead-in is a block's set-up
         query = _first_level(group)
         hit = effective_hits(query, backend)
         hits, misses = query[hit], query[query.miss.astype(bool)]
@@ -333,7 +335,7 @@ def offload_table(
             "lookup_errors": int(group.lookup_failed.sum()),
             "load_failures": int(group.load_failed.sum()),
             "integrity_failures": int(group.integrity_failure.notna().sum()),
-            "lookups_with_queued_stores": int((measured.queued_chunks.fillna(0) > 0).sum()),
+            "lookups_with_queued_stores": int((asked.queued_chunks.fillna(0) > 0).sum()),
         }
         if backend == "prefix" and len(misses):
             # the no-effect control: a prefix-cache miss is recompute's full prefill with nothing
