@@ -247,7 +247,16 @@ def budget(table: pd.DataFrame) -> str:
             continue
         met = (summary[f"store_vs_{side}"] >= BUDGET) & (summary[f"load_vs_{side}"] >= BUDGET)
         met_by, missed_by = ", ".join(met.index[met]), ", ".join(met.index[~met])
-        parts.append(f"vs {what}: met by {met_by or 'no codec'}, missed by {missed_by or 'no codec'}")
+        part = f"vs {what}: met by {met_by or 'no codec'}, missed by {missed_by or 'no codec'}"
+        if side == "raw" and "direct_store_mb_s" in summary:
+            # a codec that misses even without our connector: its own speed, not ours
+            bound = ~met & (
+                (summary.direct_store_mb_s < BUDGET * summary.raw_set_mb_s)
+                | (summary.direct_load_mb_s < BUDGET * summary.raw_get_mb_s)
+            )
+            if bound.any():
+                part += f" ({', '.join(bound.index[bound])} below it called directly too: bound by the codec)"
+        parts.append(part)
     return (
         f"budget (connector >= {BUDGET:.0%} in store and load, medians of {table['round'].nunique() - 1} rounds after the first): "
         + "; ".join(parts)

@@ -15,10 +15,11 @@ PAYLOADS = {
 }
 
 
+@pytest.mark.parametrize("width", [2, 4])  # a bf16/fp16 cache's elements, an fp32 cache's
 @pytest.mark.parametrize("name", codec_names())
 @pytest.mark.parametrize("payload", PAYLOADS, ids=list(PAYLOADS))
-def test_every_codec_round_trips_exactly(name, payload):
-    codec = get_codec(name, width=2)
+def test_every_codec_round_trips_exactly(name, payload, width):
+    codec = get_codec(name, width=width)
     data = PAYLOADS[payload]
     assert codec.decode(codec.encode(data)) == data
 
@@ -28,6 +29,13 @@ def test_byteplane_splits_high_and_low_bytes():
     planes = BytePlane(Identity(), 2).encode(data)
     assert planes == bytes([0x02, 0x04, 0x06, 0x01, 0x03, 0x05])
     assert BytePlane(Identity(), 2).decode(planes) == data
+
+
+def test_byteplane_splits_the_four_bytes_of_fp32_elements():
+    data = np.array([0x01020304, 0x05060708], dtype="<u4").tobytes()
+    planes = BytePlane(Identity(), 4).encode(data)
+    assert planes == bytes([4, 8, 3, 7, 2, 6, 1, 5])
+    assert BytePlane(Identity(), 4).decode(planes) == data
 
 
 def test_byteplane_rejects_a_partial_element():

@@ -19,7 +19,7 @@ class Codec(Protocol):
 
     def encode(self, data: bytes) -> bytes: ...
 
-    def decode(self, data: bytes) -> bytes: ...
+    def decode(self, data: bytes) -> bytes | memoryview: ...
 
 
 class Identity:
@@ -65,12 +65,16 @@ class BytePlane:
     def encode(self, data: bytes) -> bytes:
         if len(data) % self.width:
             raise ValueError(f"{self.name}: {len(data)} bytes is not a multiple of width {self.width}")
-        planes = np.frombuffer(data, dtype=np.uint8).reshape(-1, self.width).T
-        return self.inner.encode(np.ascontiguousarray(planes).tobytes())
+        planes = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8).reshape(-1, self.width).T)
+        return self.inner.encode(planes.reshape(-1).data)
 
-    def decode(self, data: bytes) -> bytes:
+    def decode(self, data: bytes) -> memoryview:
         planes = np.frombuffer(self.inner.decode(data), dtype=np.uint8).reshape(self.width, -1)
-        return np.ascontiguousarray(planes.T).tobytes()
+        # one strided write per plane: several times faster than a contiguous copy of planes.T
+        elements = np.empty((planes.shape[1], self.width), dtype=np.uint8)
+        for i, plane in enumerate(planes):
+            elements[:, i] = plane
+        return elements.reshape(-1).data
 
 
 BASE_CODECS: dict[str, Callable[[], Codec]] = {

@@ -60,9 +60,12 @@ def copy_in(chunks: Sequence[torch.Tensor], layers: Sequence[torch.Tensor], bloc
     if not chunks:
         return
     device = layers[0].device
-    staged = torch.stack(list(chunks))  # [n, layers, ...]
-    if device.type == "cuda":
-        staged = staged.pin_memory().to(device, non_blocking=True)
+    if device.type != "cuda":  # straight from each chunk into its block: no staging copy
+        for chunk, block in zip(chunks, block_ids):
+            for layer, cache in enumerate(layers):
+                cache[block].copy_(chunk[layer])
+        return
+    staged = torch.stack(list(chunks)).pin_memory().to(device, non_blocking=True)  # [n, layers, ...]
     index = block_index(list(block_ids)[: len(chunks)], device)
     for layer, cache in enumerate(layers):
         cache.index_copy_(0, index, staged[:, layer])
