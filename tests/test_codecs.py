@@ -15,8 +15,11 @@ PAYLOADS = {
 }
 
 
-@pytest.mark.parametrize("width", [2, 4])  # a bf16/fp16 cache's elements, an fp32 cache's
-@pytest.mark.parametrize("name", codec_names())
+# every codec on a 16-bit cache's elements; byte-plane (the only codec that reads the width) on fp32's too
+WIDTHS = [(name, 2) for name in codec_names()] + [(n, 4) for n in codec_names() if n.endswith("+byteplane")]
+
+
+@pytest.mark.parametrize("name, width", WIDTHS, ids=[f"{n}-w{w}" for n, w in WIDTHS])
 @pytest.mark.parametrize("payload", PAYLOADS, ids=list(PAYLOADS))
 def test_every_codec_round_trips_exactly(name, payload, width):
     codec = get_codec(name, width=width)
@@ -36,6 +39,11 @@ def test_byteplane_splits_the_four_bytes_of_fp32_elements():
     planes = BytePlane(Identity(), 4).encode(data)
     assert planes == bytes([4, 8, 3, 7, 2, 6, 1, 5])
     assert BytePlane(Identity(), 4).decode(planes) == data
+
+
+def test_measure_checks_a_byteplane_round_trip_that_returns_a_view():
+    row = measure(PAYLOADS["fp16-normal"], get_codec("lz4+byteplane", 4))
+    assert row["error"] is None and row["compressed_bytes"] > 0
 
 
 def test_byteplane_rejects_a_partial_element():

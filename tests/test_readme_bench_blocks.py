@@ -352,3 +352,46 @@ def test_a_block_measured_on_uncommitted_changes_says_so(blocks, tmp_path):
     ):
         table.assign(**(PROV | {"git_commit": commit})).to_parquet(tmp_path / "bench/snapkv_agreement.parquet")
         assert shown in render(blocks["snapkv-agreement"], tmp_path)
+
+
+def transfer_rows(codec: str, store: tuple[float, float], load: tuple[float, float]) -> list[dict]:
+    """Seven rounds of one codec whose connector runs at store[0] / load[0] of the raw client and
+    the codec alone (direct) at store[1] / load[1], the raw client's speed swinging 3x between
+    rounds."""
+    rows = []
+    for rnd in range(7):
+        raw_set, raw_get = 1000.0 * (1 + rnd % 3), 500.0 * (1 + (rnd + 1) % 3)
+        wobble = 1 + 0.02 * (-1) ** rnd
+        rows.append(
+            {
+                "round": rnd,
+                "codec": codec,
+                "dtype": "bfloat16",
+                "ratio": 1.1,
+                "raw_set_mb_s": raw_set,
+                "direct_store_mb_s": store[1] * raw_set,
+                "connector_store_mb_s": store[0] * raw_set * wobble,
+                "raw_get_mb_s": raw_get,
+                "direct_load_mb_s": load[1] * raw_get,
+                "connector_load_mb_s": load[0] * raw_get * wobble,
+            }
+        )
+    return rows
+
+
+def test_serve_transfer_judges_same_round_shares_and_names_only_codec_bound_misses(rendered, blocks, tmp_path):
+    table = pd.DataFrame(
+        transfer_rows("slowcodec", store=(0.3, 0.35), load=(0.8, 0.9))  # the codec itself is slow
+        + transfer_rows("slowconnector", store=(0.9, 1.0), load=(0.3, 0.9))  # our load path is slow
+        + transfer_rows("slowboth", store=(0.15, 0.45), load=(0.8, 0.9))  # a slow codec, and ours adds more
+    )
+    text = rendered("serve-transfer", {"bench/serve_transfer.parquet": table})
+    header, slow = header_of(text), row_of(text, "slowcodec")
+    assert slow[header.index("store_vs_raw")].startswith("0.3 [")  # not raw/connector, not a ratio of medians
+    assert slow[header.index("store_vs_direct")].startswith("0.857 [")
+    line = render(blocks["serve-transfer-budget"], tmp_path)  # inline: no provenance line
+    raw = line.split(" — ")[0]
+    assert "store met by slowconnector, missed by slowcodec, slowboth" in raw
+    assert "load met by slowcodec, slowboth, missed by slowconnector" in raw
+    assert "(slowcodec bound by the codec" in raw and "slowconnector bound" not in raw and "slowboth bound" not in raw
+    assert "6 rounds after the first" in line

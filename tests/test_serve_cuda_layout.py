@@ -60,6 +60,26 @@ def test_copy_in_writes_only_its_blocks_through_the_strided_view():
 
 
 @pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda chunks, ids: (chunks, ids[:1]), "2 chunks for 1 block ids"),
+        (lambda chunks, ids: ([c.float() for c in chunks], ids), "torch.float32 for a cache of"),
+        (lambda chunks, ids: ([c[:, :, :32] for c in chunks], ids), "for a cache of"),
+        (lambda chunks, ids: (chunks, [5, -1]), r"block ids \[-1\] outside"),
+        (lambda chunks, ids: (chunks, [5, BLOCKS]), "outside the cache's 6 blocks"),
+    ],
+    ids=["more chunks than blocks", "dtype", "shape", "negative id", "id past the end"],
+)
+def test_copy_in_refuses_what_a_plain_copy_would_cast_broadcast_wrap_or_drop(change, message):
+    views, _, _ = cuda_like_cache(0)
+    before = [v.clone() for v in views]
+    chunks, ids = change(copy_out(cuda_like_cache(1)[0], [2, 3]).chunks, [5, 0])
+    with pytest.raises(ValueError, match=message):
+        copy_in(chunks, views, ids)
+    assert all(torch.equal(v, old) for v, old in zip(views, before))  # refused before any copy
+
+
+@pytest.mark.parametrize(
     "name, method",
     [
         ("kivi2", {"kind": "kivi", "bits": 2, "group_size": 32}),

@@ -1,4 +1,5 @@
-"""Codec registry: each codec turns bytes into bytes and back, exactly.
+"""Codec registry: each codec turns a contiguous byte buffer (bytes, a memoryview) into bytes
+and back, exactly; either side may return a memoryview where that saves a copy.
 
 Names are `<base>` or `<base>+byteplane`; byte-plane first splits every element of `width`
 bytes into planes (byte 0 of every element, then byte 1, ...), which float data rewards:
@@ -17,9 +18,9 @@ import zstandard
 class Codec(Protocol):
     name: str
 
-    def encode(self, data: bytes) -> bytes: ...
+    def encode(self, data: bytes | memoryview) -> bytes | memoryview: ...
 
-    def decode(self, data: bytes) -> bytes | memoryview: ...
+    def decode(self, data: bytes | memoryview) -> bytes | memoryview: ...
 
 
 class Identity:

@@ -59,6 +59,7 @@ def copy_in(chunks: Sequence[torch.Tensor], layers: Sequence[torch.Tensor], bloc
     host-to-device copy, queued on the current stream before the forward pass that reads it)."""
     if not chunks:
         return
+    check_fits(chunks, layers, block_ids)
     device = layers[0].device
     if device.type != "cuda":  # straight from each chunk into its block: no staging copy
         for chunk, block in zip(chunks, block_ids):
@@ -69,3 +70,18 @@ def copy_in(chunks: Sequence[torch.Tensor], layers: Sequence[torch.Tensor], bloc
     index = block_index(list(block_ids)[: len(chunks)], device)
     for layer, cache in enumerate(layers):
         cache.index_copy_(0, index, staged[:, layer])
+
+
+def check_fits(chunks: Sequence[torch.Tensor], layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
+    """ValueError unless every chunk is one block of every layer, of the cache's shape and dtype,
+    and has a block of the cache to go to: a plain copy would cast, broadcast, wrap a negative id
+    or leave a chunk out without a word."""
+    blocks = list(block_ids)
+    if len(chunks) > len(blocks):
+        raise ValueError(f"{len(chunks)} chunks for {len(blocks)} block ids")
+    shape, dtype, count = (len(layers), *layers[0].shape[1:]), layers[0].dtype, layers[0].shape[0]
+    for chunk in chunks:
+        if tuple(chunk.shape) != shape or chunk.dtype != dtype:
+            raise ValueError(f"a chunk of {tuple(chunk.shape)} {chunk.dtype} for a cache of {shape} {dtype}")
+    if bad := [int(b) for b in blocks[: len(chunks)] if not 0 <= int(b) < count]:
+        raise ValueError(f"block ids {bad} outside the cache's {count} blocks")
