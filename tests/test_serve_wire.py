@@ -153,6 +153,18 @@ def test_fp8_wire_is_the_methods_cast():
     assert torch.equal(wire.decode(data), to_fp8_bytes(chunk).view(torch.float8_e4m3fn).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_wire_tables_are_the_cast_for_every_16_bit_pattern_and_every_code(dtype):
+    spec = ChunkSpec(1, 1, 256, 128, dtype)  # 65,536 elements: every 16-bit pattern once, NaNs included
+    wire = wire_format("fp8", spec, METHODS["fp8"])
+    chunk = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(dtype).reshape(spec.shape)
+    codes = to_fp8_bytes(chunk.float())
+    assert bytes(wire.encode(chunk)) == bytes(codes.numpy().data)
+    every_code = torch.arange(2**16, dtype=torch.int32).remainder(256).to(torch.uint8)
+    cast = every_code.view(torch.float8_e4m3fn).to(dtype).reshape(spec.shape)
+    assert torch.equal(wire.decode(bytes(every_code.numpy().data)).view(torch.int16), cast.view(torch.int16))
+
+
 def test_wire_formats_refuse_what_they_cannot_be():
     with pytest.raises(ValueError, match="kind snapkv.* is not a wire format"):
         check_codec("snapkv", METHODS)

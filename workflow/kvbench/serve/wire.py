@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
+import numpy as np
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
@@ -195,19 +196,35 @@ class TurboWire:
 
 
 class Fp8Wire:
-    """fp8 e4m3 (methods/fp8.py to_fp8_bytes): elementwise, so the packed layout needs no unpacking."""
+    """fp8 e4m3 (methods/fp8.py to_fp8_bytes): elementwise, so the packed layout needs no unpacking.
+    Decoding, and encoding a 16-bit cache, look each element up in a table of the method's own
+    conversion of every code (bit for bit the same values): torch's elementwise casts between fp8
+    and bf16 run at a fraction of the raw client's speed on CPU."""
 
     lossless = False
 
     def __init__(self, name: str, spec: ChunkSpec) -> None:
         self.name, self.spec = name, spec
+        bits = _INT_OF_WIDTH[spec.dtype.itemsize]
+        codes = torch.arange(256, dtype=torch.uint8)
+        self._decode_table = codes.view(torch.float8_e4m3fn).to(spec.dtype).view(bits).numpy()
+        self._encode_table = None
+        if spec.dtype.itemsize == 2:  # every 16-bit pattern, through the same cast as the chunk
+            patterns = torch.from_numpy(np.arange(2**16, dtype=np.uint16).view(np.int16)).view(spec.dtype)
+            self._encode_table = to_fp8_bytes(patterns.float()).numpy()
 
     def encode(self, chunk: torch.Tensor) -> memoryview:
-        return raw_bytes(to_fp8_bytes(chunk.float()))
+        if self._encode_table is None:
+            return raw_bytes(to_fp8_bytes(chunk.float()))
+        patterns = chunk.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        return np.take(self._encode_table, patterns).data
 
     def decode(self, data: bytes) -> torch.Tensor:
-        codes = read_only(data, torch.uint8).view(torch.float8_e4m3fn)
-        return codes.to(self.spec.dtype).reshape(self.spec.shape)
+        values = np.take(self._decode_table, np.frombuffer(data, dtype=np.uint8))
+        return torch.from_numpy(values).view(self.spec.dtype).reshape(self.spec.shape)
+
+
+_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32}
 
 
 def unpacks(name: str, method: Mapping[str, Any] | None) -> bool:
