@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ MODEL = "resources/models/smollm2-135m"
 DOCS = "results/corpus/realistic/docs.parquet"
 BLOCK = 256
 BUDGET = 0.5
+SIDES = ("raw", "direct", "connector")
 # the connector's share of each baseline, and the codec's own (direct) share of raw
 SHARES = {
     "store_vs_raw": ("connector_store_mb_s", "raw_set_mb_s"),
@@ -99,13 +101,17 @@ def paged_cache(model_dir: str, tokens: int, dtype: torch.dtype) -> tuple[list[t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=11)  # a warm-up round + 10: an interval over 10 rounds
+    # a warm-up round + 5 rotations of the 3 sides: every side first, second and third 5 times
+    parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--codecs", nargs="+", help="default: serve.codecs and none")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: what the serve stage serves here")
     parser.add_argument("--out", default="results/bench/serve_transfer.parquet")
     args = parser.parse_args()
+    if (args.rounds - 1) % len(SIDES):
+        parser.error(f"--rounds must be 1 + a multiple of {len(SIDES)}: each side leads as often as the others")
     torch.set_num_threads(1)
+    order = random.Random(0)
     config = yaml.safe_load(Path("config/config.yaml").read_text())
     methods = config["methods"]
     codecs = args.codecs or ["none", *(c for c in config["serve"]["codecs"] if c != "none")]
@@ -117,9 +123,12 @@ def main() -> None:
         client = server.client()
         tokens = list(range(len(blocks) * BLOCK + 1))
         for rnd in range(args.rounds):
-            for codec in codecs:
+            # codecs in a new order each round: a codec's slot in the round changes the raw
+            # client's speed too (what Valkey holds, what ran before), and a same-round ratio
+            # cancels drift between rounds, not that
+            for codec in order.sample(codecs, len(codecs)):
                 wire = wire_format(codec, spec, methods.get(codec), seed=0)
-                keys = chunk_keys(namespace(f"bench{rnd}", "m", "float32", BLOCK, codec), tokens, BLOCK, len(blocks))
+                keys = chunk_keys(namespace(f"bench{rnd}", "m", dtype, BLOCK, codec), tokens, BLOCK, len(blocks))
                 raw_keys = [f"raw:{k}" for k in keys]
                 chunks = gather(cache, blocks)
                 # raw client: the same chunk bytes (as the connector's "none" format ships them)
@@ -137,12 +146,14 @@ def main() -> None:
                     "direct": lambda: direct_load(client, wire, direct_keys),
                     "connector": lambda: connector_load(client, wire, spec, keys, blocks, target),
                 }
-                # each side first in turn: a SET into a store that already holds the round's other
-                # copies allocates afresh, and went slower when always last
-                for side in rotated(list(stores), rnd):
+                # each side first in turn, and alone in the store: it stores, loads and deletes
+                # its copy before the next side starts (a SET into a store that already holds
+                # other copies allocates afresh)
+                side_keys = {"raw": raw_keys, "direct": direct_keys, "connector": keys}
+                for side in rotated(list(SIDES), rnd):
                     out[f"store_{side}"] = stores[side]()
-                for side in rotated(list(loads), rnd):
                     out[f"load_{side}"] = loads[side]()
+                    client.delete(*side_keys[side])
                 raw_set_s, direct_set_s, stored = out["store_raw"], out["store_direct"], out["store_connector"]
                 raw_get_s, direct_get_s, (lookup_s, loaded) = out["load_raw"], out["load_direct"], out["load_connector"]
                 raw_mb = stored["raw_bytes"] / 1e6
@@ -175,7 +186,6 @@ def main() -> None:
                         "error": stored["error"] or loaded["error"],
                     }
                 )
-                client.delete(*keys, *raw_keys, *direct_keys)
     table = pd.DataFrame(rows)
     settings = {
         "seed": 0,
@@ -245,24 +255,35 @@ def timed(table: pd.DataFrame) -> pd.DataFrame:
     return table[table["round"] > 0] if table["round"].nunique() > 1 else table
 
 
+def failed(table: pd.DataFrame) -> pd.Series:
+    """Rows whose store or load failed, or loaded fewer chunks than it stored: no speed of theirs
+    is a transfer's."""
+    return table["error"].notna() | (table["loaded_chunks"] < table["chunks"])
+
+
 def shares(table: pd.DataFrame) -> pd.DataFrame:
     """Per codec: median speeds and each share (SHARES) as the geometric mean over rounds of the
-    same round's ratio, `<share>_low|high` its 95 % t-interval over rounds, `rounds` their n."""
+    same round's ratio, `<share>_low|high` its 95 % t-interval over rounds, `rounds` the rounds
+    it rests on and `failed_rounds` those left out (failed()). A codec whose every round failed
+    has a row of NaN shares."""
     rows = []
     for codec, group in timed(table).groupby("codec", sort=False):
-        row = {"codec": codec, "ratio": group.ratio.median(), "rounds": len(group)}
-        row.update(group[list(SPEEDS)].median().to_dict())
+        bad = failed(group)
+        good = group[~bad]
+        row = {"codec": codec, "ratio": group.ratio.median(), "rounds": len(good), "failed_rounds": int(bad.sum())}
+        row.update(good[list(SPEEDS)].median().to_dict())
         for share, (part, whole) in SHARES.items():
-            mean, low, high, _, _ = paired_log_ratio(group[part].to_numpy(), group[whole].to_numpy())
+            mean, low, high, _, _ = paired_log_ratio(good[part].to_numpy(), good[whole].to_numpy())
             row.update({share: mean, f"{share}_low": low, f"{share}_high": high})
         rows.append(row)
     return pd.DataFrame(rows).set_index("codec")
 
 
 def verdict(low: float, high: float) -> str:
-    """met: the interval above the budget; missed: below it; else inconclusive."""
+    """met: the interval above the budget; missed: below it; inconclusive: across it; no interval
+    below MIN_UNITS rounds."""
     if pd.isna(low):
-        return "inconclusive"  # too few rounds for an interval
+        return "no interval"
     return "met" if low >= BUDGET else "missed" if high < BUDGET else "inconclusive"
 
 
@@ -271,7 +292,7 @@ def budget(table: pd.DataFrame) -> str:
     bytes (the issue's: the codec's cost too) and the same codec called directly before the raw
     client (the connector's added cost alone). A codec that misses against raw on one side while
     the codec alone (direct) misses there too and the connector meets it against direct is named
-    bound by the codec on that side."""
+    bound by the codec on that side. The shares and their intervals are the table's."""
     summary = shares(table)
 
     def named(share: str, outcome: str) -> list[str]:
@@ -287,35 +308,41 @@ def budget(table: pd.DataFrame) -> str:
             share = f"{op}_vs_{side}"
             words = [
                 f"{outcome} by {', '.join(codecs)}"
-                for outcome in ("met", "missed")
+                if outcome in ("met", "missed")
+                else f"{outcome} for {', '.join(codecs)}"
+                for outcome in ("met", "missed", "inconclusive", "no interval")
                 if (codecs := named(share, outcome))
             ]
-            if inconclusive := named(share, "inconclusive"):
-                words.append(f"inconclusive for {', '.join(inconclusive)}")
             if side == "raw":
                 bound = set(named(f"direct_{op}_vs_raw", "missed")) & set(named(f"{op}_vs_direct", "met"))
                 if bound := [c for c in named(share, "missed") if c in bound]:
-                    words.append(f"({', '.join(bound)} bound by the codec: missed called directly too)")
-            sides.append(f"{op} {', '.join(words)}")
+                    words.append(f"bound by the codec (missed called directly too): {', '.join(bound)}")
+            sides.append(f"{op} {' / '.join(words)}")
         parts.append(f"vs {what}: {'; '.join(sides)}")
-    rounds = int(summary["rounds"].min())
+    lost = int(summary["failed_rounds"].sum())
+    counted = f"{int(summary['rounds'].min())} rounds after the first" + (
+        f", {lost} failed rounds left out" if lost else ""
+    )
     return (
-        f"budget (connector >= {BUDGET:.0%}, geometric means of same-round ratios, 95 % intervals over {rounds} rounds after the first): "
+        f"budget (connector >= {BUDGET:.0%}, geometric means of same-round ratios, 95 % intervals over {counted}): "
         + " — ".join(parts)
     )
 
 
 def render(t: pd.DataFrame) -> pd.DataFrame:
     summary = shares(t)
-    shown = summary[["ratio", *SPEEDS]].round(3)
-    for share in ("store_vs_raw", "store_vs_direct", "load_vs_raw", "load_vs_direct"):
+    shown = summary[["ratio", "rounds", *SPEEDS]].copy()
+    for share in SHARES:
         shown[share] = [
-            f"{r[share]:.3g} [{r[f'{share}_low']:.3g}, {r[f'{share}_high']:.3g}]" for _, r in summary.iterrows()
+            f"{r[share]:.3g}"
+            + ("" if pd.isna(r[f"{share}_low"]) else f" [{r[f'{share}_low']:.3g}, {r[f'{share}_high']:.3g}]")
+            for _, r in summary.iterrows()
         ]
-    order = ["ratio", "raw_set_mb_s", "direct_store_mb_s", "connector_store_mb_s", "store_vs_raw", "store_vs_direct"]
-    order += ["raw_get_mb_s", "direct_load_mb_s", "connector_load_mb_s", "load_vs_raw", "load_vs_direct"]
+    order = ["ratio", "rounds", "raw_set_mb_s", "direct_store_mb_s", "connector_store_mb_s", "store_vs_raw"]
+    order += ["store_vs_direct", "direct_store_vs_raw", "raw_get_mb_s", "direct_load_mb_s", "connector_load_mb_s"]
+    order += ["load_vs_raw", "load_vs_direct", "direct_load_vs_raw"]
     shown.insert(0, "dtype", t["dtype"].iloc[0] if "dtype" in t else "float32")
-    return shown[["dtype", *order]].reset_index()
+    return shown[["dtype", *order]].round(3).reset_index()
 
 
 BLOCKS = {

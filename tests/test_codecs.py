@@ -42,7 +42,9 @@ def test_byteplane_splits_the_four_bytes_of_fp32_elements():
 
 
 def test_measure_checks_a_byteplane_round_trip_that_returns_a_view():
-    row = measure(PAYLOADS["fp16-normal"], get_codec("lz4+byteplane", 4))
+    codec = get_codec("lz4+byteplane", 4)
+    assert isinstance(codec.decode(codec.encode(PAYLOADS["fp16-normal"])), memoryview)
+    row = measure(PAYLOADS["fp16-normal"], codec)
     assert row["error"] is None and row["compressed_bytes"] > 0
 
 

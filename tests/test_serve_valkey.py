@@ -138,6 +138,17 @@ def test_a_valid_chunk_of_another_key_is_foreign(store):
     assert loaded["integrity"] == "foreign" and "stored under another key" in loaded["error"]
 
 
+def test_chunks_that_do_not_fit_the_cache_fail_every_block_and_write_nothing(store):
+    client, _ = store
+    source, target = paged_cache(seed=1), [c.to(torch.bfloat16) for c in paged_cache(seed=2)]
+    before = [c.clone() for c in target]
+    wire, keys = wire_format("zstd-3", SPEC), keys_for(2)
+    store_chunks(client, wire, SPEC, keys, gather(source, [5, 1]))
+    loaded = load_chunks(client, wire, SPEC, keys, [0, 2], target)  # float32 chunks, a bf16 cache
+    assert loaded["error"].startswith("copy:") and loaded["loaded_chunks"] == 0 and loaded["failed_blocks"] == [0, 2]
+    assert all(torch.equal(c, old) for c, old in zip(target, before))
+
+
 def test_a_well_sealed_chunk_that_does_not_decode_fails_its_load(store):
     client, _ = store
     wire, keys = stored(client)

@@ -91,7 +91,10 @@ def load_chunks(
         stats["wire_bytes"] += len(data)  # what the store holds: header included
         decoded.append(chunk)
     t0 = time.perf_counter()
-    copy_in(decoded, layers, block_ids)
+    try:
+        copy_in(decoded, layers, block_ids)
+    except ValueError as err:  # chunks that do not fit the cache: nothing copied, vLLM recomputes
+        stats["error"], decoded = f"copy: {err}", []
     stats["copy_s"] = time.perf_counter() - t0
     stats["loaded_chunks"] = len(decoded)
     stats["failed_blocks"] = list(block_ids[len(decoded) :])
