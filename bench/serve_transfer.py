@@ -276,7 +276,7 @@ def shares(table: pd.DataFrame) -> pd.DataFrame:
             mean, low, high, _, _ = paired_log_ratio(good[part].to_numpy(), good[whole].to_numpy())
             row.update({share: mean, f"{share}_low": low, f"{share}_high": high})
         rows.append(row)
-    return pd.DataFrame(rows).set_index("codec")
+    return pd.DataFrame(rows).set_index("codec").sort_index()  # the rounds ran codecs in shuffled orders
 
 
 def verdict(low: float, high: float) -> str:

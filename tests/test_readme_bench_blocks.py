@@ -403,8 +403,8 @@ def test_serve_transfer_judges_same_round_shares_and_names_only_codec_bound_miss
     assert row_of(text, "failing")[header.index("rounds")] == "6"
     line = render(blocks["serve-transfer-budget"], tmp_path)  # inline: no provenance line
     raw = line.split(" — ")[0]
-    assert "store met by slowconnector, failing / missed by slowcodec, slowboth / inconclusive for nearhalf" in raw
+    assert "store met by failing, slowconnector / missed by slowboth, slowcodec / inconclusive for nearhalf" in raw
     assert "no interval for fewrounds" in raw
-    assert "load met by slowcodec, slowboth, nearhalf, failing / missed by slowconnector" in raw
+    assert "load met by failing, nearhalf, slowboth, slowcodec / missed by slowconnector" in raw
     assert raw.split("bound by the codec (missed called directly too): ")[1].split(";")[0] == "slowcodec"
     assert "over 3 rounds after the first, 2 failed rounds left out" in line
