@@ -16,7 +16,7 @@ the machine cancels) with its t-interval over rounds: met when the interval is a
 missed when below, inconclusive otherwise. Not on any clock here: the copy out of the cache and
 the store's tally (the serve stage times those).
 
-    .venv/bin/python bench/serve_transfer.py [--rounds 11] [--codecs none zstd-3 kivi2] [--dtype float32]
+    .venv/bin/python bench/serve_transfer.py [--rounds 16] [--codecs none zstd-3 kivi2] [--dtype float32]
 
 Writes results/bench/serve_transfer.parquet and prints the table.
 """
@@ -341,7 +341,7 @@ def render(t: pd.DataFrame) -> pd.DataFrame:
     order = ["ratio", "rounds", "raw_set_mb_s", "direct_store_mb_s", "connector_store_mb_s", "store_vs_raw"]
     order += ["store_vs_direct", "direct_store_vs_raw", "raw_get_mb_s", "direct_load_mb_s", "connector_load_mb_s"]
     order += ["load_vs_raw", "load_vs_direct", "direct_load_vs_raw"]
-    shown.insert(0, "dtype", t["dtype"].iloc[0] if "dtype" in t else "float32")
+    shown.insert(0, "dtype", t["dtype"].iloc[0])
     return shown[["dtype", *order]].round(3).reset_index()
 
 

@@ -9,6 +9,9 @@ import torch
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
+# the integer dtype of each element width: a float tensor's bit patterns, viewed without a copy
+INT_OF_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
 
 @dataclass(frozen=True)
 class Stored:
@@ -59,7 +62,7 @@ def store(tensor: torch.Tensor, dtype_name: str) -> Stored:
         tensor = tensor.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     cast = tensor.contiguous().to(dtype)
     itemsize = cast.element_size()
-    bits = cast.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[itemsize]).numpy()
+    bits = cast.view(INT_OF_ITEMSIZE[itemsize]).numpy()
     return Stored(
         data=bits.tobytes(),
         itemsize=itemsize,

@@ -22,6 +22,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from kvbench.kv.codecs import get_codec
+from kvbench.kv.storage import INT_OF_ITEMSIZE
 from kvbench.methods import native
 from kvbench.methods.base import ModelShape
 from kvbench.methods.catalog import build_cache
@@ -208,7 +209,7 @@ class Fp8Wire:
 
     def __init__(self, name: str, spec: ChunkSpec) -> None:
         self.name, self.spec = name, spec
-        bits = _INT_OF_WIDTH[spec.dtype.itemsize]
+        bits = INT_OF_ITEMSIZE[spec.dtype.itemsize]
         codes = torch.arange(256, dtype=torch.uint8)
         self._decode_table = codes.view(torch.float8_e4m3fn).to(spec.dtype).view(bits).numpy()
         self._encode_table = None
@@ -225,9 +226,6 @@ class Fp8Wire:
     def decode(self, data: bytes) -> torch.Tensor:
         values = np.take(self._decode_table, np.frombuffer(data, dtype=np.uint8))
         return torch.from_numpy(values).view(self.spec.dtype).reshape(self.spec.shape)
-
-
-_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32}
 
 
 def unpacks(name: str, method: Mapping[str, Any] | None) -> bool:
