@@ -104,6 +104,7 @@ bench-core: setup
 	sized="$(SIZED)" && $(BIN)/snakemake --cores $(CORES) results/kv/memory_probe.parquet $$sized
 	$(BIN)/python bench/codec_overhead.py
 	$(BIN)/python bench/serve_transfer.py
+	$(BIN)/python bench/store_priority.py
 	$(BIN)/python bench/turboquant_scores.py
 	$(BIN)/python bench/decode_overhead.py
 

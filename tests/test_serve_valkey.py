@@ -258,6 +258,30 @@ def test_background_stores_are_counted_in_the_store_and_visible_only_when_comple
     stores.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_store_threads_run_under_sched_idle_and_record_it(store):
+    """Nice 19 still slowed a CPU server's prefill by a tenth (bench/store_priority.py): the store
+    threads run their encodings under SCHED_IDLE, and the event says so."""
+    client, _ = store
+    events, policies = Events(), []
+    inner = wire_format("kivi2", SPEC, {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 128})
+
+    class Watched:
+        name, lossless = "kivi2", False
+
+        def encode(self, chunk):
+            policies.append(os.sched_getscheduler(0))  # 0: the calling thread
+            return inner.encode(chunk)
+
+    stores = AsyncStore(lambda: another_client(client), SPEC, "t:pending", events.write, queue_bytes=2**30)
+    stores.submit(StoreJob("tag", "kivi2", Watched(), keys_for(2, "kivi2"), copy_out(paged_cache(), [0, 1])))
+    assert stores.flush(30)
+    stores.close()
+    (event,) = events
+    assert event["error"] is None and event["priority"] == "idle"
+    assert policies == [os.SCHED_IDLE, os.SCHED_IDLE] and os.sched_getscheduler(0) != os.SCHED_IDLE
+
+
 @pytest.mark.parametrize("yielding", [True, False])
 def test_stores_that_yield_to_the_forward_pass_encode_only_between_steps(store, yielding):
     """Yielding (a CPU server): a job submitted during a forward step encodes nothing until the

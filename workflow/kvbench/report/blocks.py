@@ -37,6 +37,7 @@ BENCH_SCRIPTS = (
     "serve_transfer",
     "side_by_side",
     "snapkv_agreement",
+    "store_priority",
     "turboquant_scores",
 )
 

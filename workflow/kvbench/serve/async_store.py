@@ -13,7 +13,11 @@ stores asynchronously.
 - Failures counted: every job ends in one `store` event with its error (or none).
 - Flushed at shutdown: `close()` waits for the queue, then stops the threads; jobs it could not
   finish in time are recorded as failed.
-- Low priority: the threads run at nice 19 (Linux, per thread). Where the forward pass runs on
+- Low priority: the threads run under SCHED_IDLE (Linux, per thread; nice 19 where that is
+  refused or not Linux), so they get a core only when nothing else wants it. Nice 19 was not
+  enough on a CPU server: a 2-thread bf16 prefill with a nice-19 thread encoding beside it ran
+  16-32 % slower (a woken OpenMP thread waits for the nice task's slice at every barrier), under
+  SCHED_IDLE ~2.5 % slower (bench/store_priority.py). Where the forward pass runs on
   the same cores (a CPU server), they also yield to it: a chunk's encoding starts only between
   forward steps (`forward_started` / `forward_ended`, called by the connector's worker half),
   or after YIELD_MAX_S (a step that never ends: an error between the two calls). This decides
@@ -37,7 +41,7 @@ from kvbench.serve.staging import HostCopy
 from kvbench.serve.transfer import STORE_ERRORS, store_chunks
 from kvbench.serve.wire import ChunkSpec, WireFormat
 
-NICE = 19
+NICE = 19  # where SCHED_IDLE is not available
 YIELD_MAX_S = 1.0  # the longest a chunk's encoding waits for a step to end
 
 
@@ -53,6 +57,22 @@ class StoreJob:
 
     def nbytes(self) -> int:
         return self.copy.nbytes()
+
+
+def lower_priority() -> str:
+    """Put the calling thread (and the threads it starts, e.g. torch's OpenMP team) at the lowest
+    CPU priority the OS gives it; returns which: `idle` (SCHED_IDLE), `nice 19` or `normal`."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return "idle"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, NICE)
+        return f"nice {NICE}"
+    except (AttributeError, OSError):
+        return "normal"  # neither: the thread keeps the process's priority
 
 
 def pending(client: valkey.Valkey, pending_key: str) -> int:
@@ -83,6 +103,7 @@ class AsyncStore:
         self._queued = 0  # bytes of chunk copies waiting or being stored
         self._jobs_of: dict[int, int] = {}  # id(copy) -> its jobs not finished (codecs share a copy)
         self.counts = {"submitted": 0, "stored": 0, "failed": 0}
+        self.priority = ""  # what the threads got (lower_priority), once they run
         self._threads = [
             threading.Thread(target=self._run, args=(make_client(),), daemon=True, name=f"kvbench-store-{i}")
             for i in range(threads)
@@ -125,10 +146,7 @@ class AsyncStore:
         return time.perf_counter() - start
 
     def _run(self, client: valkey.Valkey) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-        except (AttributeError, OSError):
-            pass  # not Linux: the thread keeps the process's priority
+        self.priority = lower_priority()
         while (job := self._jobs.get()) is not None:
             started = time.perf_counter()
             try:
@@ -167,6 +185,7 @@ class AsyncStore:
             tag=job.tag,
             codec=job.codec,
             queue_s=started - job.submitted,
+            priority=self.priority,
             **job.info,
             **stats,
             time=time.time(),
