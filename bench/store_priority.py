@@ -13,7 +13,7 @@ thread's progress over the mode's prefills and gaps: a priority that starves the
 show there. Not here: the SET (Valkey runs in its own process at normal priority) and vLLM's own
 kernels (the forward pass here is transformers', same threads).
 
-    .venv/bin/python bench/store_priority.py [--blocks 8] [--per 4]
+    .venv/bin/python bench/store_priority.py [--blocks 8] [--per 4] [--codecs zstd-3 kivi2]
 
 Writes results/bench/store_priority.parquet (one row per prefill) and prints the table.
 """
@@ -74,12 +74,13 @@ def main() -> None:
     parser.add_argument("--per", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=540, help="a serve warm-up's prompt: 512 + the question")
     parser.add_argument("--gap-ms", type=float, default=30.0)
+    parser.add_argument("--codecs", nargs="+", help="default: serve.codecs")
     parser.add_argument("--out", default="results/bench/store_priority.parquet")
     args = parser.parse_args()
     config = yaml.safe_load(Path("config/config.yaml").read_text())
     cache, spec = paged_cache(MODEL, 512, torch.bfloat16)
     chunks = gather(cache, [0, 1])
-    codecs = config["serve"]["codecs"]
+    codecs = args.codecs or config["serve"]["codecs"]
     threads = {}
     for mode in (NICE_MODE, "connector"):  # one at a time: model loading is not thread-safe
         wires = [wire_format(c, spec, config["methods"].get(c), seed=0) for c in codecs]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import xxhash
 
 MAGIC = b"KVB1"
@@ -38,11 +39,17 @@ def _payload_digest(key: bytes, payload: bytes | memoryview, secret: bytes) -> b
     return digest.digest()
 
 
-def seal(key: str, payload: bytes | memoryview, secret: bytes = b"") -> bytes:
-    """The value to store under `key`: header + payload."""
+def seal(key: str, payload: bytes | memoryview, secret: bytes = b"") -> memoryview:
+    """The value to store under `key`: header + payload, in one new buffer. Numpy copies the
+    payload without holding Python's GIL (b"".join holds it, ~6 ms a 6 MB chunk): a background
+    store thread preempted mid-copy would otherwise keep the forward pass's thread waiting."""
     k = key.encode()
-    header = _HEADER.pack(MAGIC, len(payload), _key_digest(k, secret), _payload_digest(k, payload, secret))
-    return b"".join((header, payload))  # one copy of the payload
+    data = np.frombuffer(payload, dtype=np.uint8)
+    header = _HEADER.pack(MAGIC, len(data), _key_digest(k, secret), _payload_digest(k, payload, secret))
+    value = np.empty(HEADER_BYTES + len(data), dtype=np.uint8)
+    value[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+    value[HEADER_BYTES:] = data
+    return value.data
 
 
 def unseal(key: str, value: bytes | memoryview, secret: bytes = b"") -> memoryview:
