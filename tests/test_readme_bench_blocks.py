@@ -408,3 +408,28 @@ def test_serve_transfer_judges_same_round_shares_and_names_only_codec_bound_miss
     assert "load met by failing, nearhalf, slowboth, slowcodec / missed by slowconnector" in raw
     assert raw.split("bound by the codec (missed called directly too): ")[1].split(";")[0] == "slowcodec"
     assert "over 3 rounds after the first, 2 failed rounds left out" in line
+
+
+def test_store_priority_pairs_prefills_by_block_and_position_and_compares_the_two_priorities(rendered):
+    """Each mode's prefill over no-store's is the geometric mean of same-block, same-position
+    ratios (not a ratio of medians), and nice 19 is compared with the connector directly."""
+    rows = []
+    for block in range(6):
+        for index in range(4):
+            base = 0.6 + 0.01 * block + 0.001 * index  # drifts between blocks: pairing cancels it
+            for mode, factor in [("no store", 1.0), ("nice 19", 1.2 if index else 1.0), ("connector", 1.05)]:
+                rows.append({"block": block, "mode": mode, "index": index, "prefill_s": base * factor})
+    table = pd.DataFrame(rows)
+    last = (table["mode"] != "no store") & (table["index"] == 3)
+    table.loc[last, "stored_share"] = np.where(table.loc[last, "mode"] == "connector", 0.25, 0.5)
+    table.loc[last, "drain_s"] = np.where(table.loc[last, "mode"] == "connector", 1.0, 0.5)
+    table["priority"] = table["mode"].map({"nice 19": "nice 19", "connector": "idle"}).fillna("")
+    text = rendered("store-priority", {"bench/store_priority.parquet": table})
+    header = header_of(text)
+    nice, idle = row_of(text, "nice 19 (nice 19) / no store"), row_of(text, "connector (idle) / no store")
+    geo = 1.2**0.75  # three positions at 1.2, one at 1.0
+    assert nice[header.index("prefill_ratio")].startswith(f"{geo:.3g} [")
+    assert idle[header.index("prefill_ratio")].startswith("1.05 [") and idle[header.index("pairs")] == "24"
+    assert idle[header.index("blocks")] == "6" and idle[header.index("stored_share")] == "0.25"
+    direct = row_of(text, "nice 19 / connector")
+    assert direct[header.index("prefill_ratio")].startswith(f"{geo / 1.05:.3g} [")

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -539,6 +540,11 @@ def test_hits_load_whole_chunks_and_lossless_codecs_answer_as_recompute(run):
     assert offload.loc[("lmcache", "-", "realistic"), "status"].startswith("unsupported")
     for figure in ["ttft_hit_miss", "wire_bytes", "hit_path"]:
         assert (workdir / f"results/serve/{figure}.png").read_bytes()[:4] == b"\x89PNG"
+    # the server's store threads ran at idle priority (Linux), and every round's flush drained them
+    transfers = read(workdir, "results/serve/transfers.parquet")
+    stores = transfers[(transfers.event == "store") & transfers.error.isna()]
+    assert len(stores) > 0 and (stores.priority == ("idle" if sys.platform.startswith("linux") else "normal")).all()
+    assert not read(workdir, "results/serve/server_metrics.parquet").flush_timed_out.any()
 
 
 def test_valkey_killed_mid_round_costs_recomputes_not_requests_then_loads_again(run):

@@ -14,10 +14,9 @@ stores asynchronously.
 - Flushed at shutdown: `close()` waits for the queue, then stops the threads; jobs it could not
   finish in time are recorded as failed.
 - Low priority: the threads run under SCHED_IDLE (Linux, per thread; nice 19 where that is
-  refused or not Linux), so they get a core only when nothing else wants it. Nice 19 was not
-  enough on a CPU server: a 2-thread bf16 prefill with a nice-19 thread encoding beside it ran
-  16-32 % slower (a woken OpenMP thread waits for the nice task's slice at every barrier), under
-  SCHED_IDLE ~2.5 % slower (bench/store_priority.py). Where the forward pass runs on
+  refused), so a woken normal thread of the process preempts them at once; at nice 19 a store
+  thread slowed a prefill on the same cores (bench/store_priority.py; docs/serve.md says what
+  that does not show, and what SCHED_IDLE costs the stores). Where the forward pass runs on
   the same cores (a CPU server), they also yield to it: a chunk's encoding starts only between
   forward steps (`forward_started` / `forward_ended`, called by the connector's worker half),
   or after YIELD_MAX_S (a step that never ends: an error between the two calls). This decides
@@ -30,6 +29,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,19 +60,22 @@ class StoreJob:
 
 
 def lower_priority() -> str:
-    """Put the calling thread (and the threads it starts, e.g. torch's OpenMP team) at the lowest
-    CPU priority the OS gives it; returns which: `idle` (SCHED_IDLE), `nice 19` or `normal`."""
+    """Put the calling thread, and the threads it creates afterwards (with libgomp, the OpenMP
+    workers of its own torch ops), at the lowest CPU priority Linux gives it; returns which:
+    `idle` (SCHED_IDLE), `nice 19` or `normal` (elsewhere, or both refused)."""
+    if not sys.platform.startswith("linux"):
+        return "normal"  # a thread id is no pid there: setpriority would target a process
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         return "idle"
-    except (AttributeError, OSError):
+    except OSError:
         pass
     try:
         os.setpriority(os.PRIO_PROCESS, tid, NICE)
         return f"nice {NICE}"
-    except (AttributeError, OSError):
-        return "normal"  # neither: the thread keeps the process's priority
+    except OSError:
+        return "normal"
 
 
 def pending(client: valkey.Valkey, pending_key: str) -> int:

@@ -1,7 +1,7 @@
 """Per-chunk integrity: every stored value is a header plus the wire payload, so a load can tell a
 chunk it may copy into the paged cache from one it must not (vLLM then recomputes that block).
 
-Header (32 bytes, little-endian): magic `KVB1`, payload length (u64), xxh3-64 of the key the
+Header (36 bytes, little-endian): magic `KVB1`, payload length (u64), xxh3-64 of the key the
 chunk was stored under, xxh3-128 of the key and the payload. A truncated value fails the length,
 a value stored under another key (another run, model, dtype, codec or prefix: "foreign") fails
 the key digest, flipped bytes fail the payload digest. The digests detect accidents, not an

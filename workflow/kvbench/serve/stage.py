@@ -159,7 +159,7 @@ class Rounds:
         lead_s = min(measured) - min(r["start"] for r in results) if len(measured) < len(results) else 0.0
         round_s -= lead_s
         extra |= fault.info if fault is not None else {}
-        flush_s = self.flush() if backend == "valkey" else 0.0
+        flush_s, flush_timed_out = self.flush() if backend == "valkey" else (0.0, False)
         server = delta(before, scrape(self.base_url))
         key = {
             "run_id": self.run_id,
@@ -200,6 +200,7 @@ class Rounds:
                 "leadin_s": lead_s,
                 "round_s": round_s,
                 "flush_s": flush_s,
+                "flush_timed_out": flush_timed_out,
                 "client_ttft_mean_s": sum(ok) / len(ok) if ok else float("nan"),
                 **extra,
                 **server,
@@ -226,18 +227,21 @@ class Rounds:
             block=cell.block,
         )
 
-    def flush(self) -> float:
-        """Wait until the store's tally of queued chunks is 0 (its background stores are done)."""
+    def flush(self) -> tuple[float, bool]:
+        """Wait until the store's tally of queued chunks is 0 (its background stores are done);
+        the seconds waited, and whether FLUSH_TIMEOUT_S passed first (stores starved, e.g. by
+        other work on the machine: the next round starts with stores still queued)."""
         start = time.monotonic()
         client = self.store.client()
         while time.monotonic() - start < FLUSH_TIMEOUT_S:
             try:
                 if pending(client, pending_key(self.run_id)) == 0:
-                    break
+                    return time.monotonic() - start, False
             except (valkey_client.exceptions.ValkeyError, OSError):
-                break  # no store to wait for (killed): its stores fail and are recorded
+                return time.monotonic() - start, False  # no store (killed): its stores fail and are recorded
             time.sleep(0.05)
-        return time.monotonic() - start
+        note(f"stores still queued after {FLUSH_TIMEOUT_S:.0f} s: the next round starts with them")
+        return time.monotonic() - start, True
 
     def params(
         self, backend: str, load: str | None, store: list[str], salted: bool = True
