@@ -8,7 +8,8 @@ submits them: at `nice 19` (the connector's priority before SCHED_IDLE), at the 
 connector gives its store threads now (async_store.lower_priority: SCHED_IDLE on Linux), or no
 store thread. Every mode does the same store work: after its window of `--per` prefills the
 bench waits until the thread has stored all of it (`drain_s`), so nothing carries over into the
-next mode, and `stored_share` says how much was done by the end of the window's last prefill (a
+next mode, and `stored_share` says what share of the window's chunks was stored by the end of its last
+prefill (chunks, not CPU time: a kivi2 chunk costs far more than an lz4 one) (a
 priority that starves the stores puts its work off, it does not make it cheaper). A pause of a
 client's round trip (`--gap-ms`) precedes each prefill. Each block asks the three modes in one of
 their 6 orders, cycled. `prefill_ratio` is the geometric mean of a mode's prefill time over
@@ -54,18 +55,12 @@ NICE_MODE = f"nice {NICE}"
 
 class StoreThread(threading.Thread):
     """Encodes and seals the batches it is given, in order, as the connector's store thread does a
-    request's chunks; `drained` is set while it has none left."""
+    request's chunks (`batches.join()`: all of them done; an encoder's error ends the bench)."""
 
     def __init__(self, mode: str) -> None:
         super().__init__(daemon=True, name=f"store-{mode}")
-        self.mode, self.priority, self.done = mode, "", 0
+        self.mode, self.priority, self.done, self.error = mode, "", 0, None
         self.batches: queue.Queue[list[tuple[Any, torch.Tensor]]] = queue.Queue()
-        self.drained = threading.Event()
-        self.drained.set()
-
-    def submit(self, batch: list[tuple[Any, torch.Tensor]]) -> None:
-        self.drained.clear()
-        self.batches.put(batch)
 
     def run(self) -> None:
         if self.mode == NICE_MODE:
@@ -74,12 +69,14 @@ class StoreThread(threading.Thread):
         else:
             self.priority = lower_priority()
         while True:
-            for i, (wire, chunk) in enumerate(self.batches.get()):
-                seal(f"chunk{i}", wire.encode(chunk))
-                self.done += 1
+            batch = self.batches.get()
+            try:
+                for i, (wire, chunk) in enumerate(batch):
+                    seal(f"chunk{i}", wire.encode(chunk))
+                    self.done += 1
+            except Exception as err:  # noqa: BLE001 -- reported by the main thread, not a hang
+                self.error = err
             self.batches.task_done()
-            if self.batches.unfinished_tasks == 0:
-                self.drained.set()
 
 
 def main() -> None:
@@ -91,6 +88,8 @@ def main() -> None:
     parser.add_argument("--codecs", nargs="+", help="default: serve.codecs")
     parser.add_argument("--out", default="results/bench/store_priority.parquet")
     args = parser.parse_args()
+    if args.blocks % 6:
+        parser.error("--blocks must be a multiple of 6: every order of the 3 modes as often")
     config = yaml.safe_load(Path("config/config.yaml").read_text())
     model_dir = f"resources/models/{config['serve']['model']}"
     cache, spec = paged_cache(model_dir, 512, torch.bfloat16)
@@ -113,13 +112,15 @@ def main() -> None:
                 for i in range(args.per):
                     time.sleep(args.gap_ms / 1e3)
                     if worker:
-                        worker.submit(batch)
+                        worker.batches.put(batch)
                     t = time.perf_counter()
                     model(ids)
                     rows.append({"block": block, "mode": mode, "index": i, "prefill_s": time.perf_counter() - t})
                 if worker:  # the window's stores finish before the next mode starts: no carry-over
                     done, start = worker.done, time.perf_counter()
-                    worker.drained.wait()
+                    worker.batches.join()
+                    if worker.error is not None:
+                        raise SystemExit(f"{mode} store thread: {worker.error!r}")
                     rows[-1] |= {
                         "drain_s": time.perf_counter() - start,
                         "stored_share": 1 - (worker.done - done) / (args.per * len(batch)),

@@ -412,7 +412,7 @@ def test_serve_transfer_judges_same_round_shares_and_names_only_codec_bound_miss
 
 def test_store_priority_pairs_prefills_by_block_and_position_and_compares_the_two_priorities(rendered):
     """Each mode's prefill over no-store's is the geometric mean of same-block, same-position
-    ratios (not a ratio of medians), and nice 19 is compared with the connector directly."""
+    ratios with the blocks as units (6 here), and nice 19 is compared with the connector directly."""
     rows = []
     for block in range(6):
         for index in range(4):

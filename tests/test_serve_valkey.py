@@ -260,7 +260,7 @@ def test_background_stores_are_counted_in_the_store_and_visible_only_when_comple
     stores.close()
 
 
-def _sched_idle_allowed() -> bool:
+def sched_idle_allowed() -> bool:
     """Whether this OS lets a thread move itself to SCHED_IDLE (asked directly, not through the
     code under test: a lower_priority that never sets it must fail the test, not skip it)."""
     allowed = []
@@ -298,7 +298,7 @@ def store_watching(client, codec: str, method: dict | None, watch) -> dict:
     return event
 
 
-@pytest.mark.skipif(not _sched_idle_allowed(), reason="SCHED_IDLE is Linux's, and may be refused")
+@pytest.mark.skipif(not sched_idle_allowed(), reason="SCHED_IDLE is Linux's, and may be refused")
 def test_store_threads_run_under_sched_idle_and_record_it(store):
     """At nice 19 a store thread slowed a prefill on the same cores (bench/store_priority.py): the
     store threads run their encodings under SCHED_IDLE, and the event says so."""

@@ -41,8 +41,9 @@ def _payload_digest(key: bytes, payload: bytes | memoryview, secret: bytes) -> b
 
 def seal(key: str, payload: bytes | memoryview, secret: bytes = b"") -> memoryview:
     """The value to store under `key`: header + payload, in one new buffer. Numpy copies the
-    payload without holding Python's GIL (b"".join holds it, ~6 ms a 6 MB chunk): a background
-    store thread preempted mid-copy would otherwise keep the forward pass's thread waiting."""
+    payload without holding Python's GIL; b"".join keeps it for a memoryview payload (`none`,
+    `fp8`), and a background store thread preempted mid-copy would keep the forward pass's
+    thread waiting. The header's length field is the payload's byte count."""
     k = key.encode()
     data = np.frombuffer(payload, dtype=np.uint8)
     header = _HEADER.pack(MAGIC, len(data), _key_digest(k, secret), _payload_digest(k, payload, secret))
