@@ -8,9 +8,9 @@ submits them: at `nice 19` (the connector's priority before SCHED_IDLE), at the 
 connector gives its store threads now (async_store.lower_priority: SCHED_IDLE on Linux), or no
 store thread. Every mode does the same store work: after its window of `--per` prefills the
 bench waits until the thread has stored all of it (`drain_s`), so nothing carries over into the
-next mode, and `stored_share` says what share of the window's chunks was stored by the end of its last
-prefill (chunks, not CPU time: a kivi2 chunk costs far more than an lz4 one) (a
-priority that starves the stores puts its work off, it does not make it cheaper). A pause of a
+next mode, and `stored_share` says what share of the window's chunks was stored by the end of
+its last prefill (chunks, not CPU time: a kivi2 chunk costs far more than an lz4 one). A
+priority that starves the stores puts their work off; it does not make it cheaper. A pause of a
 client's round trip (`--gap-ms`) precedes each prefill. Each block asks the three modes in one of
 their 6 orders, cycled. `prefill_ratio` is the geometric mean of a mode's prefill time over
 another's, paired by block and position, with its t-interval over blocks (paired_log_ratio).
