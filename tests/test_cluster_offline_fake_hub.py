@@ -31,10 +31,10 @@ import pytest
 from kvbench.tinyrun import (
     FAKE_SLURM,
     REPO,
-    SLURM_ARGS,
     SNAKEMAKE,
     cancel_fake_slurm_jobs,
     default_config,
+    slurm_args,
     snakemake,
     write_config,
 )
@@ -243,7 +243,7 @@ def test_a_job_whose_node_lacks_a_prefetched_file_fails_naming_the_command(clust
         "0",
         "--forcerun",
         "quality_reference",
-        *SLURM_ARGS,
+        *slurm_args(workdir),
     ]
     before = len(fake_slurm_jobs(workdir))
     with subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:

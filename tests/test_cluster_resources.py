@@ -23,12 +23,42 @@ LLAMA = Shape(**KNOWN_SHAPES["meta-llama/Llama-3.1-8B-Instruct"])
 A100_GIB = 80
 
 
-def test_the_slurm_profile_is_the_formula_applied_to_the_gpu_config():
-    derived = profile_resources(GPU_CONFIG)
-    for rule, need in derived.items():
-        held = PROFILE["set-resources"][rule]
-        assert {k: held[k] for k in need} == need, rule
-    assert set(derived) == {r for r, v in PROFILE["set-resources"].items() if v.get("gpu")}
+@pytest.mark.parametrize("name", ["gpu", "gpu-smoke"])
+def test_each_gpu_config_asks_the_scheduler_for_its_own_formula(name, tmp_path):
+    """The smoke config's jobs ask for the smoke config's needs, not config/gpu.yaml's (its serve job
+    asked ~365 GiB and 386 min when the profile held gpu.yaml's figures): the dry run through the
+    SLURM profile plans every GPU job with rule_resources of the config it runs, and the profile
+    holds none of these figures, so none can be stale."""
+    from test_cluster_profile import planned_jobs
+
+    from kvbench.tinyrun import slurm_args
+
+    config = yaml.safe_load((REPO / "config" / f"{name}.yaml").read_text())
+    result = snakemake(
+        tmp_path, None, "-n", *slurm_args(tmp_path), "--configfile", str(REPO / "config" / f"{name}.yaml")
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    derived = resources.rule_resources(config)
+    planned = [job for job in planned_jobs(result.stdout) if job["rule"] in resources.RULE_STAGE]
+    assert {job["rule"] for job in planned} <= set(derived)  # every stage of both configs runs on CUDA
+    assert {job["rule"] for job in planned} >= {"corpus_realistic", "kv_capture", "serve_server", "system_job"}
+    for job in planned:
+        need = derived[job["rule"]]
+        assert {k: int(job[k]) for k in need} == need, job["_text"]
+    for held in PROFILE["set-resources"].values():
+        assert not {"mem_mb", "runtime", "gpu_mem_mb"} & set(held)
+    if name == "gpu-smoke":
+        big = resources.rule_resources(GPU_CONFIG)["serve_server"]
+        assert (
+            derived["serve_server"]["mem_mb"] < big["mem_mb"] / 10
+            and derived["serve_server"]["runtime"] < big["runtime"]
+        )
+
+
+def test_cpu_configs_ask_for_no_derived_resources():
+    from kvbench.tinyrun import default_config
+
+    assert resources.rule_resources(default_config()) == {}
 
 
 def test_the_formula_byte_for_byte_on_llama():

@@ -63,3 +63,79 @@ def test_fake_slurm_refuses_more_nodes_than_cpus(tmp_path):
     result = subprocess.run([str(FAKE_SLURM / "sbatch"), "--wrap", "true"], env=env, capture_output=True, text=True)
     assert result.returncode != 0 and "FAKE_SLURM_NODES" in result.stderr
     assert not (tmp_path / "jobs").exists()  # nothing queued
+
+
+def sbatch(tmp_path: Path, *options: str, script: str = "#!/bin/sh\ntrue\n") -> subprocess.CompletedProcess:
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    env = dict(os.environ) | {"FAKE_SLURM_DIR": str(tmp_path / "state")}
+    return subprocess.run(
+        [str(FAKE_SLURM / "sbatch"), "--parsable", "-D", str(tmp_path), *options, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+
+
+def wait_final(state: Path, timeout: float = 60) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while (
+        any(j["state"] not in ("COMPLETED", "FAILED", "CANCELLED") for j in jobs(state)) and time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    return jobs(state)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["-A", "your-account", "-p", "gpu"], "Invalid account or account/partition combination specified"),
+        (["-A", "kvbench", "-p", "your-gpu-partition"], "Invalid partition name specified"),
+        (["-A", "kvbench", "-p", "gpu", "--gpus=A100:1"], "Invalid generic resource (gres) specification"),
+        (["-A", "kvbench", "-p", "gpu", "--gpus=a100:5"], "Invalid generic resource (gres) specification"),
+        (["-A", "kvbench", "-p", "cpu", "--gpus=1"], "Invalid generic resource (gres) specification"),
+        (["-A", "kvbench", "-p", "gpu", "--gres=gpu:v100:1"], "Invalid generic resource (gres) specification"),
+        (["-A", "kvbench", "-p", "gpu", "--mem", "373303"], "Requested node configuration is not available"),
+        (["-A", "kvbench", "-p", "gpu", "--cpus-per-task=65"], "Requested node configuration is not available"),
+        (["-A", "kvbench", "-p", "gpu", "-t", "2-00:00:01"], "Requested time limit is invalid"),
+    ],
+)
+def test_fake_slurm_refuses_what_a_real_site_refuses(tmp_path, options, message):
+    result = sbatch(tmp_path, *options)
+    assert result.returncode == 1 and f"Batch job submission failed: {message}" in result.stderr
+    assert not (tmp_path / "state" / "jobs").exists()  # nothing queued
+
+
+def test_fake_slurm_accepts_what_the_site_has(tmp_path):
+    ok = sbatch(tmp_path, "-A", "kvbench", "-p", "gpu", "--gpus=h100:4", "--mem", "262144", "-t", "2880", "-c", "64")
+    assert ok.returncode == 0, ok.stderr
+    assert [j["state"] for j in wait_final(tmp_path / "state")] == ["COMPLETED"]
+
+
+@pytest.mark.parametrize("ntasks_per_gpu", [True, False])
+def test_a_job_step_dies_when_the_job_has_ntasks_per_gpu_beside_cpus_per_task(tmp_path, ntasks_per_gpu):
+    # Slurm >= 23.11, as the plugin's issue #342 reproduces it:
+    # sbatch -p gpu --ntasks-per-gpu 1 --cpus-per-task 1 --gres gpu:1 --wrap "srun -n1 nvidia-smi"
+    script = f"#!/bin/sh\n{FAKE_SLURM / 'srun'} -n1 --cpus-per-task=1 echo step-ran\n"
+    extra = ["--ntasks-per-gpu=1"] if ntasks_per_gpu else []
+    result = sbatch(tmp_path, "-p", "gpu", "--gres=gpu:1", "--cpus-per-task=1", *extra, script=script)
+    assert result.returncode == 0, result.stderr
+    (job,) = wait_final(tmp_path / "state")
+    out = Path(job["output"]).read_text()
+    if ntasks_per_gpu:
+        assert job["state"] == "FAILED" and "SLURM_TRES_PER_TASK is mutually exclusive with --ntasks-per-gpu" in out
+        assert "step-ran" not in out
+    else:
+        assert job["state"] == "COMPLETED" and "step-ran" in out
+
+
+def test_sinfo_and_sacctmgr_list_the_site(tmp_path):
+    env = dict(os.environ) | {"FAKE_SLURM_DIR": str(tmp_path)}
+    listed = subprocess.run(
+        [str(FAKE_SLURM / "sinfo"), "-h", "-o", "%P %G %m"], env=env, capture_output=True, text=True
+    )
+    assert listed.stdout.splitlines() == ["cpu* (null) 64000", "gpu gpu:a100:4 262144", "gpu gpu:h100:4 262144"]
+    accounts = subprocess.run(
+        [str(FAKE_SLURM / "sacctmgr"), "-n", "-s", "list", "user", "me"], env=env, capture_output=True, text=True
+    )
+    assert accounts.stdout.split() == ["kvbench"]

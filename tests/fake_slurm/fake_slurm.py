@@ -10,6 +10,14 @@ cpuset confines a job: a server the job starts binds those), and records its sta
 this machine's CPUs between them; a job asking for more CPUs than a node has gets the whole node
 (the profile's counts are for real GPU nodes). `scancel` sends SIGTERM to the job's group, then SIGKILL after FAKE_SLURM_KILL_WAIT_S (as KillWait).
 
+As strict as a real site where a real site refuses (the messages are Slurm's own), against the
+cluster that FAKE_SLURM_CLUSTER (a JSON file) describes, else DEFAULT_CLUSTER: sbatch refuses an
+account the site does not have, an unknown partition, a GPU type (GRES) the partition lacks or more
+GPUs than its nodes hold, memory, CPUs or time above its nodes' or its limit; a job step (`srun`) in
+a job submitted with both --ntasks-per-gpu and --cpus-per-task dies as Slurm >= 23.11 makes it die
+(the executor plugin 2.6.1 sends both by default: its issues #342, #373). sacctmgr lists the
+site's accounts (the plugin checks the given one against them) and sinfo its partitions.
+
 State lives in FAKE_SLURM_DIR (default ./.fake_slurm): one JSON file per job. While the file
 FAKE_SLURM_HOLD names exists, no job starts (a queue wait a test can end when it chooses).
 Usage: PATH=tests/fake_slurm:$PATH snakemake --workflow-profile workflow/profiles/slurm ...
@@ -35,6 +43,81 @@ HOLD = os.environ.get("FAKE_SLURM_HOLD")
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
 # sbatch options that take no value (everything else with a leading dash takes one).
 SBATCH_FLAGS = {"--parsable", "--requeue", "--no-requeue", "--exclusive", "-H", "--hold"}
+# A small site: CPU nodes and GPU nodes of 4 A100s or 4 H100s each (memory per node in MB).
+DEFAULT_CLUSTER: dict[str, Any] = {
+    "accounts": ["kvbench"],
+    "partitions": {
+        "cpu": {"default": True, "node_mem_mb": 64000, "node_cpus": 64, "max_time_min": 2880, "gres": {}},
+        "gpu": {"node_mem_mb": 262144, "node_cpus": 64, "max_time_min": 2880, "gres": {"a100": 4, "h100": 4}},
+    },
+}
+TRES_FATAL = "srun: fatal: SLURM_TRES_PER_TASK is mutually exclusive with --ntasks-per-gpu and SLURM_NTASKS_PER_GPU"
+
+
+def cluster() -> dict[str, Any]:
+    path = os.environ.get("FAKE_SLURM_CLUSTER")
+    return json.loads(Path(path).read_text()) if path else DEFAULT_CLUSTER
+
+
+def refused(reason: str, detail: str | None = None) -> int:
+    if detail:
+        print(f"sbatch: error: {detail}", file=sys.stderr)
+    print(f"sbatch: error: Batch job submission failed: {reason}", file=sys.stderr)
+    return 1
+
+
+def _minutes(value: str) -> float:
+    """A SLURM time in minutes: `M`, `M:S`, `H:M:S`, or `D-H`, `D-H:M`, `D-H:M:S`."""
+    days, _, rest = value.rpartition("-")
+    parts = [float(p) for p in rest.split(":")]
+    if days:  # D-H[:M[:S]]
+        hours, minutes, seconds = (parts + [0.0, 0.0])[:3]
+    elif len(parts) == 3:
+        hours, minutes, seconds = parts
+    else:  # M[:S]
+        hours, minutes, seconds = 0.0, parts[0], (parts[1:] or [0.0])[0]
+    return float(days or 0) * 1440 + hours * 60 + minutes + seconds / 60
+
+
+def _gpus(options: dict[str, str]) -> tuple[str | None, int] | None:
+    """(GPU type or None, count) from --gpus=[type:]N or --gres=gpu[:type][:N]; None: no GPU asked."""
+    if spec := options.get("--gpus") or options.get("-G"):
+        kind, _, count = spec.rpartition(":")
+        return kind or None, int(count)
+    for gres in filter(None, (options.get("--gres") or "").split(",")):
+        name, *rest = gres.split(":")
+        if name == "gpu":
+            count = int(rest[-1]) if rest and rest[-1].isdigit() else 1
+            return (rest[0] if rest and not rest[0].isdigit() else None), count
+    return None
+
+
+def site_refusal(options: dict[str, str]) -> int | None:
+    """What a real slurmctld answers a submission this site cannot run (None: accepted)."""
+    site = cluster()
+    account = options.get("-A") or options.get("--account")
+    if account is not None and account not in site["accounts"]:
+        return refused("Invalid account or account/partition combination specified")
+    partitions = site["partitions"]
+    name = options.get("-p") or options.get("--partition") or next(p for p, v in partitions.items() if v.get("default"))
+    if name not in partitions:
+        return refused("Invalid partition name specified", f"invalid partition specified: {name}")
+    part = partitions[name]
+    gpus = _gpus(options)
+    if gpus is not None:
+        kind, count = gpus
+        have = part["gres"].get(kind, 0) if kind else sum(part["gres"].values())
+        if have < count:
+            return refused("Invalid generic resource (gres) specification")
+    if (mem := options.get("--mem")) is not None and int(mem.rstrip("M")) > part["node_mem_mb"]:
+        return refused("Requested node configuration is not available", "Memory specification can not be satisfied")
+    cpus = options.get("--cpus-per-task") or options.get("-c")
+    if cpus is not None and int(cpus) > part["node_cpus"]:
+        return refused("Requested node configuration is not available")
+    limit = options.get("-t") or options.get("--time")
+    if limit is not None and _minutes(limit) > part["max_time_min"]:
+        return refused("Requested time limit is invalid (missing or exceeds some limit)")
+    return None
 
 
 @contextmanager
@@ -115,6 +198,8 @@ def sbatch(argv: list[str]) -> int:
     if int(cpus) < 1:
         print(f"sbatch: error: --cpus-per-task={cpus}", file=sys.stderr)
         return 1
+    if (refusal := site_refusal(options)) is not None:
+        return refusal
     with locked():
         node_cpus()
         counter = STATE / "last_id"
@@ -133,6 +218,12 @@ def sbatch(argv: list[str]) -> int:
                 "cpu_ids": [],
                 "gpus": options.get("--gpus") or options.get("--gres", ""),
                 "partition": options.get("-p", ""),
+                "account": options.get("-A", ""),
+                "mem_mb": options.get("--mem"),
+                "time": options.get("-t"),
+                # both set: every job step dies (TRES_FATAL), as on Slurm >= 23.11
+                "ntasks_per_gpu": options.get("--ntasks-per-gpu"),
+                "cpus_per_task": options.get("--cpus-per-task") or options.get("-c"),
                 "workdir": workdir,
                 "output": str(Path(workdir, output)),
                 "state": "PENDING",
@@ -299,7 +390,18 @@ def squeue(argv: list[str]) -> int:
 
 
 def srun(argv: list[str]) -> int:
-    """Run the command after srun's options in place (the job already holds its CPUs)."""
+    """Run the command after srun's options in place (the job already holds its CPUs). A step of a
+    job submitted with --ntasks-per-gpu and --cpus-per-task dies before it starts, as Slurm's does:
+    the job's TRES per task and its tasks per GPU are read from the allocation, whatever the step's
+    environment holds (the plugin's jobstep drops the SLURM_* variables; the error stays)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id and job_file(job_id).exists():
+        job = read_job(job_id)
+        if job.get("ntasks_per_gpu") and (
+            job.get("cpus_per_task") or any(a.startswith("--cpus-per-task") for a in argv)
+        ):
+            print(TRES_FATAL, file=sys.stderr)
+            return 1
     i = 0
     while i < len(argv) and argv[i].startswith("-"):
         i += 1
@@ -311,12 +413,42 @@ def srun(argv: list[str]) -> int:
 
 
 def sinfo(argv: list[str]) -> int:
-    print("cpu*\ngpu")
+    """One line per partition (and GPU type), in the `-o` format's fields %P (name, `*` marks the
+    default), %G (GRES, `gpu:type:count` or `(null)`), %m (memory per node, MB), %c (CPUs per node),
+    %l (time limit); a header unless -h. Default format: %P."""
+    fmt = argv[argv.index("-o") + 1] if "-o" in argv else next((a[2:] for a in argv if a.startswith("-o")), "%P")
+    if not any("-h" == a or a == "--noheader" for a in argv):
+        print(
+            fmt.replace("%P", "PARTITION")
+            .replace("%G", "GRES")
+            .replace("%m", "MEMORY")
+            .replace("%c", "CPUS")
+            .replace("%l", "TIMELIMIT")
+        )
+    for name, part in cluster()["partitions"].items():
+        for gres in [f"gpu:{k}:{n}" for k, n in part["gres"].items()] or ["(null)"]:
+            fields = {
+                "%P": name + ("*" if part.get("default") else ""),
+                "%G": gres,
+                "%m": str(part["node_mem_mb"]),
+                "%c": str(part["node_cpus"]),
+                "%l": f"{int(part['max_time_min']) // 1440}-00:00:00",
+            }
+            line = fmt
+            for key, value in fields.items():
+                line = line.replace(key, value)
+            print(line)
+    return 0
+
+
+def sacctmgr(argv: list[str]) -> int:
+    """The site's accounts, one a line (as `sacctmgr -n -s list user U format=account`)."""
+    print("\n".join(cluster()["accounts"]))
     return 0
 
 
 def silent(argv: list[str]) -> int:
-    """sacctmgr / sshare: no accounts to list (the plugin then skips account validation)."""
+    """sshare: nothing (the plugin asks sacctmgr first)."""
     return 0
 
 
@@ -327,7 +459,7 @@ COMMANDS = {
     "squeue": squeue,
     "srun": srun,
     "sinfo": sinfo,
-    "sacctmgr": silent,
+    "sacctmgr": sacctmgr,
     "sshare": silent,
 }
 

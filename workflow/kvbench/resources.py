@@ -1,5 +1,6 @@
 """Cluster resources of each GPU rule from the model it loads and the tokens it runs, and the GPU
-hours of a config: the formula behind workflow/profiles/slurm/config.yaml (docs/cluster.md).
+hours of a config: the formula every GPU rule's resources come from, for the config it runs
+(rule_resources; docs/cluster.md).
 
     GPU memory  = 2 GiB (CUDA context, allocator) + W + KV + A            [harness jobs]
                 = W + KV(vllm.max_model_len) + 2 GiB, within gpu_memory_utilization of the GPU  [vLLM jobs]
@@ -442,6 +443,30 @@ def profile_resources(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
         out[work.rule] = {k: max(v, prev.get(k, 0)) for k, v in need.items()}
     out["kv_memory_probe"] = dict(out["kv_capture"])  # the same model, one 8K prefill
     return out
+
+
+# The stage whose `device` each GPU rule runs on (common.smk's resources gpu=GPUS[stage]).
+RULE_STAGE = {
+    "corpus_realistic": "vllm",
+    "kv_capture": "kv",
+    "kv_memory_probe": "kv",
+    "system_job": "system",
+    "serve_server": "vllm",
+    "quality_reference": "quality",
+    "quality_methods": "quality",
+    "quality_served": "vllm",
+}
+
+
+def rule_resources(config: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """The resources each rule asks a scheduler for under this config: the formula's gpu_mem_mb,
+    mem_mb and runtime for the rules whose stage runs on CUDA (none on CPU: the profile's defaults),
+    so a smoke config asks for a smoke config's needs, not config/gpu.yaml's."""
+    cuda = {rule for rule, stage in RULE_STAGE.items() if config[stage]["device"] == "cuda"}
+    if not cuda:
+        return {}
+    derived = profile_resources(config)
+    return {rule: derived[rule] for rule in cuda if rule in derived}
 
 
 def cost_table(config: Mapping[str, Any]) -> list[dict[str, Any]]:

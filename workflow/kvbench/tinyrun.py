@@ -20,16 +20,39 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 FAKE_SLURM = REPO / "tests" / "fake_slurm"
-# The cluster command of docs/cluster.md, minus the config file; status polling made fast for the fake
-# (the plugin waits 40 s before its first status check by default).
-SLURM_ARGS = (
-    "--workflow-profile",
-    str(REPO / "workflow/profiles/slurm"),
-    "--slurm-init-seconds-before-status-checks",
-    "1",
-    "--seconds-between-status-checks",
-    "1",
-)
+# The fake site's names (tests/fake_slurm: DEFAULT_CLUSTER) for the profile's placeholders, as a
+# user edits them for theirs.
+FAKE_SITE = {
+    "your-account": "kvbench",
+    "your-cpu-partition": "cpu",
+    "your-gpu-partition": "gpu",
+    "your-gpu-type": "a100",
+}
+
+
+def site_profile(workdir: Path, names: dict[str, str] = FAKE_SITE) -> Path:
+    """workflow/profiles/slurm with its placeholders replaced by `names` (a copy in workdir)."""
+    text = (REPO / "workflow" / "profiles" / "slurm" / "config.yaml").read_text()
+    for placeholder, name in names.items():
+        text = text.replace(f'"{placeholder}"', f'"{name}"')
+    folder = workdir / ".site-profile"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(text)
+    return folder
+
+
+def slurm_args(workdir: Path) -> tuple[str, ...]:
+    """The cluster command of docs/cluster.md with the site's edited profile, minus the config file;
+    status polling made fast for the fake (the plugin waits 40 s before its first status check by
+    default)."""
+    return (
+        "--workflow-profile",
+        str(site_profile(workdir)),
+        "--slurm-init-seconds-before-status-checks",
+        "1",
+        "--seconds-between-status-checks",
+        "1",
+    )
 
 
 def default_config() -> dict[str, Any]:
@@ -141,7 +164,7 @@ def snakemake(
         cmd += ["--configfile", str(write_config(workdir, config))]
     env = dict(os.environ)
     if slurm:
-        cmd += SLURM_ARGS
+        cmd += slurm_args(workdir)
         env |= {
             "PATH": f"{FAKE_SLURM}{os.pathsep}{env['PATH']}",
             "FAKE_SLURM_DIR": str(workdir / ".fake_slurm"),

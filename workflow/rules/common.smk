@@ -25,6 +25,8 @@ from kvbench.jobs import usable_cpus
 from kvbench.batches import batches as quality_batches, paired_batches
 from kvbench.serve.backends import CONNECTOR_MODULE, server_backends, servers as serve_servers
 from kvbench.report.contracts import CONTRACTS
+from kvbench.resources import RULE_STAGE, rule_resources
+from kvbench.site import require_site, sinfo_partitions
 from kvbench.vllm_server import RUNTIME_SETTINGS as VLLM_RUNTIME
 
 # Schema (types, ranges, defaults), method settings per kind, lengths against each model's context
@@ -37,7 +39,13 @@ CONFIGFILES = note_configfiles([str(f) for f in workflow.overwrite_configfiles] 
 
 # Before any job (not in a dry run): everything the config reads from the hub must be in the hub
 # cache (`make prefetch`); jobs never download, and each checks again on its node (kvbench.jobs).
+# Through the SLURM executor, the resources of the jobs it will submit against the site (kvbench.site): a
+# placeholder left in the profile, a partition or GPU type sinfo does not list, memory above the
+# partition's nodes stop the run here, before anything is submitted.
 onstart:
+    if getattr(workflow.executor_plugin, "name", None) == "slurm":
+        require_site([(job.rule.name, dict(job.resources)) for job in workflow.dag.needrun_jobs() if not job.is_local],
+                     sinfo_partitions())
     require_prefetched(config, CONFIGFILES)
 
 
@@ -52,6 +60,20 @@ SERVE_SERVERS = serve_servers(config["serve"]["backends"], config["serve"]["weig
 # GPUs a job of each stage takes (resources gpu): a run on one node with `--resources gpu=N` (the
 # default profile says 1) never holds more GPU jobs than GPUs; each gets its own (kvbench.gpu_env).
 GPUS = {stage: int(config[stage]["device"] == "cuda") for stage in ("vllm", "kv", "system", "quality")}
+# What a GPU rule asks a scheduler for, from the formula applied to this run's config (CUDA stages
+# only; on CPU the profile's defaults): a model the formula cannot size stops the parse, named.
+try:
+    JOB_RESOURCES = rule_resources(config)
+except KeyError as err:
+    raise WorkflowError(f"cluster resources: {err.args[0]}") from err
+
+
+def device_resources(rule):
+    """resources of a rule that loads a model or starts a server: its GPU count and, on CUDA, the
+    formula's gpu_mem_mb, mem_mb and runtime (kvbench.resources.rule_resources)."""
+    return {"gpu": GPUS[RULE_STAGE[rule]], **JOB_RESOURCES.get(rule, {})}
+
+
 # The vLLM settings a server's output depends on: the port and the timeouts are read from the
 # config by the scripts (kvbench.vllm_server.runtime_settings), and changing them reruns nothing.
 # Scripts take everything else from their rule (input, params); the whole config only for

@@ -30,7 +30,7 @@ rule corpus_realistic:
     # runs beside it (nothing here is timed; the kv jobs' codec speeds then share the machine)
     threads: 1
     resources:
-        gpu=GPUS["vllm"],
+        **device_resources("corpus_realistic"),
     log:
         main="logs/corpus/realistic.log",
         vllm="logs/corpus/realistic.vllm.log",

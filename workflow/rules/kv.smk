@@ -17,7 +17,7 @@ rule kv_capture:
         code=library_code("kv_capture.py"),
     threads: 1
     resources:
-        gpu=GPUS["kv"],
+        **device_resources("kv_capture"),
     log:
         "logs/kv/{corpus}.{weights}.log",
     benchmark:
@@ -87,7 +87,7 @@ rule kv_memory_probe:
         seed=config["seed"],
         code=library_code("kv_memory_probe.py"),
     resources:
-        gpu=GPUS["kv"],
+        **device_resources("kv_memory_probe"),
     log:
         "logs/kv/memory_probe.log",
     benchmark:

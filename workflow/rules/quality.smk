@@ -60,7 +60,7 @@ rule quality_reference:
     # The whole machine per job, as the system stage: every method timed under the same load.
     threads: MACHINE_THREADS
     resources:
-        gpu=GPUS["quality"],
+        **device_resources("quality_reference"),
     log:
         "logs/quality/{model}/job1.log",
     benchmark:
@@ -91,7 +91,7 @@ rule quality_methods:
         job="|".join(list(QUALITY_JOBS)[1:]) or "^$",
     threads: MACHINE_THREADS
     resources:
-        gpu=GPUS["quality"],
+        **device_resources("quality_methods"),
     log:
         "logs/quality/{model}/job{job}.log",
     benchmark:
@@ -180,7 +180,7 @@ rule quality_served:
         model="|".join(map(re.escape, QUALITY["models"])),
     threads: MACHINE_THREADS
     resources:
-        gpu=GPUS["vllm"],
+        **device_resources("quality_served"),
     log:
         main="logs/quality/{model}/served.log",
         # each vLLM server's own log

@@ -16,7 +16,7 @@ rule serve_server:
     # A vLLM server (and Valkey) on the whole machine: rounds of different backends share it.
     threads: MACHINE_THREADS
     resources:
-        gpu=GPUS["vllm"],
+        **device_resources("serve_server"),
     log:
         main="logs/serve/{server}.log",
         vllm="logs/serve/{server}.vllm.log",

@@ -25,7 +25,7 @@ rule system_job:
     # The whole machine per job: every run is timed under the same load.
     threads: MACHINE_THREADS
     resources:
-        gpu=GPUS["system"],
+        **device_resources("system_job"),
     log:
         "logs/system/{model}/job{job}.log",
     benchmark:
