@@ -65,6 +65,9 @@ def test_the_container_installs_the_lock_and_imports_kvbench_from_the_bound_chec
     assert f"Python {python}." in LOCK.splitlines()[1]
     conda = yaml.safe_load((REPO / "envs" / "gpu.yaml").read_text())
     assert f"python={python}" in conda["dependencies"]
+    # vLLM on CUDA compiles at run time: the image has a compiler and checks it and Python.h at build
+    apt = next(line for line in definition.splitlines() if "apt-get install" in line)
+    assert "build-essential" in apt.split() and "gcc --version" in definition and "Python.h" in definition
 
 
 def test_lock_lines_from_a_report_pin_hash_and_name_missing_requirements():
@@ -162,3 +165,84 @@ def test_a_job_drops_the_hub_token_and_goes_offline_before_anything_else():
     env = {**os.environ, "HF_TOKEN": "hf_secret", "HUGGING_FACE_HUB_TOKEN": "hf_secret", "HF_HUB_OFFLINE": "0"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["None", "None", "1"]
+
+
+@pytest.mark.parametrize(
+    "caps, fp8, expected",
+    [
+        (["9.0"], True, []),  # H100/H200: FP8
+        (["8.9"], True, []),  # L40S
+        (["8.0"], False, []),  # A100, a 16-bit checkpoint
+        (["8.0"], True, ["NVIDIA X (compute capability 8.0) has no FP8"]),
+        (["7.0"], False, ["NVIDIA X has compute capability 7.0; CUDA 13's kernels start at 7.5"]),
+        (["[N/A]"], True, []),  # an nvidia-smi that cannot say: nothing to check
+    ],
+)
+def test_old_gpus_and_fp8_checkpoints_without_fp8_are_refused(caps, fp8, expected):
+    found = cuda_problems("13.0", ["580.95.05"], ["NVIDIA X"], capabilities=caps, fp8=fp8)
+    assert len(found) == len(expected) and all(line.startswith(want) for line, want in zip(found, expected)), found
+
+
+def test_an_fp8_checkpoint_is_known_by_its_config(tmp_path):
+    from kvbench.models import fp8_checkpoint
+
+    (tmp_path / "config.json").write_text(
+        '{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}'
+    )
+    assert fp8_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert not fp8_checkpoint(tmp_path) and not fp8_checkpoint(tmp_path / "absent")
+
+
+def test_a_node_without_compiler_or_python_headers_is_refused_for_vllm(tmp_path):
+    assert gpu_env.toolchain_problems() == []  # this machine builds (gcc, Python.h of this venv's Python)
+    found = gpu_env.toolchain_problems(which=lambda name: None, include=str(tmp_path))
+    assert [line.split(" ")[0] for line in found] == ["no", str(tmp_path / "Python.h")]
+
+
+def test_a_login_nodes_cuda_toolkit_is_stripped_and_the_driver_kept(tmp_path):
+    toolkit, driver, other = tmp_path / "cuda-12.4" / "lib64", tmp_path / "nvidia" / "lib64", tmp_path / "lib"
+    for folder, lib in ((toolkit, "libcudart.so.12"), (driver, "libcuda.so.1"), (other, "libfoo.so")):
+        folder.mkdir(parents=True)
+        (folder / lib).touch()
+    paths = os.pathsep.join(map(str, (toolkit, driver, other)))
+    env = {"CUDA_HOME": str(toolkit.parent), "LD_LIBRARY_PATH": paths, "PATH": "/usr/bin"}
+    removed = gpu_env.strip_login_cuda(env)
+    assert env == {"LD_LIBRARY_PATH": f"{driver}{os.pathsep}{other}", "PATH": "/usr/bin"}
+    assert removed == [f"CUDA_HOME={toolkit.parent}", f"LD_LIBRARY_PATH entries {toolkit}"]
+    kept = {"CUDA_HOME": "/x", "LD_LIBRARY_PATH": str(toolkit), gpu_env.KEEP_CUDA_ENV: "1"}
+    assert gpu_env.strip_login_cuda(kept) == [] and kept["CUDA_HOME"] == "/x"
+
+
+def test_compile_caches_go_to_node_local_scratch_unless_set():
+    caches = gpu_env.node_local_caches({"SLURM_TMPDIR": "/local/job7", "TRITON_CACHE_DIR": "/mine"})
+    root = f"/local/job7/kvbench-cache-{os.getuid()}"
+    assert "TRITON_CACHE_DIR" not in caches and caches["VLLM_CACHE_ROOT"] == f"{root}/vllm"
+    assert set(caches) == set(gpu_env.CACHE_VARS) - {"TRITON_CACHE_DIR"}
+    assert gpu_env.node_local_caches({})["TORCHINDUCTOR_CACHE_DIR"] == f"/tmp/kvbench-cache-{os.getuid()}/inductor"
+
+
+def test_a_gpu_job_reexecutes_itself_without_the_login_nodes_cuda_libraries(tmp_path):
+    # The loader read LD_LIBRARY_PATH when the process started: the job's first import re-executes
+    # it (same pid) with the toolkit left out, so even torch's first dlopen cannot find it.
+    import subprocess
+    import sys
+
+    toolkit = tmp_path / "cuda-12.4" / "lib64"
+    toolkit.mkdir(parents=True)
+    (toolkit / "libcudart.so.12").touch()
+    script = (
+        "import os, types, __main__\n"
+        "print('start', os.getpid(), flush=True)\n"
+        "__main__.snakemake = types.SimpleNamespace(config={'hf_offline': True}, resources={'gpu': 1})\n"
+        "import kvbench.jobstart\n"
+        "loader = dict(e.split('=', 1) for e in open('/proc/self/environ').read().split('\\0') if '=' in e)\n"
+        "print('env', loader.get('LD_LIBRARY_PATH'), loader.get('CUDA_HOME'), os.environ['TRITON_CACHE_DIR'])\n"
+    )
+    env = {**os.environ, "LD_LIBRARY_PATH": str(toolkit), "CUDA_HOME": str(toolkit.parent), "SLURM_JOB_ID": "7",
+           "SLURM_TMPDIR": str(tmp_path)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    starts = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("start")]
+    assert len(starts) == 2 and starts[0] == starts[1]  # ran twice, in one process
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("env")]
+    assert line.split()[1:] == ["None", "None", f"{tmp_path}/kvbench-cache-{os.getuid()}/triton"]

@@ -86,6 +86,9 @@ def job_log(path: str | os.PathLike, config: Mapping[str, Any]) -> Iterator[Text
             try:
                 if main_thread:  # once the log is open: a parent already gone is reported there
                     threading.Thread(target=_watch_parent, args=(stop,), daemon=True, name="watch-parent").start()
+                if stripped := os.environ.get("KVBENCH_STRIPPED_CUDA_ENV"):  # kvbench.jobstart
+                    print(f"kvbench: the login node's CUDA toolkit left out of this GPU job ({stripped}): the "
+                          "wheels bring CUDA 13; KVBENCH_KEEP_CUDA_ENV=1 keeps it", file=log)  # fmt: skip
                 if lines := missing(config):
                     raise PrefetchError(missing_message(config, lines, noted_configfiles()))
                 yield log

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
+def fp8_checkpoint(model_dir: str | Path) -> bool:
+    """Whether the folder's config.json declares FP8 weights (quantization_config quant_method fp8)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return False
+    quant = json.loads(path.read_text()).get("quantization_config") or {}
+    return str(quant.get("quant_method", "")).lower() == "fp8"
+
+
 def load_model(
     model_dir: str | Path,
     weights: str = "real",
@@ -58,7 +68,7 @@ def load_model(
     hf_logging.disable_progress_bar()  # one bar line per tensor would swamp the job logs
     if weights not in WEIGHT_KINDS:
         raise ValueError(f"weights must be one of {WEIGHT_KINDS}, got {weights!r}")
-    require_gpu_environment(device)
+    require_gpu_environment(device, fp8=fp8_checkpoint(model_dir))
     if weights == "real":
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:

@@ -181,7 +181,7 @@ def vllm_server(
     """`env` adds to the server's environment (e.g. PYTHONPATH for a connector module). The server
     answers /v1 only with `api_key` (a new per-job secret unless given), which vLLM reads from
     VLLM_API_KEY, kept off the command line; the yielded client carries it."""
-    require_gpu_environment(settings["device"])
+    require_gpu_environment(settings["device"], compiles=True)  # Triton and FlashInfer build at run time
     port = int(settings["port"]) or free_port()
     base = f"http://{HOST}:{port}"
     api_key = api_key or job_secret()
