@@ -178,6 +178,34 @@ def test_cuda_copies_return_while_the_stream_is_still_busy(gpu):
 
 
 @pytest.mark.cuda
+def test_cuda_copies_through_a_pool_reuse_one_pinned_buffer_and_land_the_same_bytes(gpu):
+    """With a PinnedPool (the connector's), repeated copies of differing sizes allocate pinned
+    memory once: no cudaHostAlloc (which waits for the device) after the first; the stream busy
+    while they are queued, as in the test above, they return before their copies have run."""
+    from kvbench.serve.staging import PinnedPool
+
+    pool = PinnedPool()
+    views = cuda_like_cache(0, device=gpu)[0]
+    want = copy_out(cuda_like_cache(0)[0], [4, 1]).chunks
+    chunks = copy_out(cuda_like_cache(1)[0], [2]).chunks
+    for blocks in ([4, 1], [4], [4, 1]):
+        copy = copy_out(views, blocks, pool)
+        copy.wait()
+        assert all(torch.equal(got, w) for got, w in zip(copy.chunks, want))
+        copy.release()
+        copy_in(chunks, views, [5], pool)
+    torch.cuda.synchronize()
+    assert pool.allocations == 2  # one buffer for the copies out, one for the copies in
+    torch.cuda._sleep(BUSY_CYCLES)
+    copy = copy_out(views, [4, 1], pool)
+    out_waited = copy.event.query()
+    copy_in(chunks, views, [5], pool)
+    in_waited = torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert not out_waited and not in_waited
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize(
     "name, method", [("zstd-3+byteplane", None), ("turboquant4", {"kind": "turboquant", "bits": 4})]
 )

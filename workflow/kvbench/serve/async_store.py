@@ -56,7 +56,10 @@ class StoreJob:
     info: dict[str, Any] = field(default_factory=dict)  # copied into the job's event (e.g. gather_s)
 
     def nbytes(self) -> int:
-        return self.copy.nbytes()
+        return self._nbytes
+
+    def __post_init__(self) -> None:
+        self._nbytes = self.copy.nbytes()  # fixed at submit: a released copy holds no chunks
 
 
 def lower_priority() -> str:
@@ -124,6 +127,7 @@ class AsyncStore:
             self._room.wait_for(lambda: self._queued == 0 or self._queued + size <= self.queue_bytes)
             self._queued += size
             self._jobs_of[id(job.copy)] = self._jobs_of.get(id(job.copy), 0) + 1
+            job.copy.acquire()  # released when the job finishes
         waited = time.perf_counter() - start
         try:
             self.client.incrby(self.pending_key, len(job.keys))
@@ -200,6 +204,7 @@ class AsyncStore:
             else:
                 self._queued -= job.nbytes()
             self._room.notify_all()
+        job.copy.release()  # this job's hold (submit's); the last one hands a pooled buffer back
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every submitted job has finished; False on timeout."""

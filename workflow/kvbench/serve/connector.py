@@ -46,7 +46,7 @@ from kvbench.serve.async_store import AsyncStore, StoreJob
 from kvbench.serve.events import EventLog
 from kvbench.serve.keys import chunk_keys, namespace, pending_key
 from kvbench.serve.layout import CPU_ISA_LAYOUTS, SPLIT, layout_of
-from kvbench.serve.staging import copy_out
+from kvbench.serve.staging import PinnedPool, copy_out
 from kvbench.serve.transfer import STORE_ERRORS, load_chunks, lookup
 from kvbench.serve.valkey_server import connect
 from kvbench.serve.wire import ChunkSpec, WireFormat, unpacks, wire_format
@@ -272,6 +272,8 @@ class ValkeyConnector(KVConnectorBase_V1):
             if name not in self._unsupported
         }
         self.spec = spec
+        # CUDA: the staging copies' pinned buffers, allocated once and reused (staging.PinnedPool)
+        self._pool = PinnedPool() if first.device.type == "cuda" else None
         self._stores = AsyncStore(
             self._client,
             spec,
@@ -313,7 +315,9 @@ class ValkeyConnector(KVConnectorBase_V1):
             self._load(load)
 
     def _load(self, load: Transfer) -> None:
-        stats = load_chunks(self.client, self._wires[load.codec], self.spec, load.keys, load.block_ids, self._layers)
+        stats = load_chunks(
+            self.client, self._wires[load.codec], self.spec, load.keys, load.block_ids, self._layers, pool=self._pool
+        )
         failed = stats.pop("failed_blocks")
         self._failed_blocks.update(failed)
         if failed:
@@ -357,12 +361,14 @@ class ValkeyConnector(KVConnectorBase_V1):
             blocks = tuple(store.block_ids)
             if blocks not in copies:
                 start = time.perf_counter()
-                copies[blocks] = (copy_out(self._layers, blocks), time.perf_counter() - start)
+                copies[blocks] = (copy_out(self._layers, blocks, self._pool), time.perf_counter() - start)
             copy, gather_s = copies[blocks]
             job = StoreJob(
                 store.tag, store.codec, self._wires[store.codec], store.keys, copy, info={"gather_s": gather_s}
             )
             self._stores.submit(job)
+        for copy, _ in copies.values():
+            copy.release()  # the worker's hold: the store jobs hold what they still read
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -10,7 +10,7 @@ import torch
 import valkey
 
 from kvbench.serve.integrity import IntegrityError, seal, unseal
-from kvbench.serve.staging import copy_in, copy_out
+from kvbench.serve.staging import PinnedPool, copy_in, copy_out
 from kvbench.serve.wire import ChunkSpec, WireFormat
 
 STORE_ERRORS = (valkey.exceptions.ValkeyError, OSError)
@@ -45,9 +45,10 @@ def load_chunks(
     block_ids: Sequence[int],
     layers: Sequence[torch.Tensor],
     secret: bytes = b"",
+    pool: PinnedPool | None = None,
 ) -> dict[str, Any]:
     """GET the chunks, check each (integrity.py), decode it and copy the good ones into their
-    blocks of every layer, in order. The first chunk that is gone, fails its check or does not
+    blocks of every layer, in order (on CUDA through `pool`'s pinned buffers). The first chunk that is gone, fails its check or does not
     decode ends the load: it and every later block are returned as `failed_blocks` (vLLM
     recomputes them under kv_load_failure_policy=recompute)."""
     stats: dict[str, Any] = {
@@ -92,7 +93,7 @@ def load_chunks(
         decoded.append(chunk)
     t0 = time.perf_counter()
     try:
-        copy_in(decoded, layers, block_ids)
+        copy_in(decoded, layers, block_ids, pool)
     except ValueError as err:  # chunks that do not fit the cache: nothing copied, vLLM recomputes
         stats["error"], decoded = f"copy: {err}", []
     stats["copy_s"] = time.perf_counter() - t0
