@@ -12,7 +12,7 @@ import yaml
 
 from kvbench.serve.backends import BACKENDS, NATIVE, SERVER_OF, server_settings, servers, unsupported, valkey_transfer
 from kvbench.tinyrun import REPO
-from kvbench.vllm_native import NATIVE_KV
+from kvbench.vllm_native import NATIVE_KV, block_size_for
 from kvbench.vllm_server import vllm_command
 
 CONFIGS = ["gpu.yaml", "gpu-smoke.yaml"]
@@ -46,11 +46,31 @@ def server_argv(config_name: str, label: str) -> tuple[list[str], dict]:
 def test_vllms_parser_accepts_every_native_kv_server_command(vllm_parser, config_name, native):
     argv, config = server_argv(config_name, native.label)
     args = vllm_parser(argv)
-    assert args.kv_cache_dtype == native.dtype and args.block_size == config["serve"]["block_size"]
+    assert args.kv_cache_dtype == native.dtype
+    assert args.block_size == block_size_for(native, config["serve"]["block_size"])
+    if native.block_sizes is not None:  # TurboQuant: a block its kernels take (gpu.yaml asks 256)
+        assert args.block_size in native.block_sizes
     assert args.model == f"resources/models/{config['serve']['model']}"
     assert args.max_model_len == config["vllm"]["max_model_len"] and args.port == 8123
     assert args.enforce_eager == config["vllm"]["enforce_eager"]
     assert args.gpu_memory_utilization == float(config["vllm"]["extra_args"][1])
+
+
+def test_turboquant_servers_run_block_sizes_vllms_turboquant_kernels_take():
+    import inspect
+
+    from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
+
+    from kvbench.vllm_native import TURBOQUANT_BLOCKS, TURBOQUANT_BOUNDARY_LAYERS
+
+    assert list(TURBOQUANT_BLOCKS) == TurboQuantAttentionBackend.get_supported_kernel_block_sizes()
+    default_n = inspect.signature(TurboQuantConfig.get_boundary_skip_layers).parameters["n"].default
+    assert default_n == TURBOQUANT_BOUNDARY_LAYERS
+    turbo = next(n for n in NATIVE_KV if n.dtype == "turboquant_4bit_nc")
+    assert [block_size_for(turbo, b) for b in (256, 128, 96, 8)] == [128, 128, 64, 16]
+    fp8 = next(n for n in NATIVE_KV if n.dtype == "fp8")
+    assert block_size_for(fp8, 256) == 256  # fp8's backends take the configured size
 
 
 def test_the_native_dtypes_are_vllms_own():

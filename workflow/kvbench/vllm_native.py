@@ -26,6 +26,26 @@ class NativeKV:
     nearest: str  # the study's method kind it corresponds to
     difference: str  # what differs from that method
     harness: str | None = None  # the config method the report cross-checks it against (same samples)
+    # the KV block sizes its kernels take (None: any the attention backend takes). vLLM pads
+    # TurboQuant's pages and cannot split a padded page into kernel blocks, so a server block size
+    # outside the list fails at start ("Padded KV pages do not support kernel block splitting")
+    block_sizes: tuple[int, ...] | None = None
+
+
+# vllm/v1/attention/backends/turboquant_attn.py, get_supported_kernel_block_sizes (vLLM 0.32.0)
+TURBOQUANT_BLOCKS = (16, 32, 64, 128)
+# ... and the first and last 2 attention layers of a dense model stay at the model's dtype
+# (TurboQuantConfig.get_boundary_skip_layers, added to --kv-cache-dtype-skip-layers by vLLM itself)
+TURBOQUANT_BOUNDARY_LAYERS = 2
+
+
+def block_size_for(kv: NativeKV | None, requested: int) -> int:
+    """The block size a server of this cache runs: the requested one where its kernels take it, else
+    the largest they take below it (the smallest above where none is below)."""
+    if kv is None or kv.block_sizes is None or requested in kv.block_sizes:
+        return requested
+    below = [b for b in kv.block_sizes if b < requested]
+    return max(below) if below else min(kv.block_sizes)
 
 
 NATIVE_KV: tuple[NativeKV, ...] = (
@@ -39,8 +59,9 @@ NATIVE_KV: tuple[NativeKV, ...] = (
         4,
         "turboquant",
         "Hadamard rotation, Lloyd-Max 4-bit keys, uniform 4-bit values, norm correction, no QJL residual: "
-        "nearest to turboquant4-mse",
+        "nearest to turboquant4-mse; the first and last 2 attention layers stay at the model's dtype",
         "turboquant4-mse",
+        TURBOQUANT_BLOCKS,
     ),
     NativeKV(
         "turboquant_3bit_nc",
@@ -48,8 +69,9 @@ NATIVE_KV: tuple[NativeKV, ...] = (
         3,
         3,
         "turboquant",
-        "as turboquant_4bit_nc at 3 bits; boundary layers stay at the model's dtype",
+        "as turboquant_4bit_nc at 3 bits; the first and last 2 attention layers stay at the model's dtype",
         "turboquant3-mse",
+        TURBOQUANT_BLOCKS,
     ),
     NativeKV(
         "int8_per_token_head",

@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kvbench.sizing import cpu_serves_bf16
-from kvbench.vllm_native import NATIVE_KV
+from kvbench.vllm_native import NATIVE_KV, block_size_for
 from kvbench.vllm_server import CONNECTOR_MODULE
 
 if TYPE_CHECKING:
@@ -85,10 +85,16 @@ def unsupported(server: str, device: str) -> str | None:
     return None
 
 
+def served_block_size(server: str, block_size: int) -> int:
+    """The KV block size `server` runs (`serve.block_size`, or the nearest its cache's kernels take:
+    vLLM's TurboQuant caches take 16-128 tokens); every row of the server records it."""
+    return block_size_for(NATIVE.get(server), block_size)
+
+
 def server_args(server: str, block_size: int, transfer: dict[str, Any] | None = None) -> list[str]:
     # LMCache hashes tokens itself: vLLM's own prefix cache is off there, so its hits are LMCache's
     caching = "--no-enable-prefix-caching" if server == "lmcache" else "--enable-prefix-caching"
-    args = ["--block-size", str(block_size), caching, "--enable-prompt-tokens-details"]
+    args = ["--block-size", str(served_block_size(server, block_size)), caching, "--enable-prompt-tokens-details"]
     if server in NATIVE:
         args += ["--kv-cache-dtype", NATIVE[server].dtype]
     if server == DUMMY_SERVER:
