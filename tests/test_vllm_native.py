@@ -139,3 +139,29 @@ def test_the_schema_knows_every_native_cache_as_a_quality_served_server():
     schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
     served = schema["properties"]["quality"]["properties"]["served"]["properties"]
     assert served["servers"]["items"]["enum"] == [n.label for n in NATIVE_KV]
+
+
+@pytest.mark.parametrize("mode, want", [("auto", None), ("on", True), ("off", False)])
+def test_async_scheduling_can_be_turned_off_with_a_flag_vllm_accepts(vllm_parser, mode, want):
+    config = yaml.safe_load((REPO / "config" / "gpu.yaml").read_text())
+    settings = server_settings({**config["vllm"], "async_scheduling": mode}, "main", 256)
+    argv = vllm_command("resources/models/m", 8123, settings, 0)[3:]
+    assert vllm_parser(argv).async_scheduling is want
+
+
+def test_the_model_runner_is_set_by_vllms_variable_and_read_back_from_its_log(tmp_path):
+    from kvbench.vllm_server import V2_RUNNER_LINE, VLLMClient, vllm_env
+
+    base = {"device": "cuda"}
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in vllm_env(base | {"model_runner": "auto"})
+    assert vllm_env(base | {"model_runner": "v1"})["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert vllm_env(base | {"model_runner": "v2"})["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO ... Loading model\n")
+    client = VLLMClient("http://127.0.0.1:1", log_path=log)
+    assert client.engine_mode({"async_scheduling": "off"}) == {
+        "vllm_async_scheduling": "off",
+        "vllm_model_runner": "v1",
+    }
+    log.write_text(f"(EngineCore pid=7) INFO [gpu_worker.py:518] {V2_RUNNER_LINE}\n")
+    assert client.engine_mode({})["vllm_model_runner"] == "v2"

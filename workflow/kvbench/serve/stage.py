@@ -115,8 +115,10 @@ class Rounds:
         connector: bool,
         served: tuple[str, str | None],
         store: ValkeyAddress | RestartableValkey | None,
+        engine: Mapping[str, str] | None = None,
     ) -> None:
         self.server, self.s, self.run_id, self.connector = server, settings, run_id, connector
+        self.engine = dict(engine or {})  # vLLM's scheduling mode and model runner (VLLMClient.engine_mode)
         self.base_url, self.api_key = vllm.base_url, vllm.api_key
         self.served, self.store = served, store
         self.requests: list[dict[str, Any]] = []
@@ -168,6 +170,7 @@ class Rounds:
             "served_dtype": self.served[0],
             "dtype_note": self.served[1],
             "block_size": bk.served_block_size(self.server, self.s.block_size),
+            **self.engine,
             "backend": backend,
             "codec": codec,
             "corpus": corpus,
@@ -395,7 +398,7 @@ def run_server(
     events = workdir / "events"
     with _servers(server, settings, methods, vllm, model_dir, seed, workdir, logs, run_id, events) as (client, store):
         connector = server in ("main", bk.DUMMY_SERVER) and store is not None
-        rounds = Rounds(server, client, settings, run_id, connector, served, store)
+        rounds = Rounds(server, client, settings, run_id, connector, served, store, client.engine_mode(vllm))
         prewarm(client, settings, connector)
         docs = {c: dict(list(prompts[c].items())[: settings.docs_per_corpus]) for c in settings.corpora}
         if server in ("main", bk.DUMMY_SERVER):
