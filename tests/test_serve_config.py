@@ -78,13 +78,20 @@ def test_bf16_is_served_only_where_the_cpu_has_avx512_bf16(monkeypatch):
     )
 
 
-def test_lmcache_reaches_the_same_store_with_its_password_in_the_environment_only():
+def test_lmcache_reaches_the_same_store_over_resp_with_its_password_in_the_environment_only():
+    # lmcache 0.5.6: valkey:// needs valkey-glide-sync, which neither lmcache nor our lock has (without
+    # it LMCache runs with no remote store, silently); its RESP adapter reads LMCACHE_RESP_PASSWORD
+    # outside the config it logs whole (a password in LMCACHE_EXTRA_CONFIG would be printed).
     store = ValkeyAddress("redis://127.0.0.1:6400/0", "s3cret")
     env = lmcache_env(store, 256)
-    assert env["LMCACHE_REMOTE_URL"] == "valkey://127.0.0.1:6400" and env["LMCACHE_CHUNK_SIZE"] == "256"
-    assert json.loads(env["LMCACHE_EXTRA_CONFIG"]) == {"valkey_username": "default", "valkey_password": "s3cret"}
-    assert "s3cret" not in env["LMCACHE_REMOTE_URL"] + json.dumps(lmcache_transfer())  # both reach logs
-    assert "LMCACHE_EXTRA_CONFIG" not in lmcache_env(ValkeyAddress(store.url, None), 256)
+    assert env["LMCACHE_REMOTE_URL"] == "resp://127.0.0.1:6400" and env["LMCACHE_CHUNK_SIZE"] == "256"
+    assert env["LMCACHE_RESP_PASSWORD"] == "s3cret" and env["LMCACHE_SAVE_UNFULL_CHUNK"] == "False"
+    assert "LMCACHE_EXTRA_CONFIG" not in env and "LMCACHE_USE_EXPERIMENTAL" not in env  # 0.5.6 reads neither
+    logged = {k: v for k, v in env.items() if k != "LMCACHE_RESP_PASSWORD"}  # what LMCache's config holds
+    assert "s3cret" not in json.dumps(logged) + json.dumps(lmcache_transfer())
+    assert "LMCACHE_RESP_PASSWORD" not in lmcache_env(ValkeyAddress(store.url, None), 256)
+    glide = (REPO / "envs" / "gpu.lock.txt").read_text()
+    assert "valkey-glide-sync" not in glide  # so valkey:// would fail: resp:// it is
 
 
 def test_the_serve_only_mode_refuses_dummy_weights_for_a_backend_without_a_dummy_server(capsys):
@@ -344,3 +351,53 @@ def test_open_loop_levels_follow_the_closed_ones_with_one_plan_and_its_arrivals_
     closed = default_config()
     check_config(closed, SCHEMA)
     assert store_bound_mb(s, 10**6) > store_bound_mb(ServeSettings.of(closed["serve"]), 10**6)
+
+
+# lmcache 0.5.6's own lines (lmcache/v1/storage_backend/remote_backend.py, its RESP adapter and native client)
+LMCACHE_UP = "[lmcache] INFO: Creating RESP connector for 127.0.0.1:6400\n[lmcache] INFO: Connection initialized/re-established at resp://127.0.0.1:6400\n"
+LMCACHE_DOWN = (
+    "[lmcache] INFO: Creating RESP connector for 127.0.0.1:6400\n"
+    "[lmcache] WARNING: Failed to initialize/re-establish remote connection: connection refused\n"
+    "[lmcache] INFO: Connected to remote storage at resp://127.0.0.1:6400\n"  # logged even so
+)
+
+
+@pytest.mark.parametrize(
+    "log, want",
+    [
+        (LMCACHE_DOWN, "LMCache could not connect to its remote store"),
+        (LMCACHE_UP + "[LMCache Connector Worker Error] AUTH failed: -WRONGPASS\n", "RESP client failed"),
+        (LMCACHE_UP + "HealthMonitor: System unhealthy, entering degraded mode\n", "stopped storing"),
+        ("INFO: vLLM started\n", "never created its RESP connector"),
+    ],
+)
+def test_an_lmcache_server_without_its_store_fails_its_job(tmp_path, log, want):
+    from kvbench.serve.backends import require_lmcache_store
+    from kvbench.servers import ServerError
+
+    path = tmp_path / "vllm.log"
+    path.write_text(log)
+    with pytest.raises(ServerError, match=want):
+        require_lmcache_store(path, None)
+
+
+def test_an_lmcache_warm_up_that_stored_nothing_fails_and_one_that_stored_passes(tmp_path):
+    # a real Valkey; keys as LMCache's RESP connector writes them (one a chunk, no prefix)
+    from kvbench.serve.backends import lmcache_chunks, mask_secret, require_lmcache_store
+    from kvbench.serve.valkey_server import valkey_server
+    from kvbench.servers import ServerError
+
+    path = tmp_path / "vllm.log"
+    path.write_text(LMCACHE_UP)
+    with valkey_server(16, tmp_path / "valkey.log") as server:
+        client = server.client()
+        client.set("kvbench:run:pending", 0)  # not LMCache's
+        client.set("test@1@0@0@bfloat16", b"x")  # its health probe's key: not a stored chunk
+        with pytest.raises(ServerError, match="warm-up stored no chunk"):
+            require_lmcache_store(path, lmcache_chunks(client))
+        client.set("resources/models/qwen3-0.6b@1@0@3f2a9c@bfloat16", b"kv")
+        require_lmcache_store(path, lmcache_chunks(client))
+        assert lmcache_chunks(client) == 1
+        path.write_text(f"env LMCACHE_RESP_PASSWORD={server.password}\n")
+        assert mask_secret(path, server.password) and server.password not in path.read_text()
+        assert not mask_secret(path, server.password)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from kvbench.servers import ServerError
 from kvbench.sizing import cpu_serves_bf16
 from kvbench.vllm_native import NATIVE_KV, block_size_for
 from kvbench.vllm_server import CONNECTOR_MODULE
@@ -161,22 +163,84 @@ def lmcache_transfer() -> dict[str, Any]:
     return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 
 
+# lmcache 0.5.6: RemoteBackend logs this and runs on with no remote store (every row a miss, no error)
+LMCACHE_REMOTE_FAILED = "Failed to initialize/re-establish remote connection"
+# its RESP client prints failures (a refused connection, a wrong password) to stderr only
+LMCACHE_RESP_ERROR = "[LMCache Connector Worker Error]"
+LMCACHE_RESP_CREATED = "Creating RESP connector for"
+LMCACHE_UNHEALTHY = "entering degraded mode"  # its health monitor then skips every store
+LMCACHE_PROBE_KEY = "test@"  # the health check's recovery probe writes test@1@0@0@<dtype>
+
+
 def lmcache_env(store: ValkeyAddress, block_size: int) -> dict[str, str]:
-    """LMCache next to our connector, like for like: the same Valkey through LMCache's own Valkey
-    connector (`valkey://`, valkey-glide), chunks of our block size, no local CPU tier (ours has
-    none: every hit comes from the store), raw bytes (`naive` serde: LMCache's `kivi` serde is a
-    stub that stores raw bytes, never labelled KIVI). The store's password reaches LMCache's
-    connector as its `extra_config` (valkey_username/valkey_password), in the environment."""
+    """LMCache next to our connector, like for like: the same Valkey through LMCache's RESP
+    connector (`resp://`, its native client in the wheel: `valkey://` needs valkey-glide-sync,
+    which lmcache does not require, and without it LMCache silently runs with no remote store),
+    chunks of our block size, no local CPU tier (ours has none: every hit comes from the store),
+    raw bytes (`naive` serde: LMCache's `kivi` serde is a stub that stores raw bytes, never labelled
+    KIVI). The password reaches LMCache in LMCACHE_RESP_PASSWORD only: its adapter reads it there,
+    outside the config LMCache logs whole (a password in extra_config would be printed)."""
     env = {
         "LMCACHE_CHUNK_SIZE": str(block_size),
         "LMCACHE_LOCAL_CPU": "False",
-        "LMCACHE_REMOTE_URL": "valkey://" + store.url.removeprefix("redis://").removesuffix("/0"),
+        "LMCACHE_REMOTE_URL": "resp://" + store.url.removeprefix("redis://").removesuffix("/0"),
         "LMCACHE_REMOTE_SERDE": "naive",
-        "LMCACHE_USE_EXPERIMENTAL": "True",
+        "LMCACHE_SAVE_UNFULL_CHUNK": "False",  # the RESP connector refuses partial chunks
+        "LMCACHE_TRACK_USAGE": "false",  # its telemetry would send the store's URL off the node
     }
     if store.password:
-        env["LMCACHE_EXTRA_CONFIG"] = json.dumps({"valkey_username": "default", "valkey_password": store.password})
+        env["LMCACHE_RESP_PASSWORD"] = store.password
     return env
+
+
+def lmcache_problems(log_text: str) -> list[str]:
+    """Why LMCache runs without its store, read from the vLLM server's log (empty: no sign of it)."""
+    found = []
+    if LMCACHE_RESP_CREATED not in log_text:
+        found.append("LMCache never created its RESP connector (no 'Creating RESP connector' in the log)")
+    for marker, what in (
+        (LMCACHE_REMOTE_FAILED, "LMCache could not connect to its remote store"),
+        (LMCACHE_RESP_ERROR, "LMCache's RESP client failed (refused connection or wrong password)"),
+        (LMCACHE_UNHEALTHY, "LMCache's health monitor found the store unhealthy and stopped storing"),
+    ):
+        if marker in log_text:
+            line = next(li for li in log_text.splitlines() if marker in li)
+            found.append(f"{what}: {line.strip()[:300]}")
+    return found
+
+
+def lmcache_chunks(client: Any) -> int:
+    """Chunks LMCache stored in its Valkey (`<model>@<world>@<worker>@<hash>@<dtype>` keys, one a
+    chunk over RESP; the health probe's key left out)."""
+    return sum(
+        1 for key in client.scan_iter(match="*@*@*@*@*", count=1000) if not key.startswith(LMCACHE_PROBE_KEY.encode())
+    )
+
+
+def require_lmcache_store(log_path: str | Path, stored: int | None) -> None:
+    """Fail the job where LMCache runs without its store (it only logs it, and every row would be a
+    silent miss): a connection it could not make, a RESP client error, a degraded health monitor in
+    the server's log, or (after a warm-up) no chunk stored."""
+    problems = lmcache_problems(Path(log_path).read_text(errors="replace") if Path(log_path).is_file() else "")
+    if stored == 0:
+        problems.append("LMCache's warm-up stored no chunk in Valkey")
+    if problems:
+        raise ServerError(
+            "lmcache: its remote store is not in use, so no row would measure it:\n  " + "\n  ".join(problems)
+        )
+
+
+def mask_secret(path: str | os.PathLike, secret: str | None) -> bool:
+    """Replace `secret` in the log at `path` (True if it was there): no log of a job keeps it."""
+    if not secret or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as log:
+        text = log.read()
+    if secret.encode() not in text:
+        return False
+    with open(path, "wb") as log:
+        log.write(text.replace(secret.encode(), b"<redacted>"))
+    return True
 
 
 def lmcache_version() -> str | None:

@@ -119,7 +119,7 @@ class Rounds:
     ) -> None:
         self.server, self.s, self.run_id, self.connector = server, settings, run_id, connector
         self.engine = dict(engine or {})  # vLLM's scheduling mode and model runner (VLLMClient.engine_mode)
-        self.base_url, self.api_key = vllm.base_url, vllm.api_key
+        self.base_url, self.api_key, self.log_path = vllm.base_url, vllm.api_key, vllm.log_path
         self.served, self.store = served, store
         self.requests: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
@@ -452,9 +452,13 @@ def _servers(
             stack.callback(shutil.rmtree, storage, True)
             transfer = bk.example_transfer(str(storage))
         run = bk.server_settings(vllm, server, settings.block_size, transfer)
+        if store is not None:  # last out: no log of the job keeps the store's password
+            stack.callback(bk.mask_secret, logs["vllm"], store.password)
         note(f"starting vLLM for {server} ({vllm['dtype']}): {' '.join(run['extra_args'])}")
         client = stack.enter_context(vllm_server(model_dir, run, seed, logs["vllm"], env=env))
         note(f"vllm pid {client.pid} at {client.base_url}")
+        if server == "lmcache":
+            bk.require_lmcache_store(logs["vllm"], None)
         yield client, store
 
 
@@ -673,6 +677,7 @@ def _lmcache_rounds(r: Rounds, s: ServeSettings, docs: dict[str, dict[str, str]]
     for c, corpus in enumerate(s.corpora):
         plain = r.params("lmcache", None, [], salted=False)
         r.run("lmcache", NO_CODEC, corpus, warmup_round(docs[corpus]), plain, s.max_inflight)
+        bk.require_lmcache_store(r.log_path, bk.lmcache_chunks(r.store.client()))
         r.run(
             "lmcache",
             NO_CODEC,
