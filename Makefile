@@ -8,7 +8,7 @@ REPORT_HTML := results/report.html
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run report readme readme-check test test-unit lint ruff dry-run-gpu prefetch lock bench bench-prefill bench-core bench-peers \
+.PHONY: setup run report readme readme-check test test-unit lint ruff dry-run-gpu prefetch cluster-preflight gpu-preflight lock bench bench-prefill bench-core bench-peers \
 	bench-kill bench-refactor bench-report bench-gpu clean
 
 setup: $(STAMP)
@@ -76,6 +76,18 @@ dry-run-gpu: setup
 CONFIG ?= config/gpu.yaml
 prefetch:
 	PYTHONPATH=workflow python -m kvbench.prefetch --configfile $(CONFIG)
+
+# On a cluster, in an allocation of one GPU (`salloc --gpus=1 -t 20`), offline, in the jobs' environment,
+# after the prefetch: every part a first run needs (node, compiler, Triton, staging copies, the connector's
+# wire code, vllm and lmcache imports, our connector's, a TurboQuant and an LMCache server on the config's
+# serve model, one job through the SLURM profile); a table under results/preflight/ (docs/cluster.md).
+# gpu-preflight: the parts that need no vLLM, on any single GPU (a workstation).
+PREFLIGHT_CONFIG ?= config/gpu-smoke.yaml
+cluster-preflight:
+	PYTHONPATH=workflow python -m kvbench.preflight --configfile $(PREFLIGHT_CONFIG)
+
+gpu-preflight:
+	PYTHONPATH=workflow python -m kvbench.preflight --configfile $(PREFLIGHT_CONFIG) --parts no-vllm
 
 # envs/gpu.lock.txt: envs/gpu.txt resolved by pip for this platform (Linux x86_64, Python 3.11, as the
 # cluster) from PyPI alone (--isolated: no site index, local wheels or caps), every file hashed.

@@ -179,7 +179,10 @@ CUDA_HOME_VARS = ("CUDA_HOME", "CUDA_PATH", "CUDA_ROOT", "CUDA_TOOLKIT_ROOT_DIR"
 TOOLKIT_LIBS = ("libcudart.so", "libcublas.so", "libcudnn.so", "libnvrtc.so")
 KEEP_CUDA_ENV = "KVBENCH_KEEP_CUDA_ENV"  # 1: keep them (a site whose toolkit you mean to use)
 # Compile caches vLLM, Triton, FlashInfer and torch.compile write, moved from $HOME (shared by every
-# job at once over a network filesystem) to node-local scratch.
+# job at once over a network filesystem) to node-local scratch. vLLM keeps its torch.compile and
+# inductor caches under VLLM_CACHE_ROOT (it overrides TORCHINDUCTOR_CACHE_DIR in its own processes;
+# the variable still moves the harness jobs' cache); Triton honours TRITON_CACHE_DIR; FlashInfer's
+# JIT writes under FLASHINFER_WORKSPACE_BASE (default $HOME).
 CACHE_VARS = {
     "TRITON_CACHE_DIR": "triton",
     "TORCHINDUCTOR_CACHE_DIR": "inductor",

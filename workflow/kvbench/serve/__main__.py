@@ -17,13 +17,12 @@ import signal
 import sys
 import tempfile
 import threading
-import uuid
 
-from kvbench.job_secrets import VALKEY_PASSWORD_ENV, VLLM_API_KEY_ENV
+from kvbench.job_secrets import VLLM_API_KEY_ENV
 from kvbench.jobs import usable_cpus
 from kvbench.serve import backends as bk
-from kvbench.serve.valkey_server import valkey_server
-from kvbench.vllm_server import SERVED_NAME, vllm_server
+from kvbench.serve.standalone import standalone
+from kvbench.vllm_server import SERVED_NAME
 
 SERVERS = {b: bk.SERVER_OF[b] for b in bk.BACKENDS if b != "lmcache"}
 
@@ -62,33 +61,23 @@ def main(argv: list[str] | None = None) -> int:
         "startup_timeout_s": 900,
         "idle_timeout_s": 300,
     }
-    server = bk.DUMMY_SERVER if args.weights == "dummy" else SERVERS[args.backend]
     with contextlib.ExitStack() as stack:
         logs = args.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-serve-"))
-        transfer, env = None, bk.kvbench_pythonpath()
-        if args.backend == "valkey":
-            store = stack.enter_context(valkey_server(4096, f"{logs}/valkey.log"))
-            print(f"kvbench serve: valkey at {store.url} (pid {store.proc.pid})", flush=True)
-            env[VALKEY_PASSWORD_ENV] = store.password
-            transfer = bk.valkey_transfer(
-                store.url, uuid.uuid4().hex[:10], args.model, {args.codec: None}, args.codec, f"{logs}/events", 0
-            )
-        elif args.backend == "example":
-            transfer = bk.example_transfer(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-example-")))
-        run = bk.server_settings(settings, server, args.block_size, transfer)
-        if args.backend in ("recompute", "valkey"):  # a valkey hit is then Valkey's, never vLLM's own cache
-            extra = run["extra_args"]
-            extra[extra.index("--enable-prefix-caching")] = "--no-enable-prefix-caching"
-        client = stack.enter_context(
-            vllm_server(
+        up = stack.enter_context(
+            standalone(
+                args.backend,
+                args.codec,
                 args.model,
-                run,
-                0,
-                f"{logs}/vllm.log",
-                env=env,
+                settings,
+                args.block_size,
+                logs,
+                args.weights,
                 api_key=os.environ.get(VLLM_API_KEY_ENV),  # a client's fixed key (long_doc_qa's sk-dummy)
             )
         )
+        client = up.client
+        if up.store is not None:
+            print(f"kvbench serve: valkey at {up.store.url} (pid {up.store.proc.pid})", flush=True)
         print(
             f"kvbench serve: {args.backend}"
             + (f" ({args.codec})" if args.backend == "valkey" else "")
